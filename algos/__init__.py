@@ -1,0 +1,1 @@
+"""Algorithms written once over polyrl.tensor (installed as ``polyrl.algos``)."""

@@ -1,0 +1,183 @@
+"""Frozen configuration dataclasses: what travels from the driver to Ray actors.
+
+gin is resolved on the driver only (DESIGN.md "Configuration"): the entry point turns
+gin bindings into these frozen, validated dataclasses, and these — never gin — are
+sent to workers. Every check failure names the field to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+__all__ = [
+    "MESH_AXES",
+    "DEFAULT_LOGICAL_RULES",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+]
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes (STYLE.md 5). A backend turns these into its own objects
+# (DeviceMesh + fully_shard / NamedSharding). Parameters' logical axes: "embed" (hidden
+# size), "mlp" (intermediate size), "heads" (attention heads * head_dim), "kv_heads",
+# "vocab"; activations: "batch", "length".
+DEFAULT_LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", ("fsdp",)),
+    ("mlp", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("vocab", ("tensor",)),
+    ("length", ()),
+)
+
+ROLES = ("actor", "critic", "reference", "reward")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _choice(owner: str, field: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}.{field}={value!r} is not one of {list(choices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Which model a role trains or runs.
+
+    path: local Hugging Face directory (config.json + safetensors + tokenizer).
+    role: "actor" and "reference" score tokens (the reference is frozen: no optimizer);
+      "critic" and "reward" add a scalar value head on the last hidden state.
+    value_head_path: for critic/reward, a checkpoint whose ``score``/``value_head``
+      weights initialise the head (e.g. a reward model); None -> zero-initialised head.
+    dtype: parameter dtype ("float32" on CPU; "bfloat16" on GPU with fp32 reductions).
+    """
+
+    path: str
+    role: str = "actor"
+    dtype: str = "float32"
+    value_head_path: str | None = None
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        _choice("ModelConfig", "role", self.role, ROLES)
+        _choice("ModelConfig", "dtype", self.dtype, DTYPES)
+
+    @property
+    def has_value_head(self) -> bool:
+        return self.role in ("critic", "reward")
+
+    @property
+    def trainable(self) -> bool:
+        return self.role in ("actor", "critic")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping and a warmup + constant/cosine schedule.
+
+    Both backends use :meth:`lr_at`, so their schedules agree exactly.
+    """
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("OptimConfig", "schedule", self.schedule, ("constant", "cosine"))
+        if self.lr < 0:
+            raise ValueError(f"OptimConfig.lr={self.lr} must be >= 0")
+        if self.warmup_steps < 0 or self.total_steps <= 0:
+            raise ValueError(
+                f"OptimConfig.warmup_steps={self.warmup_steps} must be >= 0 and "
+                f"OptimConfig.total_steps={self.total_steps} must be > 0"
+            )
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"OptimConfig.grad_clip={self.grad_clip} must be > 0 or None")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer update number ``step`` (0 for the first update).
+
+        Linear warmup ``lr * (step + 1) / warmup_steps`` for ``step < warmup_steps``,
+        then constant, or cosine from ``lr`` down to ``lr * min_lr_ratio`` at
+        ``total_steps`` (and flat after).
+        """
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.lr * self.min_lr_ratio
+        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """The neutral parallelism spec (STYLE.md 5).
+
+    mesh: sizes of the ("data", "fsdp", "tensor") axes; their product is the number of
+      devices one role uses (torch: ranks; JAX: devices of the mesh).
+    rules: logical axis -> mesh axes.
+    micro_batch_size: samples per forward/backward pass on one data-parallel shard;
+      gradients are accumulated over micro-batches with global normalisers, so it changes
+      speed and memory, never the update.
+    cpu_offload: keep parameters/optimizer state in host memory between uses.
+    """
+
+    mesh: Mapping[str, int] = dataclasses.field(
+        default_factory=lambda: {"data": 1, "fsdp": 1, "tensor": 1}
+    )
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_LOGICAL_RULES
+    micro_batch_size: int = 8
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.mesh) - set(MESH_AXES)
+        if unknown:
+            raise ValueError(
+                f"ParallelConfig.mesh has unknown axes {sorted(unknown)}; valid axes: {list(MESH_AXES)}"
+            )
+        mesh = {axis: int(self.mesh.get(axis, 1)) for axis in MESH_AXES}
+        bad = {k: v for k, v in mesh.items() if v < 1}
+        if bad:
+            raise ValueError(f"ParallelConfig.mesh sizes must be >= 1, got {bad}")
+        object.__setattr__(self, "mesh", mesh)
+        if self.micro_batch_size < 1:
+            raise ValueError(
+                f"ParallelConfig.micro_batch_size={self.micro_batch_size} must be >= 1"
+            )
+        for logical, axes in self.rules:
+            for axis in axes:
+                if axis not in MESH_AXES:
+                    raise ValueError(
+                        f"ParallelConfig.rules maps {logical!r} to unknown mesh axis {axis!r}; "
+                        f"valid axes: {list(MESH_AXES)}"
+                    )
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data shards: the batch is split over ("data", "fsdp")."""
+        return self.mesh["data"] * self.mesh["fsdp"]
+
+    def check_devices(self, n_devices: int, where: str = "ParallelConfig.mesh") -> None:
+        if self.world_size != n_devices:
+            arith = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+            raise ValueError(
+                f"{where}: {arith} = {self.world_size} devices, but {n_devices} are available; "
+                f"make the product of the mesh sizes equal {n_devices}"
+            )

@@ -1,0 +1,116 @@
+"""Synthetic tasks with rule-based rewards, written as prompt datasets in the RL schema.
+
+RL schema (one row per prompt; what ``polyrl validate-dataset`` checks)::
+
+    prompt        list of chat messages [{"role": "user", "content": str}, ...]
+    ground_truth  str   what the reward function compares against
+    data_source   str   selects the reward function (``polyrl.rewards``)
+    extra_info    dict  optional, passed to the reward function (e.g. the split, the index)
+
+Tasks:
+
+* ``polyrl/addition`` — "37+45=" -> "82"; exact-match reward (1 or 0). A random policy
+  scores ~0: a task for a model that already knows something.
+* ``polyrl/copy`` — "copy 471" -> "471"; per-position credit (1 for the right digit, 0.25
+  for a wrong digit; see ``polyrl.rewards.rules``). A random policy scores > 0, so RL
+  learns it from scratch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["TASKS", "Task", "make_rows", "write_dataset", "read_dataset", "corpus"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    data_source: str
+    make: Callable[[random.Random], tuple[str, str]]  # rng -> (user text, ground truth)
+    description: str
+
+
+def _addition(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _copy(rng: random.Random, digits: int = 3) -> tuple[str, str]:
+    s = "".join(rng.choice("0123456789") for _ in range(digits))
+    return f"copy {s}", s
+
+
+TASKS: dict[str, Task] = {
+    "addition": Task("polyrl/addition", _addition, "2-digit addition, exact-match reward"),
+    "copy": Task("polyrl/copy", _copy, "copy a 3-digit string, per-position partial credit"),
+}
+
+
+
+def corpus(samples_per_task: int = 200) -> list[str]:
+    """Text the tokenizer is trained on (polyrl.data.tiny): every task's prompts and
+    answers, the chat roles, and every digit and operator, so nothing a task or the chat
+    template produces falls outside the vocabulary."""
+    rng = random.Random("tokenizer-corpus")
+    lines = ["0123456789 +-*=:", "system: user: assistant:"]
+    for task in TASKS.values():
+        for _ in range(samples_per_task):
+            lines.extend(task.make(rng))
+    return lines
+
+
+def make_rows(task: str, n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """``n`` rows of ``task`` in the RL schema, deterministic in ``seed``."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; available tasks: {sorted(TASKS)}")
+    spec = TASKS[task]
+    rng = random.Random(f"{task}/{split}/{seed}")
+    rows = []
+    for i in range(n):
+        text, answer = spec.make(rng)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": text}],
+                "ground_truth": answer,
+                "data_source": spec.data_source,
+                "extra_info": {"split": split, "index": i},
+            }
+        )
+    return rows
+
+
+def write_dataset(rows: list[dict], path: str | Path) -> Path:
+    """Write rows as ``.parquet`` or ``.jsonl`` (by suffix)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".jsonl":
+        with path.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        raise ValueError(f"dataset path {str(path)!r}: suffix must be .parquet or .jsonl")
+    return path
+
+
+def read_dataset(path: str | Path) -> list[dict]:
+    """Rows of a ``.parquet`` or ``.jsonl`` dataset (no validation; see polyrl.data.schema)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
+    if path.suffix == ".jsonl":
+        with path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"dataset path {str(path)!r}: suffix must be .parquet or .jsonl")

@@ -1,0 +1,41 @@
+"""Shared fixtures: the tiny model (built locally, no network) and process-wide settings."""
+
+from __future__ import annotations
+
+import os
+
+# JAX reads this once, at import: every test process gets 4 host devices so mesh tests
+# (data/fsdp/tensor) run on CPU. Set before anything imports jax.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No test may reach a hub: models and tokenizers are built locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path of the tiny random Qwen2 model + tokenizer (HF directory, fp32)."""
+    from polyrl.data.tiny import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("tiny"))

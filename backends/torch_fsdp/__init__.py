@@ -1,0 +1,6 @@
+"""PyTorch FSDP2 training backend: ``engine.TorchFSDPEngine`` (registered as "torch_fsdp").
+
+Modules mirror ``polyrl.backends.jax_pjit``: ``engine`` (the TrainEngine), ``models``
+(HF loading, value head, per-token outputs), ``sharding`` (process group, DeviceMesh,
+fully_shard), ``weights`` (HF-named export, safetensors), ``checkpoint`` (DCP).
+"""

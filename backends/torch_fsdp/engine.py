@@ -1,0 +1,267 @@
+"""TorchFSDPEngine: a Hugging Face model under FSDP2 behind ``TrainEngine``.
+
+One engine = one role's model on one rank. ``init`` loads the model (``models``), shards
+it over the DeviceMesh built from ``ParallelConfig`` (``sharding``) and builds AdamW for
+trainable roles; ``forward``/``train_step`` follow the loss contract of
+``backends/base.py``; ``export_weights``/``save_hf`` gather HF-named full tensors
+(``weights``); ``save``/``load`` are DCP checkpoints (``checkpoint``).
+
+Shapes: B samples on this rank, P prompt / R response tokens (``polyrl.batch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from polyrl.backends.base import Bucket, LossContext, LossFn
+from polyrl.backends.torch_fsdp import checkpoint, models, sharding, weights
+from polyrl.batch import Batch
+from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
+
+__all__ = ["TorchFSDPEngine", "MODEL_COLUMNS"]
+
+log = logging.getLogger(__name__)
+
+# Columns every forward/train_step needs (polyrl.batch's sequence layout).
+MODEL_COLUMNS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+_LONG_COLUMNS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+
+class TorchFSDPEngine:
+    """``TrainEngine`` on PyTorch FSDP2. Call :meth:`init` before anything else.
+
+    Attributes after init: ``model`` (the sharded module), ``optimizer`` (None for frozen
+    roles), ``tokenizer``, ``env`` (rank/world/device), ``step`` (optimizer updates done).
+    """
+
+    def __init__(self) -> None:
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.step = 0
+        self._offloaded = False
+
+    # ------------------------------------------------------------------ init
+    def init(
+        self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig
+    ) -> None:
+        """Load ``model.path``, shard it per ``parallel``, build AdamW from ``optim``."""
+        if model.trainable and optim is None:
+            raise ValueError(
+                f"ModelConfig.role={model.role!r} trains, but optim is None; pass an OptimConfig"
+            )
+        if not model.trainable and optim is not None:
+            raise ValueError(
+                f"ModelConfig.role={model.role!r} is frozen (no optimizer); pass optim=None"
+            )
+        self.cfg, self.optim_cfg, self.parallel = model, optim, parallel
+        self.env = sharding.init_distributed()
+        compute_dtype = sharding.TORCH_DTYPES[model.dtype]
+        # Trainable roles keep fp32 masters and let FSDP's mixed precision compute in
+        # dtype; frozen roles are loaded in dtype directly.
+        master = torch.float32 if model.trainable else compute_dtype
+        plan = sharding.build_plan(  # first: a bad mesh fails before any weight is read
+            parallel, self.env, compute_dtype if model.trainable else torch.float32
+        )
+        self.tokenizer = models.load_tokenizer(model)
+        loaded = models.load_model(model, master)
+        self.hf_config = loaded.hf_config
+        self.model = sharding.shard_model(loaded.module, plan, loaded.layer_classes)
+        if model.trainable:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=optim.lr_at(0), betas=optim.betas, eps=optim.eps,
+                weight_decay=optim.weight_decay,
+            )
+        log.info("torch_fsdp %s on %s: rank %d/%d, mesh %s", model.role, self.env.device,
+                 self.env.rank, self.env.world_size, parallel.mesh)
+
+    # --------------------------------------------------------------- helpers
+    def _check_usable(self, what: str) -> None:
+        if self.model is None:
+            raise RuntimeError(f"TorchFSDPEngine.{what}: call init(model, optim, parallel) first")
+        if self._offloaded:
+            raise RuntimeError(
+                f"TorchFSDPEngine.{what}: the {self.cfg.role} engine is offloaded; call reload() first"
+            )
+
+    def _check_batch(self, batch: Batch, who: str) -> None:
+        batch.require(*MODEL_COLUMNS, who=who)
+        # Every rank must run the same number of micro-batches (each is a collective).
+        sizes = sharding.all_reduce_sum(self._rank_onehot(len(batch)))
+        if len(set(sizes.tolist())) > 1:
+            raise ValueError(
+                f"{who}: ranks hold different batch sizes {sizes.long().tolist()}; give every "
+                "rank an equal shard (Batch.pad_to_multiple(world) then Batch.split(world))"
+            )
+
+    def _rank_onehot(self, value: int) -> torch.Tensor:
+        out = torch.zeros(self.env.world_size, dtype=torch.float64, device=self.env.device)
+        out[self.env.rank] = value
+        return out
+
+    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Numeric columns as torch tensors on this rank's device (ids as int64)."""
+        out = {}
+        for name, col in batch.tensors.items():
+            t = torch.from_numpy(np.ascontiguousarray(col)).to(self.env.device)
+            out[name] = t.long() if name in _LONG_COLUMNS else t
+        return out
+
+    def _outputs(
+        self, inputs: dict[str, torch.Tensor], temperature: float, entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        if not temperature > 0:
+            raise ValueError(
+                f"temperature={temperature} must be > 0 (log-probs use logits / temperature); "
+                "for greedy rollouts score at temperature=1.0"
+            )
+        if self.cfg.has_value_head:
+            return models.value_outputs(self.model, inputs, scores=self.cfg.role == "reward")
+        return models.policy_outputs(self.model, inputs, temperature, entropy)
+
+    # --------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(
+        self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
+    ) -> dict[str, np.ndarray]:
+        """No-grad outputs as numpy, micro-batched: ``log_probs`` [B, R] (+ ``entropy``) for
+        actor/reference; ``values`` [B, R] for critic/reward (+ ``scores`` [B] for reward).
+        Zero where ``response_mask`` is 0."""
+        self._check_usable("forward")
+        self._check_batch(batch, who="TorchFSDPEngine.forward")
+        self.model.eval()
+        parts: dict[str, list[np.ndarray]] = {}
+        for mb in batch.select(*MODEL_COLUMNS).chunks(self.parallel.micro_batch_size):
+            for key, value in self._outputs(self._to_device(mb), temperature, entropy).items():
+                parts.setdefault(key, []).append(value.float().cpu().numpy())
+        return {key: np.concatenate(chunks) for key, chunks in parts.items()}
+
+    # ------------------------------------------------------------ train_step
+    def _loss_context(self, mask: np.ndarray, temperature: float) -> LossContext:
+        local = torch.tensor(
+            [mask.sum(), (mask.sum(axis=1) > 0).sum()], dtype=torch.float64, device=self.env.device
+        )
+        tokens, seqs = sharding.all_reduce_sum(local).tolist()
+        return LossContext(global_tokens=tokens, global_seqs=seqs, temperature=temperature)
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
+    ) -> dict[str, float]:
+        """One optimizer update on this rank's shard ``batch`` (see ``TrainEngine``).
+
+        Rows with ``is_pad == 1`` get an all-zero ``response_mask`` before anything sees
+        the batch, so they count in no normaliser and (for a loss that masks, as the
+        contract requires) contribute nothing. A non-finite gradient norm skips the
+        update (the step counter still advances) and is reported as ``grad_norm``.
+        """
+        self._check_usable("train_step")
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"TorchFSDPEngine.train_step: role {self.cfg.role!r} is frozen (no optimizer); "
+                "only 'actor' and 'critic' engines train"
+            )
+        self._check_batch(batch, who="TorchFSDPEngine.train_step")
+        mask = batch["response_mask"].astype(np.float32)
+        if "is_pad" in batch:
+            mask = mask * (1 - batch["is_pad"].astype(np.float32))[:, None]
+        batch = batch.with_columns({"response_mask": mask})
+        ctx = self._loss_context(mask, temperature)
+        self.model.train()
+        sums: dict[str, torch.Tensor] = {}
+        for mb in batch.chunks(self.parallel.micro_batch_size):
+            inputs = self._to_device(mb)
+            loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
+            loss.backward()
+            for key, value in {"loss": loss, **metrics}.items():
+                value = torch.as_tensor(value, dtype=torch.float64).detach().to(self.env.device)
+                sums[key] = sums.get(key, 0) + value
+        return self._apply_update(sums, ctx)
+
+    def _apply_update(self, sums: dict[str, torch.Tensor], ctx: LossContext) -> dict[str, float]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = sharding.clip_grad_norm(params, self.optim_cfg.grad_clip)
+        lr = self.optim_cfg.lr_at(self.step)
+        if torch.isfinite(grad_norm):
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+        else:
+            log.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        keys = sorted(sums)
+        totals = sharding.all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist()
+        return {
+            **dict(zip(keys, totals)), "grad_norm": float(grad_norm), "lr": lr,
+            "global_tokens": ctx.global_tokens, "global_seqs": ctx.global_seqs,
+        }
+
+    # --------------------------------------------------------------- weights
+    @property
+    def export_dtype(self) -> torch.dtype:
+        return sharding.TORCH_DTYPES[self.cfg.dtype]
+
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        """Buckets of full tensors under HF names in ``ModelConfig.dtype`` on this rank's
+        device; every rank must consume the iterator (each tensor is an all-gather)."""
+        self._check_usable("export_weights")
+        return weights.iter_buckets(self.model, bucket_bytes, self.export_dtype, self.env.device)
+
+    def save_hf(self, path: str) -> None:
+        """HF directory (safetensors + config + tokenizer) of the current weights, loadable
+        by transformers and vLLM; critic/reward as ``*ForSequenceClassification``."""
+        self._check_usable("save_hf")
+        head = self.model.score if self.cfg.has_value_head else None
+        weights.save_hf(
+            self.model, self.hf_config, self.cfg.path, path, dtype=self.export_dtype,
+            device=self.env.device, is_main=self.env.is_main, value_head=head,
+        )
+
+    # ------------------------------------------------------------ checkpoint
+    def save(self, path: str) -> None:
+        self._check_usable("save")
+        extra = {"step": self.step, "role": self.cfg.role, "world_size": self.env.world_size}
+        checkpoint.save_checkpoint(path, self.model, self.optimizer, extra)
+
+    def load(self, path: str) -> None:
+        self._check_usable("load")
+        extra = checkpoint.load_checkpoint(path, self.model, self.optimizer)
+        self.step = int(extra["step"])
+
+    # --------------------------------------------------------------- offload
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.to(device, non_blocking=True)
+
+    def offload(self) -> None:
+        """Free device memory: sharded parameters and optimizer state to host, gradients
+        dropped. On a CPU world the state already lives in host memory, so only the
+        gradients are dropped; with ``cpu_offload`` FSDP keeps it on the host already."""
+        self._check_usable("offload")
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.env.device.type != "cpu" and not self.parallel.cpu_offload:
+            self.model.to("cpu")
+            if self.optimizer is not None:
+                self._move_optimizer_state(torch.device("cpu"))
+            torch.cuda.synchronize(self.env.device)
+            torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def reload(self) -> None:
+        """Undo :meth:`offload` (a no-op when not offloaded)."""
+        if not self._offloaded:
+            return
+        if self.env.device.type != "cpu" and not self.parallel.cpu_offload:
+            self.model.to(self.env.device)
+            if self.optimizer is not None:
+                self._move_optimizer_state(self.env.device)
+            torch.cuda.synchronize(self.env.device)
+        self._offloaded = False
+

@@ -1,0 +1,242 @@
+"""Hugging Face models for each role and the per-token outputs they produce.
+
+Roles (``ModelConfig.role``):
+
+* ``actor`` / ``reference``: ``AutoModelForCausalLM`` (any family transformers supports:
+  Qwen2/2.5/3, Llama, Mistral, ...). Output ``log_probs`` [B, R] (and ``entropy``).
+* ``critic`` / ``reward``: :class:`ValueModel` = the family's base model
+  (``AutoModel``, the decoder without ``lm_head``) + a scalar head ``score``. Parameter
+  names are those of ``AutoModelForSequenceClassification`` (``model.*`` + ``score.weight``),
+  so an exported critic/reward model loads there with ``num_labels=1``.
+
+Alignment (shapes: B samples, P prompt tokens, R response tokens, L = P + R, V vocab):
+position ``P - 1 + t`` predicts response token ``t`` (``polyrl.batch``). Both
+``log_probs[:, t]`` and ``values[:, t]`` are read at that position, so ``values[:, t]`` is
+V(s_t), the value of the state *before* response token ``t`` is emitted -- verl's
+convention (``values[:, -R-1:-1]``). A reward model scores a sequence at its last real
+token (the last position with ``attention_mask == 1``), as
+``AutoModelForSequenceClassification`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from polyrl.config import ModelConfig
+from polyrl.tensor import entropy_from_logits, gather_log_probs
+
+__all__ = [
+    "ValueModel",
+    "LoadedModel",
+    "load_model",
+    "load_tokenizer",
+    "find_value_head",
+    "policy_outputs",
+    "value_outputs",
+]
+
+log = logging.getLogger(__name__)
+
+# Where known checkpoints keep a scalar head: HF sequence/token classification (also
+# verl's critic), OpenRLHF ("value_head"), TRL's AutoModelForCausalLMWithValueHead.
+VALUE_HEAD_PREFIXES = ("score", "value_head", "v_head.summary", "v_head")
+
+
+class ValueModel(nn.Module):
+    """Decoder backbone + linear scalar head: ``values = score(last_hidden_state)``.
+
+    ``model``: the family's base model (e.g. ``Qwen2Model``); ``score``: ``Linear(H, 1)``,
+    with a bias only when the checkpoint it came from had one.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int, bias: bool = False):
+        super().__init__()
+        self.model = backbone
+        self.score = nn.Linear(hidden_size, 1, bias=bias, dtype=backbone.dtype)
+        # Kept for HF helpers (_no_split_modules, gradient checkpointing) and save_hf.
+        self.config = backbone.config
+
+    def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
+        """[B, L] ids/masks -> values [B, L] (fp32)."""
+        hidden = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        # A copy, not a view: FSDP2 warns that in-place ops on a returned view would
+        # skip its pre-backward hook.
+        return self.score(hidden).squeeze(-1).to(torch.float32, copy=True)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A role's module before sharding, and the decoder-layer classes FSDP wraps."""
+
+    module: nn.Module
+    layer_classes: set[str]
+    hf_config: object
+
+
+def _check_path(cfg: ModelConfig) -> Path:
+    path = Path(cfg.path)
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise FileNotFoundError(
+            f"ModelConfig.path={cfg.path!r} {what}; it must be a local Hugging Face model "
+            "directory (config.json + *.safetensors + tokenizer files), e.g. one written by "
+            "save_pretrained or polyrl.data.tiny.ensure_tiny_model"
+        )
+    return path
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer saved next to the model; a clear error when it is missing."""
+    from transformers import AutoTokenizer
+
+    path = _check_path(cfg)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / n).is_file() for n in names):
+        raise FileNotFoundError(
+            f"ModelConfig.path={cfg.path!r} has no tokenizer (none of {list(names)}); save the "
+            "tokenizer into the model directory (tokenizer.save_pretrained(path))"
+        )
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"ModelConfig.value_head_path={str(path)!r} holds no *.safetensors file; point it "
+            "at a reward-model/critic directory or a .safetensors file with a scalar head"
+        )
+    return files
+
+
+def find_value_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight [1, H], bias [1] or None)`` of the scalar head stored in ``path`` (a
+    directory of safetensors or one file), looked up under :data:`VALUE_HEAD_PREFIXES`;
+    None when there is none."""
+    from safetensors import safe_open
+
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            for prefix in VALUE_HEAD_PREFIXES:
+                if f"{prefix}.weight" in keys:
+                    weight = f.get_tensor(f"{prefix}.weight")
+                    bias = f.get_tensor(f"{prefix}.bias") if f"{prefix}.bias" in keys else None
+                    if weight.ndim != 2 or weight.shape[0] != 1:
+                        raise ValueError(
+                            f"{file}: {prefix}.weight has shape {tuple(weight.shape)}; a value "
+                            "head must be [1, hidden_size] (num_labels=1)"
+                        )
+                    return weight, bias
+    return None
+
+
+def _value_model(cfg: ModelConfig, dtype: torch.dtype) -> ValueModel:
+    from transformers import AutoModel
+
+    backbone = AutoModel.from_pretrained(
+        cfg.path, dtype=dtype, attn_implementation=cfg.attn_implementation
+    )
+    # An explicit value_head_path must hold a head; otherwise a head already in the
+    # model checkpoint (a reward model / saved critic) is used, else zeros.
+    head = find_value_head(cfg.value_head_path or cfg.path)
+    if head is None and cfg.value_head_path is not None:
+        raise ValueError(
+            f"ModelConfig.value_head_path={cfg.value_head_path!r} has no scalar head (looked for "
+            f"{[p + '.weight' for p in VALUE_HEAD_PREFIXES]}); point it at a reward model or "
+            "critic checkpoint, or set it to None for a zero-initialised head"
+        )
+    hidden = backbone.config.hidden_size
+    model = ValueModel(backbone, hidden, bias=head is not None and head[1] is not None)
+    with torch.no_grad():
+        if head is None:
+            model.score.weight.zero_()
+        else:
+            if head[0].shape[1] != hidden:
+                raise ValueError(
+                    f"value head in {cfg.value_head_path or cfg.path!r} has width "
+                    f"{head[0].shape[1]} but the backbone's hidden_size is {hidden}"
+                )
+            model.score.weight.copy_(head[0])
+            if head[1] is not None:
+                model.score.bias.copy_(head[1])
+    return model
+
+
+def load_model(cfg: ModelConfig, master_dtype: torch.dtype) -> LoadedModel:
+    """Load ``cfg.path`` on the host in ``master_dtype`` for ``cfg.role``.
+
+    Frozen roles pass their compute dtype; trainable roles fp32 master weights (FSDP's
+    mixed-precision policy casts to the compute dtype for forward/backward).
+    """
+    from transformers import AutoModelForCausalLM
+
+    _check_path(cfg)
+    if cfg.has_value_head:
+        module: nn.Module = _value_model(cfg, master_dtype)
+        backbone = module.model
+    else:
+        module = backbone = AutoModelForCausalLM.from_pretrained(
+            cfg.path, dtype=master_dtype, attn_implementation=cfg.attn_implementation
+        )
+    backbone.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2's hooks (re-gathers the layer).
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not cfg.trainable:
+        module.requires_grad_(False)
+    layers = set(getattr(backbone, "_no_split_modules", None) or ())
+    return LoadedModel(module, layers, backbone.config)
+
+
+def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    # where, not multiply: a non-finite value at a padded position must not leak as NaN.
+    return torch.where(response_mask > 0, x, torch.zeros_like(x))
+
+
+def policy_outputs(
+    model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float, entropy: bool
+) -> dict[str, torch.Tensor]:
+    """``log_probs`` [B, R] = log_softmax(logits / temperature) at the response tokens (how
+    vLLM scores sampled tokens), ``entropy`` [B, R] of that same distribution; 0 where
+    ``response_mask`` is 0. Only the R logits that predict the response are computed."""
+    responses = inputs["responses"].long()
+    R = responses.shape[1]
+    out = model(
+        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+        position_ids=inputs["position_ids"], logits_to_keep=R + 1, use_cache=False,
+    )
+    # The last R + 1 logits are positions P-1 .. L-1; the last one predicts nothing.
+    logits = out.logits[:, :-1].float() / temperature
+    result = {"log_probs": _mask(gather_log_probs(logits, responses), inputs["response_mask"])}
+    if entropy:
+        result["entropy"] = _mask(entropy_from_logits(logits), inputs["response_mask"])
+    return result
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] -> [B]: index of the last position with ``attention_mask == 1``."""
+    L = attention_mask.shape[1]
+    return L - 1 - torch.argmax(attention_mask.flip(1).int(), dim=1)
+
+
+def value_outputs(
+    model: nn.Module, inputs: dict[str, torch.Tensor], scores: bool
+) -> dict[str, torch.Tensor]:
+    """``values`` [B, R] (V(s_t) at position P-1+t, 0 where ``response_mask`` is 0) and,
+    with ``scores``, ``scores`` [B] = the head at each sequence's last real token."""
+    R = inputs["responses"].shape[1]
+    full = model(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"])
+    result = {"values": _mask(full[:, -R - 1 : -1], inputs["response_mask"])}
+    if scores:
+        idx = last_token_index(inputs["attention_mask"])
+        result["scores"] = full.gather(1, idx[:, None]).squeeze(1)
+    return result

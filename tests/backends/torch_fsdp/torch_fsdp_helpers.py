@@ -1,0 +1,84 @@
+"""Shared pieces of the torch_fsdp tests: batches, a reference loss, engine builders and
+the 2-rank gloo worker (importable by ``torch.multiprocessing`` spawn children)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import torch
+
+from polyrl.batch import Batch, from_token_lists
+from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
+
+VOCAB = 58  # real tokens of the tiny tokenizer (the embedding is padded to 64)
+
+
+def random_batch(n: int, seed: int = 0, prompt_len: int | None = None,
+                 response_len: int | None = None) -> Batch:
+    """``n`` random samples of ragged prompt (1-6) and response (1-5) lengths."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, VOCAB, rng.integers(1, 7)).tolist() for _ in range(n)]
+    responses = [rng.integers(4, VOCAB, rng.integers(1, 6)).tolist() for _ in range(n)]
+    return from_token_lists(prompts, responses, pad_id=0, prompt_len=prompt_len,
+                            response_len=response_len)
+
+
+def nll_loss(outputs, batch, ctx):
+    """Token-mean NLL following the contract: this micro-batch's share of
+    ``-sum(log p * mask) / global_tokens``; metric ``tokens`` sums to the global count."""
+    mask = batch["response_mask"]
+    loss = -(outputs["log_probs"] * mask).sum() / ctx.global_tokens
+    return loss, {"nll": loss.detach(), "tokens": mask.sum()}
+
+
+# Adam's first update is lr * g / (|g| + eps) ~ lr * sign(g): it amplifies the fp32
+# summation-order noise (~1e-9) of near-zero gradient entries by up to 1/eps. With the
+# usual eps=1e-8 two correct but differently ordered computations then differ by ~1e-4
+# in a few weights; eps=1e-4 bounds that at ~1e-7, so parity tests can compare weights.
+PARITY_EPS = 1e-4
+
+
+def actor(path, micro_batch_size: int = 8, lr: float = 1e-3, mesh=None, **optim):
+    """An actor engine on the tiny model; ``optim`` overrides OptimConfig fields."""
+    from polyrl.backends import get_engine
+
+    optim.setdefault("eps", PARITY_EPS)
+    engine = get_engine("torch_fsdp")()
+    engine.init(
+        ModelConfig(str(path)), OptimConfig(lr=lr, **optim),
+        ParallelConfig(mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1},
+                       micro_batch_size=micro_batch_size),
+    )
+    return engine
+
+
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    """The engine's exported weights as host tensors."""
+    return {n: t.cpu().clone() for bucket in engine.export_weights(1 << 20) for n, t in bucket}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_rank_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One gloo rank: a train step on its half of ``random_batch(8)`` under mesh fsdp=2
+    and under data=2 (HSDP), saving metrics/weights (rank 0) and a DCP checkpoint."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    shard = random_batch(8).split(world)[rank]
+    results = {}
+    for name, mesh in (("fsdp", {"fsdp": 2}), ("hsdp", {"data": 2})):
+        engine = actor(model_dir, micro_batch_size=2, mesh=mesh)
+        metrics = engine.train_step(shard, nll_loss)
+        results[name] = {"metrics": metrics, "weights": full_weights(engine)}
+        if name == "fsdp":
+            engine.save(os.path.join(out_dir, "ckpt"))
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+    torch.distributed.destroy_process_group()

@@ -1,0 +1,99 @@
+"""Shape bucketing: pad a Batch to a few shapes so jitted steps compile a bounded number
+of times.
+
+``jax.jit`` compiles once per input shape. RL batches vary in prompt length ``P`` and
+response length ``R`` every step, so both are padded up to a power of two (at least
+``min_len``), and the sample count ``B`` is padded to a whole number of micro-batches.
+A run therefore compiles at most ``log2(max_len / min_len) + 1`` sizes per axis.
+
+Padding keeps polyrl.batch's layout: prompt columns grow on the left, response columns
+on the right (so ``responses[:, t]`` stays predicted at ``P - 1 + t`` of the padded
+sequence), padded positions and rows have ``attention_mask = response_mask = 0``, and
+every other response-aligned column (``[B, R]``: old log-probs, advantages, ...) is
+zero-padded on the right. Outputs are cut back to ``[:B, :R]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from polyrl.batch import Batch
+
+__all__ = ["Padded", "bucket", "micro_rows", "pad_batch"]
+
+SEQUENCE = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
+REQUIRED = (*SEQUENCE, "responses", "response_mask")
+
+
+def bucket(n: int, min_len: int) -> int:
+    """Smallest power of two >= max(n, min_len)."""
+    n = max(int(n), int(min_len), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def micro_rows(batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """Rows of one global micro-batch: ``dp`` shards of at most ``micro_batch_size``, the
+    per-shard count rounded up to a power of two so small batches do not pad to a full
+    micro-batch yet still compile a bounded number of shapes."""
+    per_shard = -(-batch_size // dp)
+    return dp * min(micro_batch_size, bucket(per_shard, 1))
+
+
+@dataclasses.dataclass
+class Padded:
+    """The padded numeric columns and what is needed to undo the padding."""
+
+    arrays: dict[str, np.ndarray]
+    batch_size: int  # original B
+    response_len: int  # original R
+
+
+def _pad(x: np.ndarray, left: int, right: int, mode: str = "constant") -> np.ndarray:
+    widths = [(0, 0), (left, right)] + [(0, 0)] * (x.ndim - 2)
+    return np.pad(x, widths, mode=mode)
+
+
+def _canonical(name: str, x: np.ndarray) -> np.ndarray:
+    if x.dtype == np.float64:
+        return x.astype(np.float32)
+    if x.dtype in (np.int64, np.uint64, np.uint32):
+        return x.astype(np.int32)
+    if x.dtype == bool:
+        return x.astype(np.int32)
+    if x.dtype.kind not in "fiu":
+        raise TypeError(
+            f"batch column {name!r} has dtype {x.dtype}; numeric columns only (put other "
+            "per-sample data in Batch.meta)"
+        )
+    return x
+
+
+def pad_batch(batch: Batch, rows_multiple: int, min_len: int) -> Padded:
+    """Pad ``batch``'s tensors: P and R to buckets, B to a multiple of ``rows_multiple``."""
+    batch.require(*REQUIRED, who="the jax_pjit backend")
+    b, r = batch["responses"].shape
+    p = batch["input_ids"].shape[1] - r
+    pb, rb = bucket(p, min_len), bucket(r, min_len)
+    out: dict[str, np.ndarray] = {}
+    for name, x in batch.tensors.items():
+        x = _canonical(name, x)
+        if name in SEQUENCE:
+            mode = "edge" if name == "position_ids" else "constant"
+            x = np.concatenate(
+                [_pad(x[:, :p], pb - p, 0), _pad(x[:, p:], 0, rb - r, mode=mode)], axis=1
+            )
+        elif name == "prompts":
+            x = _pad(x, pb - p, 0)
+        elif x.ndim >= 2 and x.shape[1] == r:
+            x = _pad(x, 0, rb - r)
+        elif x.ndim >= 2:
+            raise ValueError(
+                f"batch column {name!r} has shape {x.shape}; the jax_pjit backend pads "
+                f"per-sample columns [B], response-aligned columns [B, R={r}] and the "
+                f"sequence columns {SEQUENCE}; reshape it or move it to Batch.meta"
+            )
+        rows = (-b) % rows_multiple
+        out[name] = np.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1)) if rows else x
+    return Padded(out, b, r)

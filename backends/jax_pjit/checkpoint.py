@@ -1,0 +1,63 @@
+"""orbax checkpoints of one JAX engine: parameters, optimizer state, step and RNG.
+
+Layout of a checkpoint directory::
+
+    <dir>/state/       orbax StandardCheckpointer tree: {"params", "opt_state", "step", "rng"}
+    <dir>/polyrl.json  step, architecture and mesh (for humans and sanity checks)
+
+Restoring takes an *abstract* target (``jax.ShapeDtypeStruct`` with shardings), so each
+array is read straight into its shards on the current mesh: a checkpoint written on one
+mesh restores on another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+
+__all__ = ["save_state", "restore_state", "abstract_like"]
+
+
+def _ocp():
+    import orbax.checkpoint as ocp  # heavy import, only when a checkpoint is touched
+
+    return ocp
+
+
+def save_state(path: str | os.PathLike, state: dict[str, Any], info: dict[str, Any]) -> None:
+    """Write ``state`` (a pytree of jax arrays) and the JSON-able ``info`` under ``path``.
+
+    An existing checkpoint at ``path`` is replaced.
+    """
+    root = Path(path).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    ckptr = _ocp().StandardCheckpointer()
+    ckptr.save(root / "state", state, force=True)
+    ckptr.wait_until_finished()
+    (root / "polyrl.json").write_text(json.dumps(info, indent=1, sort_keys=True))
+
+
+def abstract_like(state: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` (with sharding) for every array leaf of ``state``."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
+
+
+def restore_state(path: str | os.PathLike, target: Any) -> tuple[Any, dict[str, Any]]:
+    """Read the tree :func:`save_state` wrote into ``target``'s shapes and shardings.
+
+    Returns ``(state, info)``. A missing checkpoint raises naming the path.
+    """
+    root = Path(path).absolute()
+    if not (root / "state").exists() or not (root / "polyrl.json").exists():
+        raise FileNotFoundError(
+            f"{root} is not a jax_pjit checkpoint (no state/ or polyrl.json); pass the "
+            "directory given to JaxPjitEngine.save"
+        )
+    state = _ocp().StandardCheckpointer().restore(root / "state", target)
+    return state, json.loads((root / "polyrl.json").read_text())

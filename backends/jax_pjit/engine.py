@@ -1,0 +1,342 @@
+"""JaxPjitEngine: the TrainEngine of the JAX backend (Flax NNX + optax + orbax on a Mesh).
+
+One engine holds one role's model on all devices of one host, arranged as the
+``ParallelConfig`` mesh (data, fsdp, tensor). Parameters are a flat dict
+``{nnx_path: jax.Array}`` (HF names, see ``weights.py``) sharded by the logical-axis
+rules; every step is a ``jax.jit`` with explicit in/out shardings (pjit semantics).
+
+``train_step`` pads the batch to bucketed shapes (``bucketing.py``), runs one jitted
+grad step per micro-batch that adds into a donated fp32 gradient buffer, then one
+jitted update: pre-clip global norm, torch-style clip (``max_norm / (norm + 1e-6)``),
+AdamW with torch.optim.AdamW's semantics (decoupled decay ``p -= lr * wd * p``, bias
+correction, ``eps`` outside the square root) and the learning rate of
+``OptimConfig.lr_at(step)`` read from a precomputed table.
+
+Per-token outputs (``[B, R]``, zero where ``response_mask`` is 0):
+``log_probs = log_softmax(logits / temperature)[response token]`` and ``entropy`` of
+the same distribution for LM roles; ``values`` for value-head roles, where
+``values[:, t]`` is the head at position ``P - 1 + t`` -- the state *before* response
+token ``t`` is generated, aligned with ``log_probs[:, t]`` (verl's convention). The
+reward role also returns ``scores`` [B]: the head at each row's last real token.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from polyrl import tensor as pt
+from polyrl.backends.base import Bucket, LossContext, LossFn
+from polyrl.backends.jax_pjit import checkpoint, sharding
+from polyrl.backends.jax_pjit.bucketing import Padded, micro_rows, pad_batch
+from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
+from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
+from polyrl.batch import Batch
+from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
+
+__all__ = ["JaxPjitEngine", "adamw"]
+
+log = logging.getLogger(__name__)
+
+TORCH_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6)
+
+
+def adamw(optim: OptimConfig) -> optax.GradientTransformation:
+    """optax AdamW at unit learning rate: ``u = -(m_hat / (sqrt(v_hat) + eps) + wd * p)``.
+
+    The engine applies ``p += lr * u`` with ``lr = optim.lr_at(step)`` passed into the
+    jitted update, which is torch.optim.AdamW's ``p *= 1 - lr * wd; p -= lr * m_hat /
+    (sqrt(v_hat) + eps)`` expanded; the schedule is therefore exactly ``lr_at``'s, and
+    (as in torch) it follows the engine's step even when a non-finite update is skipped
+    and Adam's own count (bias correction) does not advance.
+    """
+    b1, b2 = optim.betas
+    return optax.adamw(1.0, b1=b1, b2=b2, eps=optim.eps, eps_root=0.0,
+                       weight_decay=optim.weight_decay)
+
+
+def _mask_pad_rows(batch: Batch) -> Batch:
+    """Zero ``response_mask`` on rows ``Batch.pad_to_multiple`` marked ``is_pad``, so they
+    count in no normaliser and (with a loss that masks) contribute nothing."""
+    mask = batch["response_mask"].astype(np.float32)
+    if "is_pad" in batch:
+        mask = mask * (1 - batch["is_pad"].astype(np.float32))[:, None]
+    return batch.with_columns({"response_mask": mask})
+
+
+class JaxPjitEngine:
+    """TrainEngine on a JAX device mesh (see module docstring).
+
+    min_bucket_len: smallest padded prompt/response length (lengths are padded to powers
+      of two >= this); devices: the devices of the mesh (default ``jax.devices()``);
+      seed: initial RNG (checkpointed and advanced once per optimizer step).
+    ``compile_count``: number of jitted-function compilations so far (each is logged).
+    """
+
+    def __init__(self, *, min_bucket_len: int = 16, devices: list | None = None, seed: int = 0):
+        self.min_bucket_len, self._devices = min_bucket_len, devices
+        self.rng = jax.random.PRNGKey(seed)
+        self.compile_count = 0
+        self.step = 0
+        self.opt_state = None
+        self._host: dict[str, Any] | None = None
+        self._jits: dict[Any, Any] = {}
+
+    # --------------------------------------------------------------------- setup
+    def init(self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig) -> None:
+        if model.trainable != (optim is not None):
+            raise ValueError(
+                f"role {model.role!r} got optim={optim!r}: actor/critic need an OptimConfig, "
+                "reference/reward are frozen and need optim=None"
+            )
+        self.model_cfg, self.optim, self.parallel = model, optim, parallel
+        self.mesh = sharding.make_mesh(parallel, self._devices)
+        self.config = TransformerConfig.from_hf(read_hf_config(model.path), where=f"{model.path}/config.json")
+        self.with_lm = not model.has_value_head
+        # trainable roles keep fp32 master weights and compute in model.dtype (as torch_fsdp)
+        self.compute_dtype = jnp.dtype(model.dtype)
+        dtype = jnp.dtype(jnp.float32) if model.trainable else self.compute_dtype
+        abstract = nnx.eval_shape(lambda: CausalLM(
+            self.config, dtype=dtype, rngs=nnx.Rngs(0), with_lm_head=self.with_lm,
+            with_value_head=model.has_value_head,
+            constrain=sharding.ActivationSharding(self.mesh, parallel.rules),
+            remat=model.gradient_checkpointing,
+        ))
+        self._graphdef, abs_state = nnx.split(abstract)
+        flat = list(abs_state.flat_state())
+        self._paths = {".".join(map(str, p)): p for p, _ in flat}
+        shapes = {".".join(map(str, p)): v.shape for p, v in flat}
+        self.param_shardings = sharding.param_shardings(shapes, self.mesh, parallel.rules)
+        host = load_hf_params(model.path, self.config, shapes, model.value_head_path)
+        self.params = {k: jax.device_put(host[k].astype(dtype), self.param_shardings[k]) for k in shapes}
+        self._rep = sharding.replicated(self.mesh)
+        self._rows = sharding.batch_sharding(self.mesh, parallel.rules, 1)
+        if optim is not None:
+            self.tx = adamw(optim)
+            self._opt_shardings = self._optimizer_shardings()
+            self.opt_state = self._jit("opt_init", self.tx.init, out_shardings=self._opt_shardings)(self.params)
+        else:
+            self.tx = None
+        self.rng = jax.device_put(self.rng, self._rep)
+        log.info("jax_pjit %s: %s on mesh %s, %d params", model.role, self.config.architecture,
+                 dict(self.mesh.shape), sum(int(np.prod(s)) for s in shapes.values()))
+
+    def _optimizer_shardings(self) -> Any:
+        """Optimizer-state leaves under a parameter's name (Adam moments) share its
+        sharding; the rest (step counts) are replicated."""
+        def pick(path, _):
+            names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+            return next((self.param_shardings[n] for n in names if n in self.param_shardings), self._rep)
+
+        return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(self.tx.init, self.params))
+
+    def _jit(self, key: Any, fn, **kw):
+        """``jax.jit(fn, **kw)`` cached under ``key``; every trace bumps compile_count."""
+        if key not in self._jits:
+            name = key if isinstance(key, str) else key[0]
+
+            def counted(*args):  # runs only while tracing, i.e. once per compilation
+                self.compile_count += 1
+                log.info("jax_pjit: compiling %s (compilation #%d)", name, self.compile_count)
+                return fn(*args)
+
+            self._jits[key] = jax.jit(counted, **kw)
+        return self._jits[key]
+
+    # ------------------------------------------------------------------ compute
+    def _module(self, params: dict[str, jax.Array]) -> CausalLM:
+        state = nnx.State.from_flat_path(
+            {self._paths[k]: v.astype(self.compute_dtype) for k, v in params.items()})
+        return nnx.merge(self._graphdef, state)
+
+    def _outputs(self, params, arrays, temperature, entropy: bool) -> dict[str, jax.Array]:
+        """Per-token outputs [B, R] of one (padded) micro-batch; see module docstring."""
+        model = self._module(params)
+        ids, attn = arrays["input_ids"], arrays["attention_mask"]
+        hidden = model(ids, attn, arrays["position_ids"])
+        r = arrays["responses"].shape[1]
+        p = ids.shape[1] - r
+        h = hidden[:, p - 1: p - 1 + r]  # position P-1+t predicts responses[:, t]
+        keep = arrays["response_mask"] != 0
+        out = {}
+        if self.with_lm:
+            logits = model.logits(h)
+            with warnings.catch_warnings():  # it asks for int64 indices; int32 are exact here
+                warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
+                lp = pt.gather_log_probs(logits, arrays["responses"], temperature)
+            out["log_probs"] = jnp.where(keep, lp, 0.0)
+            if entropy:
+                out["entropy"] = jnp.where(keep, pt.entropy_from_logits(logits / temperature), 0.0)
+        else:
+            out["values"] = jnp.where(keep, model.values(h), 0.0)
+            if self.model_cfg.role == "reward":
+                last = ids.shape[1] - 1 - jnp.argmax(attn[:, ::-1] != 0, axis=1)
+                out["scores"] = model.values(hidden[jnp.arange(ids.shape[0]), last])
+        return out
+
+    def _micro_batches(self, batch: Batch) -> tuple[Padded, list[dict[str, jax.Array]]]:
+        """Pad ``batch`` (bucketing.py) and cut it into device-put global micro-batches."""
+        rows = micro_rows(len(batch), self.parallel.micro_batch_size, self.parallel.dp_size)
+        padded = pad_batch(batch, rows, self.min_bucket_len)
+        n = next(iter(padded.arrays.values())).shape[0]
+        chunks = [
+            {k: jax.device_put(v[i: i + rows], self._rows) for k, v in padded.arrays.items()}
+            for i in range(0, n, rows)
+        ]
+        return padded, chunks
+
+    def forward(self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False) -> dict[str, np.ndarray]:
+        fn = self._jit(
+            ("forward", entropy),
+            lambda params, arrays, temp: self._outputs(params, arrays, temp, entropy),
+            in_shardings=(self.param_shardings, self._rows, self._rep), out_shardings=self._rows,
+        )
+        self._check_loaded()
+        padded, chunks = self._micro_batches(batch)
+        temp = jnp.float32(temperature)
+        outs = [jax.device_get(fn(self.params, c, temp)) for c in chunks]
+        b, r = padded.batch_size, padded.response_len
+        return {k: np.concatenate([o[k] for o in outs])[:b, :r] if outs[0][k].ndim == 2
+                else np.concatenate([o[k] for o in outs])[:b] for k in outs[0]}
+
+    # ----------------------------------------------------------------- training
+    def _grad_step(self, loss_fn: LossFn, entropy: bool):
+        def step(params, grads, arrays, counts, temperature):
+            def objective(p):
+                ctx = LossContext(global_tokens=counts[0], global_seqs=counts[1], temperature=temperature)
+                return loss_fn(self._outputs(p, arrays, temperature, entropy), arrays, ctx)
+
+            (loss, metrics), g = jax.value_and_grad(objective, has_aux=True)(params)
+            grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+            return grads, loss, metrics
+
+        ps = self.param_shardings
+        return self._jit(
+            ("grad_step", loss_fn, entropy), step,
+            in_shardings=(ps, ps, self._rows, self._rep, self._rep),
+            out_shardings=(ps, self._rep, self._rep), donate_argnums=(1,),
+        )
+
+    def _apply_step(self):
+        clip = self.optim.grad_clip
+
+        def update(params, opt_state, grads, norm, lr):
+            if clip is not None:
+                coef = jnp.minimum(1.0, clip / (norm + TORCH_CLIP_EPS))
+                grads = jax.tree.map(lambda g: g * coef, grads)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return jax.tree.map(lambda p, u: (p + lr * u).astype(p.dtype), params, updates), opt_state
+
+        def apply(params, opt_state, grads, lr):
+            norm = optax.global_norm(grads)
+            # a non-finite gradient skips the update (torch_fsdp does the same)
+            params, opt_state = jax.lax.cond(
+                jnp.isfinite(norm), update, lambda p, o, *_: (p, o), params, opt_state, grads, norm, lr)
+            return params, opt_state, norm
+
+        ps, os_ = self.param_shardings, self._opt_shardings
+        return self._jit("apply_step", apply, in_shardings=(ps, os_, ps, self._rep),
+                         out_shardings=(ps, os_, self._rep), donate_argnums=(0, 1))
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
+                   entropy: bool = False) -> dict[str, float]:
+        if self.tx is None:
+            raise RuntimeError(
+                f"train_step on the frozen {self.model_cfg.role!r} role: it was built with "
+                "optim=None and has no optimizer; train an 'actor' or 'critic' instead"
+            )
+        self._check_loaded()
+        batch = _mask_pad_rows(batch)
+        mask = batch["response_mask"]
+        counts = np.array([mask.sum(), (mask.sum(axis=1) > 0).sum()], np.float32)
+        if counts[0] == 0:
+            raise ValueError("train_step: response_mask sums to 0 (no response token to train on)")
+        _, chunks = self._micro_batches(batch)
+        step = self._grad_step(loss_fn, entropy)
+        zeros = self._jit("zero_grads", lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
+                          out_shardings=self.param_shardings)
+        grads, parts = zeros(self.params), []
+        counts_dev, temp = jax.device_put(counts, self._rep), jnp.float32(temperature)
+        for chunk in chunks:
+            grads, loss, metrics = step(self.params, grads, chunk, counts_dev, temp)
+            parts.append((loss, metrics))
+        lr = self.optim.lr_at(self.step)
+        self.params, self.opt_state, norm = self._apply_step()(
+            self.params, self.opt_state, grads, jnp.float32(lr))
+        if not np.isfinite(float(norm)):
+            log.warning("step %d: non-finite grad norm %s, update skipped", self.step, norm)
+        self.step += 1
+        self.rng = jax.random.split(self.rng)[0]
+        parts = jax.device_get(parts)
+        out = {"loss": float(sum(np.float64(lo) for lo, _ in parts)), "grad_norm": float(norm),
+               "lr": lr, "global_tokens": float(counts[0]), "global_seqs": float(counts[1])}
+        for name in parts[0][1]:
+            out[name] = float(sum(np.float64(m[name]) for _, m in parts))
+        return out
+
+    # ---------------------------------------------------------- weights & state
+    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+        self._check_loaded()
+        return export_buckets(self.params, bucket_bytes, dtype=self.compute_dtype)
+
+    def _state(self) -> dict[str, Any]:
+        state = {"params": self.params, "step": jax.device_put(np.int32(self.step), self._rep),
+                 "rng": self.rng}
+        if self.opt_state is not None:
+            state["opt_state"] = self.opt_state
+        return state
+
+    def save(self, path: str) -> None:
+        self._check_loaded()
+        checkpoint.save_state(path, self._state(), {
+            "step": self.step, "role": self.model_cfg.role,
+            "architecture": self.config.architecture, "mesh": dict(self.parallel.mesh),
+        })
+
+    def load(self, path: str) -> None:
+        self._check_loaded()
+        state, info = checkpoint.restore_state(path, checkpoint.abstract_like(self._state()))
+        if info["architecture"] != self.config.architecture:
+            raise ValueError(
+                f"checkpoint {path} holds a {info['architecture']} but this engine runs "
+                f"{self.config.architecture}; load it into an engine built from the same model"
+            )
+        self.params, self.rng = state["params"], state["rng"]
+        self.opt_state = state.get("opt_state")
+        self.step = int(state["step"])
+
+    def offload(self) -> None:
+        """Move parameters and optimizer state to host memory (pinned host memory where
+        the platform has it, else numpy) and free their device buffers."""
+        if self._host is not None:
+            return
+        tree = {"params": self.params, "opt_state": self.opt_state}
+        kinds = {m.kind for m in self.mesh.devices.flat[0].addressable_memories()}
+        if "pinned_host" in kinds:
+            self._host = jax.tree.map(
+                lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
+        else:
+            self._host = jax.device_get(tree)
+        for x in jax.tree.leaves(tree):
+            x.delete()
+        self.params = self.opt_state = None
+
+    def reload(self) -> None:
+        if self._host is None:
+            return
+        self.params = {k: jax.device_put(v, self.param_shardings[k]) for k, v in self._host["params"].items()}
+        if self._host["opt_state"] is not None:
+            self.opt_state = jax.device_put(self._host["opt_state"], self._opt_shardings)
+        self._host = None
+
+    def _check_loaded(self) -> None:
+        if self._host is not None:
+            raise RuntimeError("the engine is offloaded; call reload() before using it")

@@ -1,0 +1,358 @@
+"""Flax NNX decoder-only transformers for the Qwen2 / Qwen2.5, Qwen3 and Llama families.
+
+The modules mirror Hugging Face's module tree, so every parameter's NNX path is its HF
+name with one rule (see ``weights.py``): a linear layer's ``kernel`` is stored ``[in, out]``
+(JAX convention) where HF stores ``weight`` as ``[out, in]``; embeddings and norms keep
+HF's ``weight`` unchanged. Shapes (module-wide): ``B`` batch, ``T`` sequence, ``E`` hidden
+size, ``H`` query heads, ``K`` key/value heads, ``D`` head size, ``V`` vocabulary.
+
+Numerics follow transformers' eager code path: RMSNorm and softmax in fp32, RoPE with
+``rotate_half`` and HF's inverse frequencies (default, linear, llama3, yarn), GQA by
+grouping query heads over shared key/value heads. Padding is handled only through
+``attention_mask`` (keys) and explicit ``position_ids`` (polyrl.batch's layout), so left-
+and right-padded rows give the same outputs on their real tokens as unpadded ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = [
+    "ARCHITECTURES",
+    "TransformerConfig",
+    "CausalLM",
+    "rope_inv_freq",
+]
+
+# HF architecture (config.json "architectures"[0]) -> family. Sequence/token
+# classification heads are reward models / critics saved by TRL, OpenRLHF or verl.
+ARCHITECTURES: dict[str, str] = {
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen2ForTokenClassification": "qwen2",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3ForTokenClassification": "qwen3",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "LlamaForTokenClassification": "llama",
+    "LlamaForSequenceClassification": "llama",
+}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+Constrain = Callable[[jax.Array, tuple[str | None, ...]], jax.Array]
+
+
+def _no_constraint(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """The architecture fields the JAX models read, parsed from an HF ``config.json``.
+
+    ``rope`` holds HF's ``rope_parameters`` (transformers >= 5) or the older
+    ``rope_theta`` + ``rope_scaling`` pair, normalised to one sorted tuple of items.
+    """
+
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    max_position_embeddings: int
+    rope: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], where: str = "config.json") -> TransformerConfig:
+        """Parse an HF config dict; unsupported architectures/features raise with the fix."""
+        arch = (cfg.get("architectures") or ["<missing>"])[0]
+        if arch not in ARCHITECTURES:
+            raise ValueError(
+                f"{where}: architecture {arch!r} is not supported by the jax_pjit backend; "
+                f"supported: {sorted(ARCHITECTURES)} (use the torch_fsdp backend for others)"
+            )
+        family = ARCHITECTURES[arch]
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act={cfg['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(
+                f"{where}: use_sliding_window=true is not supported by the jax_pjit backend; "
+                "set it to false (Qwen2.5 checkpoints ship with it off)"
+            )
+        heads = int(cfg["num_attention_heads"])
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        rope.pop("type", None)
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ValueError(
+                f"{where}: rope_type={rope['rope_type']!r} is not supported; supported: {list(ROPE_TYPES)}"
+            )
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope=tuple(sorted(rope.items())),
+        )
+
+
+def rope_inv_freq(config: TransformerConfig) -> tuple[np.ndarray, float]:
+    """HF's RoPE inverse frequencies [D/2] (fp32) and the cos/sin scale (yarn's mscale).
+
+    Mirrors ``transformers.modeling_rope_utils``: ``default`` ``theta^(-2i/D)``;
+    ``linear`` divides by ``factor``; ``llama3`` (Llama 3.1) rescales low frequencies by
+    ``factor`` and interpolates the band between; ``yarn`` (Peng et al. 2023) blends
+    interpolated and extrapolated frequencies with a linear ramp and scales cos/sin by
+    ``0.1 ln(factor) + 1``.
+    """
+    p = dict(config.rope)
+    dim, base = config.head_dim, float(p["rope_theta"])
+    # float32 exponent, as HF computes it, so frequencies match bit for bit where possible
+    inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    kind = p["rope_type"]
+    if kind == "linear":
+        return inv_freq / np.float32(p["factor"]), 1.0
+    if kind == "llama3":
+        factor, old = p["factor"], p["original_max_position_embeddings"]
+        low, high = old / p["low_freq_factor"], old / p["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - p["low_freq_factor"]) / (p["high_freq_factor"] - p["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high) & (wavelen <= low)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    if kind == "yarn":
+        return _yarn(p, dim, base, config.max_position_embeddings)
+    return inv_freq, 1.0
+
+
+def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[np.ndarray, float]:
+    old = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / old
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = p.get("attention_factor")
+    if attn is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1)
+    pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extrapolate = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv.astype(np.float32), float(attn)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel + bias`` with ``kernel`` [in, out] (HF ``weight`` transposed)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: Any, rngs: nnx.Rngs,
+                 init: Callable | None = None):
+        init = init or nnx.initializers.normal(0.02)
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, normalised in fp32 (as HF)."""
+
+    def __init__(self, dim: int, eps: float, dtype: Any):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, dtype: Any, rngs: nnx.Rngs):
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (vocab, dim), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class Attention(nnx.Module):
+    """Causal GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm)."""
+
+    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain):
+        e, d = c.hidden_size, c.head_dim
+        self.q_proj = Linear(e, c.num_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(e, c.num_kv_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(e, c.num_kv_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(c.num_heads * d, e, bias=c.o_bias, dtype=dtype, rngs=rngs)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype)
+        self.c, self.constrain = c, constrain
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        """x [B, T, E]; cos/sin [B, T, D]; mask [B, T, T] bool (query, key) -> [B, T, E]."""
+        c = self.c
+        b, t, _ = x.shape
+        g = c.num_heads // c.num_kv_heads
+        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        q = self.constrain(q.reshape(b, t, c.num_kv_heads, g, c.head_dim),
+                           ("batch", "length", "kv_heads", None, None))
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (c.head_dim ** -0.5)
+        # a finite minimum (not -inf) keeps fully masked rows (left padding) NaN-free
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, c.num_heads * c.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain):
+        e, m = c.hidden_size, c.intermediate_size
+        self.gate_proj = Linear(e, m, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(e, m, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(m, e, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+        self.constrain = constrain
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(self.constrain(h, ("batch", "length", "mlp")))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain):
+        self.self_attn = Attention(c, dtype, rngs, constrain)
+        self.mlp = MLP(c, dtype, rngs, constrain)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nnx.Module):
+    """HF's ``model``: embeddings, decoder layers, final norm -> hidden states [B, T, E]."""
+
+    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain,
+                 remat: bool):
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, rngs)
+        self.layers = nnx.List([DecoderLayer(c, dtype, rngs, constrain) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        inv_freq, scale = rope_inv_freq(c)
+        self.inv_freq, self.rope_scale = tuple(inv_freq.tolist()), scale
+        self.constrain, self.remat = constrain, remat
+
+    def __call__(self, input_ids, attention_mask, position_ids) -> jax.Array:
+        """input_ids, attention_mask, position_ids [B, T] int -> hidden [B, T, E]."""
+        t = input_ids.shape[1]
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        angles = position_ids.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+        angles = jnp.concatenate([angles, angles], axis=-1)
+        cos, sin = jnp.cos(angles) * self.rope_scale, jnp.sin(angles) * self.rope_scale
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        mask = causal[None] & (attention_mask[:, None, :] != 0)
+        x = self.constrain(self.embed_tokens(input_ids), ("batch", "length", None))
+        for layer in self.layers:
+            if self.remat:  # gradient checkpointing: keep only each layer's input
+                x = nnx.remat(lambda lyr, h: lyr(h, cos, sin, mask))(layer, x)
+            else:
+                x = layer(x, cos, sin, mask)
+            x = self.constrain(x, ("batch", "length", None))
+        return self.norm(x)
+
+
+class CausalLM(nnx.Module):
+    """Backbone + output heads. ``lm_head`` (absent when tied: logits use the embedding
+    matrix, as HF) and/or ``score``, a ``[E, 1]`` value head (HF's
+    ``*ForTokenClassification`` / ``*ForSequenceClassification`` name) for critics and
+    reward models. ``with_lm_head=False`` builds a critic/reward model without logits."""
+
+    def __init__(self, c: TransformerConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs,
+                 with_lm_head: bool = True, with_value_head: bool = False,
+                 constrain: Constrain | None = None, remat: bool = False):
+        constrain = constrain or _no_constraint
+        self.model = Backbone(c, dtype, rngs, constrain, remat)
+        self.lm_head = (
+            Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+            if with_lm_head and not c.tie_word_embeddings else None
+        )
+        self.score = (
+            Linear(c.hidden_size, 1, bias=False, dtype=dtype, rngs=rngs,
+                   init=nnx.initializers.zeros_init())
+            if with_value_head else None
+        )
+        self.config, self.with_lm_head = c, with_lm_head
+
+    def __call__(self, input_ids, attention_mask, position_ids) -> jax.Array:
+        return self.model(input_ids, attention_mask, position_ids)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., E] -> logits [..., V] (fp32 accumulation)."""
+        if not self.with_lm_head:
+            raise ValueError("this model was built without an LM head (a critic/reward model)")
+        w = self.lm_head.kernel[...] if self.lm_head is not None else self.model.embed_tokens.weight[...].T
+        return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+
+    def values(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., E] -> scalar head [...] (fp32)."""
+        return jnp.matmul(hidden, self.score.kernel[...], preferred_element_type=jnp.float32)[..., 0]

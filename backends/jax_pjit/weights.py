@@ -1,0 +1,194 @@
+"""Hugging Face checkpoints <-> the JAX models' flat parameter dicts.
+
+Parameters live in a flat dict ``{nnx_path: array}`` whose keys are HF names with one
+rule: a linear layer's HF ``<module>.weight`` ([out, in]) is ``<module>.kernel``
+([in, out], transposed); everything else (embeddings, norms, biases) keeps its HF name
+and layout. ``hf_name``/``nnx_path`` apply that table both ways.
+
+Loading reads safetensors with ``safetensors.numpy`` (no torch); export yields full,
+unsharded arrays under the names ``save_pretrained`` writes, in buckets, and
+:func:`to_torch` hands a bucket to torch through DLPack (zero-copy when both sit on the
+same device; torch is imported lazily, only there).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from polyrl.backends.jax_pjit.models import TransformerConfig
+
+__all__ = [
+    "LINEAR_MODULES",
+    "VALUE_HEAD_NAMES",
+    "hf_name",
+    "nnx_path",
+    "read_hf_config",
+    "read_safetensors",
+    "load_hf_params",
+    "export_buckets",
+    "to_torch",
+    "save_pretrained",
+]
+
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "lm_head", "score")
+# Value-head weight names used by HF (*ForTokenClassification / *ForSequenceClassification),
+# TRL's AutoModelForCausalLMWithValueHead and OpenRLHF, in order of preference.
+VALUE_HEAD_NAMES = ("score.weight", "v_head.summary.weight", "value_head.weight")
+
+
+def _is_linear(name: str, suffix: str) -> bool:
+    return name.endswith(suffix) and name[: -len(suffix)].rsplit(".", 1)[-1] in LINEAR_MODULES
+
+
+def hf_name(path: str) -> str:
+    """NNX path -> HF parameter name (``x.kernel`` -> ``x.weight``)."""
+    return path[: -len("kernel")] + "weight" if _is_linear(path, ".kernel") else path
+
+
+def nnx_path(name: str) -> str:
+    """HF parameter name -> NNX path (a linear ``x.weight`` -> ``x.kernel``)."""
+    return name[: -len("weight")] + "kernel" if _is_linear(name, ".weight") else name
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(
+            f"{cfg_file} does not exist; ModelConfig.path must be a local Hugging Face model "
+            "directory (config.json + *.safetensors)"
+        )
+    return json.loads(cfg_file.read_text())
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of the ``*.safetensors`` files in directory ``path`` as numpy."""
+    from safetensors.numpy import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors file in {path}; convert the checkpoint with "
+            "save_pretrained(..., safe_serialization=True)"
+        )
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def _value_head(tensors: Mapping[str, np.ndarray], hidden: int, where: str) -> np.ndarray | None:
+    """The [1, E] value-head weight in ``tensors`` under any of VALUE_HEAD_NAMES, or None."""
+    for name in VALUE_HEAD_NAMES:
+        if name in tensors:
+            w = np.asarray(tensors[name]).reshape(-1, hidden)
+            if w.shape[0] != 1:
+                raise ValueError(
+                    f"{where}: {name} has {w.shape[0]} outputs; a value head needs exactly 1 "
+                    "(num_labels=1)"
+                )
+            return w
+    return None
+
+
+def load_hf_params(
+    path: str | os.PathLike, config: TransformerConfig, expected: Mapping[str, tuple[int, ...]],
+    value_head_path: str | None = None,
+) -> dict[str, np.ndarray]:
+    """Flat ``{nnx_path: numpy array}`` for the model whose parameters have ``expected``
+    shapes, read from the HF checkpoint at ``path``.
+
+    HF prefixes (``model.``) are kept; a tied ``lm_head.weight`` (some checkpoints save it
+    anyway) is ignored; a missing value head (``score.*``) is zero-initialised unless
+    ``value_head_path`` or the checkpoint itself provides one. Missing or mis-shaped
+    weights raise, naming them.
+    """
+    tensors = read_safetensors(path)
+    params = {nnx_path(k): v for k, v in tensors.items()}
+    params = {k: (v.T if k.endswith(".kernel") else v) for k, v in params.items()}
+    if "score.kernel" in expected:
+        head = _value_head(read_safetensors(value_head_path), config.hidden_size, str(value_head_path)) \
+            if value_head_path else _value_head(tensors, config.hidden_size, str(path))
+        params["score.kernel"] = (np.zeros((config.hidden_size, 1), np.float32) if head is None
+                                  else head.T)
+    missing = sorted(set(expected) - set(params))
+    if missing:
+        raise ValueError(
+            f"{path}: checkpoint lacks {len(missing)} weight(s) the {config.architecture} "
+            f"model needs, e.g. {[hf_name(m) for m in missing[:5]]}; is config.json from the "
+            "same checkpoint?"
+        )
+    wrong = {hf_name(k): (params[k].shape, tuple(s)) for k, s in expected.items()
+             if tuple(params[k].shape) != tuple(s)}
+    if wrong:
+        raise ValueError(f"{path}: weight shapes (found, expected in JAX layout) differ: {wrong}")
+    return {k: params[k] for k in expected}
+
+
+def export_buckets(
+    params: Mapping[str, jax.Array], bucket_bytes: int, dtype: Any = None,
+    device: jax.Device | None = None,
+) -> Iterator[list[tuple[str, jax.Array]]]:
+    """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each.
+
+    Kernels are transposed back to HF's [out, in] and cast to ``dtype`` (default: as
+    stored). Each array is gathered onto ``device`` (default: the first device) only
+    when its bucket is built, so at most one bucket of gathered weights is alive at a time.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"export_weights: bucket_bytes={bucket_bytes} must be > 0")
+    device = device or jax.devices()[0]
+
+    def gather(path: str, x: jax.Array) -> jax.Array:
+        x = jax.device_put(x, device).astype(dtype or x.dtype)
+        return x.T if path.endswith(".kernel") else x
+
+    bucket: list[tuple[str, jax.Array]] = []
+    size = 0
+    for path, x in params.items():
+        nbytes = x.size * x.dtype.itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((hf_name(path), gather(path, x)))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def to_torch(bucket: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``[(name, torch.Tensor)]`` from ``[(name, jax.Array)]`` through DLPack.
+
+    Zero-copy when torch can address the JAX buffer's device (CPU<->CPU, same GPU); the
+    tensors then alias the JAX arrays, which must stay alive and unmodified while the
+    tensors are used (JAX arrays are immutable; do not donate them meanwhile).
+    """
+    import torch  # lazily: the JAX backend must not import torch at module level
+
+    return [(name, torch.from_dlpack(x)) for name, x in bucket]
+
+
+def save_pretrained(
+    buckets: Iterable[list[tuple[str, Any]]], src_dir: str | os.PathLike, out_dir: str | os.PathLike
+) -> Path:
+    """Write exported buckets as ``model.safetensors`` next to ``src_dir``'s config and
+    tokenizer files, giving a directory transformers and vLLM load like the original."""
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: np.asarray(x) for bucket in buckets for name, x in bucket}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in Path(src_dir).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    return out

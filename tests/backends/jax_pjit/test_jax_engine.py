@@ -1,0 +1,199 @@
+"""JaxPjitEngine: mesh/micro-batch invariance, resume, export, compile bound, offload, errors.
+
+Equivalence classes (STYLE.md 8): 1 device = (4,1,1) = (1,4,1) = (1,2,2) meshes,
+micro-batch 1 = 8, resume = no resume, exported weights = what transformers computes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+torch = pytest.importorskip("torch")
+
+from polyrl.algos.registry import get_algorithm  # noqa: E402
+from polyrl.backends.jax_pjit.engine import JaxPjitEngine  # noqa: E402
+from polyrl.backends.jax_pjit.weights import save_pretrained, to_torch  # noqa: E402
+from polyrl.batch import from_token_lists  # noqa: E402
+from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+
+# GRPO's actor loss (PPO clip + k3 KL) with an entropy bonus: the loss a run would use.
+LOSS = get_algorithm("grpo").make_actor_loss(entropy_coef=0.01)
+OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5, warmup_steps=2, total_steps=10,
+                    schedule="cosine")
+# fp32; different meshes/micro-batchings reorder the reductions (all-reduce trees, gradient
+# sums over micro-batches), so results agree to a few ulps of the O(1) values involved.
+TOL_MESH = 2e-5
+# Adam divides each gradient element by its own magnitude, so an element whose gradient
+# is tiny turns the rounding noise above into a relative error of its update (at most
+# lr): weights after one step agree to 1% of the learning rate.
+TOL_WEIGHTS = 1e-2 * OPTIM.lr
+
+
+def _engine(path, mesh=None, mbs=8, role="actor", optim=OPTIM, seed=0):
+    parallel = ParallelConfig(mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1}, micro_batch_size=mbs)
+    eng = JaxPjitEngine(devices=jax.devices()[: parallel.world_size], seed=seed)
+    eng.init(ModelConfig(str(path), role=role), optim, parallel)
+    return eng
+
+
+def _rl_batch(seed=0, n=8, max_prompt=9, max_resp=12):
+    """A rollout-like batch: ragged prompts/responses plus the columns GRPO's loss reads."""
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(3, 58, rng.integers(1, max_prompt + 1))) for _ in range(n)]
+    resps = [list(rng.integers(3, 58, rng.integers(1, max_resp + 1))) for _ in range(n)]
+    b = from_token_lists(prompts, resps, pad_id=0)
+    shape, mask = b["responses"].shape, b["response_mask"]
+    # old/ref log-probs near a plausible value so ratios span the clip range
+    old = (rng.normal(-4.0, 0.3, shape) * mask).astype(np.float32)
+    ref = (rng.normal(-4.0, 0.3, shape) * mask).astype(np.float32)
+    adv = np.repeat(rng.normal(0, 1, (n, 1)), shape[1], axis=1).astype(np.float32) * mask
+    return b.with_columns({"old_log_probs": old, "ref_log_probs": ref, "advantages": adv})
+
+
+def _flat_weights(eng):
+    return {k: np.asarray(v) for bucket in eng.export_weights(1 << 20) for k, v in bucket}
+
+
+def _step(eng, batch):
+    m = eng.train_step(batch, LOSS, entropy=True)
+    return m, _flat_weights(eng)
+
+
+def _check_invariance(tiny_model_dir, cases):
+    batch = _rl_batch()
+    ref_metrics, ref_weights = _step(_engine(tiny_model_dir, mbs=8), batch)
+    assert ref_metrics["loss"] != 0 and ref_metrics["grad_norm"] > OPTIM.grad_clip  # clip active
+    for mesh, mbs in cases:
+        metrics, weights = _step(_engine(tiny_model_dir, mesh=mesh, mbs=mbs), batch)
+        for key in ("loss", "grad_norm", "pg_loss", "kl_loss", "entropy", "clipfrac"):
+            assert metrics[key] == pytest.approx(ref_metrics[key], abs=TOL_MESH), (mesh, mbs, key)
+        for name, w in ref_weights.items():
+            np.testing.assert_allclose(weights[name], w, atol=TOL_WEIGHTS, err_msg=f"{mesh} {mbs} {name}")
+
+
+def test_mesh_and_micro_batch_invariance(tiny_model_dir):
+    """1 device x micro-batch 8 = (1, 2, 2) mesh x micro-batch 2."""
+    _check_invariance(tiny_model_dir, [({"fsdp": 2, "tensor": 2}, 2)])
+
+
+@pytest.mark.slow
+def test_mesh_and_micro_batch_invariance_all_meshes(tiny_model_dir):
+    _check_invariance(tiny_model_dir, [({"data": 4}, 2), ({"fsdp": 4}, 1), (None, 1)])
+
+
+def test_resume_is_exact(tiny_model_dir, tmp_path):
+    b1, b2, b3 = (_rl_batch(seed=s) for s in (1, 2, 3))
+    # the meshes and micro-batch sizes of the invariance test (compiled programs are cached)
+    run = _engine(tiny_model_dir, mesh={"fsdp": 2, "tensor": 2}, mbs=2)
+    run.train_step(b1, LOSS, entropy=True)
+    run.save(str(tmp_path / "ckpt"))
+    want = [run.train_step(b, LOSS, entropy=True) for b in (b2, b3)]
+    # resume onto a different mesh and seed: everything must come from the checkpoint
+    resumed = _engine(tiny_model_dir, mbs=8, seed=123)
+    resumed.load(str(tmp_path / "ckpt"))
+    assert resumed.step == 1
+    got = [resumed.train_step(b, LOSS, entropy=True) for b in (b2, b3)]
+    for w, g in zip(want, got):
+        assert g["lr"] == w["lr"] and g["loss"] == pytest.approx(w["loss"], abs=TOL_MESH)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], abs=TOL_MESH)
+    np.testing.assert_array_equal(np.asarray(resumed.rng), np.asarray(run.rng))
+
+
+def test_export_loads_in_transformers_with_the_same_log_probs(tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    eng = _engine(tiny_model_dir)
+    eng.train_step(_rl_batch(), LOSS, entropy=True)
+    buckets = list(eng.export_weights(bucket_bytes=64 * 1024))
+    assert len(buckets) > 1  # ~1.7 MB of weights in 64 KiB buckets
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "np") as f:
+        hf_keys = set(f.keys())
+    assert {k for b in buckets for k, _ in b} == hf_keys  # the keys save_pretrained writes
+    out = save_pretrained(buckets, tiny_model_dir, tmp_path / "exported")
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    batch = _rl_batch(seed=5)
+    with torch.no_grad():
+        logits = hf(input_ids=torch.as_tensor(batch["input_ids"]).long(),
+                    attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
+                    position_ids=torch.as_tensor(batch["position_ids"]).long()).logits
+    p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
+    want = torch.log_softmax(logits[:, p - 1: p - 1 + r], -1).gather(
+        -1, torch.as_tensor(batch["responses"]).long()[..., None])[..., 0].numpy()
+    # fp32 forward in two frameworks (see test_jax_models.TOL_TINY)
+    np.testing.assert_allclose(eng.forward(batch)["log_probs"], want * batch["response_mask"], atol=2e-5)
+
+
+def test_to_torch_is_zero_copy_on_cpu(tiny_model_dir):
+    eng = _engine(tiny_model_dir, role="reference", optim=None)
+    bucket = next(eng.export_weights(1 << 30))
+    tensors = to_torch(bucket)
+    for (name, x), (tname, t) in zip(bucket, tensors):
+        assert name == tname and tuple(t.shape) == x.shape
+        assert t.data_ptr() == x.unsafe_buffer_pointer()  # same memory: no host round-trip
+        np.testing.assert_array_equal(t.numpy(), np.asarray(x))
+
+
+def test_compile_count_is_bounded_over_varied_lengths(tiny_model_dir):
+    eng = _engine(tiny_model_dir, mbs=8)
+    eng.train_step(_rl_batch(seed=0, max_prompt=16, max_resp=16), LOSS, entropy=True)
+    after_first = eng.compile_count
+    # zero_grads, grad step, apply step, optimizer init
+    assert after_first <= 4
+    for seed in range(1, 5):  # new lengths (all <= 16, the first bucket), 6-9 samples
+        eng.train_step(_rl_batch(seed=seed, n=5 + seed, max_prompt=16, max_resp=16), LOSS, entropy=True)
+    assert eng.compile_count == after_first
+    eng.train_step(_rl_batch(seed=9, max_prompt=16, max_resp=30), LOSS, entropy=True)  # R -> bucket 32
+    assert eng.compile_count == after_first + 1  # only the grad step sees a new shape
+
+
+def test_offload_reload_round_trip(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    batch = _rl_batch()
+    before = eng.forward(batch)["log_probs"]
+    eng.offload()
+    assert eng.params is None
+    with pytest.raises(RuntimeError, match="offloaded; call reload"):
+        eng.train_step(batch, LOSS, entropy=True)
+    eng.reload()
+    np.testing.assert_array_equal(eng.forward(batch)["log_probs"], before)
+    assert np.isfinite(eng.train_step(batch, LOSS, entropy=True)["loss"])
+
+
+def test_frozen_reference_cannot_train(tiny_model_dir):
+    eng = _engine(tiny_model_dir, role="reference", optim=None)
+    with pytest.raises(RuntimeError, match="frozen 'reference' role.*optim=None"):
+        eng.train_step(_rl_batch(), LOSS, entropy=True)
+
+
+def test_role_and_optimizer_must_agree(tiny_model_dir):
+    with pytest.raises(ValueError, match="role 'reference' got optim=.*need optim=None"):
+        _engine(tiny_model_dir, role="reference", optim=OPTIM)
+
+
+def test_mesh_not_matching_devices_shows_the_arithmetic(tiny_model_dir):
+    eng = JaxPjitEngine()  # all 4 devices
+    with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=1 = 2 devices, but 4 are available"):
+        eng.init(ModelConfig(str(tiny_model_dir)), OPTIM, ParallelConfig(mesh={"data": 2}))
+
+
+def test_column_of_unknown_length_is_named(tiny_model_dir):
+    eng = _engine(tiny_model_dir, role="reference", optim=None)
+    batch = _rl_batch()
+    bad = batch.with_columns({"weird": np.zeros((len(batch), 3), np.float32)})
+    with pytest.raises(ValueError, match=r"column 'weird' has shape \(8, 3\)"):
+        eng.forward(bad)
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_changes_memory_not_results(tiny_model_dir):
+    batch = _rl_batch()
+    plain = _engine(tiny_model_dir).train_step(batch, LOSS, entropy=True)
+    parallel = ParallelConfig(micro_batch_size=8)
+    eng = JaxPjitEngine(devices=jax.devices()[:1])
+    eng.init(ModelConfig(str(tiny_model_dir), gradient_checkpointing=True), OPTIM, parallel)
+    remat = eng.train_step(batch, LOSS, entropy=True)
+    for key in ("loss", "grad_norm"):  # recompute reorders nothing but fusion: see TOL_MESH
+        assert remat[key] == pytest.approx(plain[key], abs=TOL_MESH)

@@ -118,7 +118,8 @@ class DPOActorLoss:
     split into micro-batches of even size keeps pairs whole). Sequence log-probs are the
     masked sums of ``outputs["log_probs"]`` and ``batch["ref_log_probs"]`` [B, T]. The
     number of pairs in the step is ``ctx.global_seqs / 2``; ``loss = sum(dpo_loss) /
-    pairs`` and the metrics of ``losses.dpo_loss`` with the same normaliser.
+    pairs`` over pairs with response tokens (padding pairs add nothing) and the metrics of
+    ``losses.dpo_loss`` with the same normaliser.
     """
 
     beta: float
@@ -146,7 +147,11 @@ class DPOActorLoss:
             global_pairs=pairs,
         )
         xp = namespace(losses)
-        return xp.sum(losses) / pairs, metrics
+        # Rows a backend adds to fill a shape bucket have no response tokens: such a pair
+        # has margin 0, which would still cost log 2 (sigmoid), so it is masked out. (Its
+        # metrics contribute 0 already, and global_seqs does not count it.)
+        real = xp.astype(xp.sum(mask, axis=-1)[0::2] > 0, losses.dtype)
+        return xp.sum(losses * real) / pairs, metrics
 
 
 @dataclasses.dataclass(frozen=True)

@@ -249,6 +249,24 @@ def test_dpo_actor_loss_interleaved(make_ctx):
         fn({k: v[:3] for k, v in outputs.items()}, odd, make_ctx(1.0, 3.0))
 
 
+def test_dpo_actor_loss_ignores_padding_pairs(make_ctx):
+    """A backend pads batches to shape buckets with rows whose response_mask is 0; a pair
+    of such rows must change neither the loss nor the metrics."""
+    outputs, batch, _, _ = contract_batch(5)
+    fn = get_algorithm("dpo").make_actor_loss(beta=0.2)
+    real_rows = int((batch["response_mask"].sum(-1) > 0).sum())
+    ctx = make_ctx(float(batch["response_mask"].sum()), float(real_rows))
+    base_loss, base_metrics = fn(outputs, batch, ctx)
+
+    def pad(v):
+        return np.concatenate([v, np.zeros_like(v[:2])])
+
+    loss, metrics = fn({k: pad(v) for k, v in outputs.items()}, {k: pad(v) for k, v in batch.items()}, ctx)
+    np.testing.assert_allclose(loss, base_loss, **PARITY)
+    for key in base_metrics:
+        np.testing.assert_allclose(metrics[key], base_metrics[key], **PARITY)
+
+
 def test_entropy_coef_needs_entropy(make_ctx):
     outputs, batch, n_tok, n_seq = contract_batch()
     del outputs["entropy"]

@@ -54,6 +54,10 @@ class ModelConfig:
     value_head_path: for critic/reward, a checkpoint whose ``score``/``value_head``
       weights initialise the head (e.g. a reward model); None -> zero-initialised head.
     dtype: parameter dtype ("float32" on CPU; "bfloat16" on GPU with fp32 reductions).
+    sampling_vocab_size: score tokens over the first N ids only: the rollout servers
+      sample only the tokenizer's ids when the embedding is padded past it (Qwen2), so
+      the trainer's log-softmax must cover the same ids (RolloutPool.sampling_vocab_size).
+      None: the whole embedding.
     """
 
     path: str
@@ -62,10 +66,13 @@ class ModelConfig:
     value_head_path: str | None = None
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    sampling_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         _choice("ModelConfig", "role", self.role, ROLES)
         _choice("ModelConfig", "dtype", self.dtype, DTYPES)
+        if self.sampling_vocab_size is not None and self.sampling_vocab_size < 1:
+            raise ValueError(f"ModelConfig.sampling_vocab_size={self.sampling_vocab_size} must be >= 1 or None")
 
     @property
     def has_value_head(self) -> bool:

@@ -168,7 +168,8 @@ class JaxPjitEngine:
         keep = arrays["response_mask"] != 0
         out = {}
         if self.with_lm:
-            logits = model.logits(h)
+            # Only the ids the rollout can sample (ModelConfig.sampling_vocab_size).
+            logits = model.logits(h)[..., : self.model_cfg.sampling_vocab_size]
             with warnings.catch_warnings():  # it asks for int64 indices; int32 are exact here
                 warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
                 lp = pt.gather_log_probs(logits, arrays["responses"], temperature)

@@ -107,7 +107,8 @@ class TorchFSDPEngine:
         """Numeric columns as torch tensors on this rank's device (ids as int64)."""
         out = {}
         for name, col in batch.tensors.items():
-            t = torch.from_numpy(np.ascontiguousarray(col)).to(self.env.device)
+            # Batches from Ray's object store are read-only views: copy before torch owns them.
+            t = torch.from_numpy(np.array(col, copy=True, order="C")).to(self.env.device)
             out[name] = t.long() if name in _LONG_COLUMNS else t
         return out
 
@@ -121,7 +122,8 @@ class TorchFSDPEngine:
             )
         if self.cfg.has_value_head:
             return models.value_outputs(self.model, inputs, scores=self.cfg.role == "reward")
-        return models.policy_outputs(self.model, inputs, temperature, entropy)
+        return models.policy_outputs(self.model, inputs, temperature, entropy,
+                                     self.cfg.sampling_vocab_size)
 
     # --------------------------------------------------------------- forward
     @torch.no_grad()

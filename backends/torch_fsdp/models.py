@@ -203,11 +203,13 @@ def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_outputs(
-    model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float, entropy: bool
+    model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float, entropy: bool,
+    vocab: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` [B, R] = log_softmax(logits / temperature) at the response tokens (how
     vLLM scores sampled tokens), ``entropy`` [B, R] of that same distribution; 0 where
-    ``response_mask`` is 0. Only the R logits that predict the response are computed."""
+    ``response_mask`` is 0. Only the R logits that predict the response are computed.
+    ``vocab``: the distribution covers ids ``< vocab`` only (ModelConfig.sampling_vocab_size)."""
     responses = inputs["responses"].long()
     R = responses.shape[1]
     out = model(
@@ -215,7 +217,7 @@ def policy_outputs(
         position_ids=inputs["position_ids"], logits_to_keep=R + 1, use_cache=False,
     )
     # The last R + 1 logits are positions P-1 .. L-1; the last one predicts nothing.
-    logits = out.logits[:, :-1].float() / temperature
+    logits = out.logits[:, :-1, :vocab].float() / temperature
     result = {"log_probs": _mask(gather_log_probs(logits, responses), inputs["response_mask"])}
     if entropy:
         result["entropy"] = _mask(entropy_from_logits(logits), inputs["response_mask"])

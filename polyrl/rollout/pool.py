@@ -1,0 +1,352 @@
+"""RolloutPool: k rollout servers behind one ``generate``, with weight sync and recovery.
+
+Input of :meth:`RolloutPool.generate`: a :class:`~polyrl.batch.Batch` with the meta
+column ``prompt_ids`` (one ``list[int]`` per prompt: the chat-templated prompt the
+trainer tokenized). Its other columns (ground truths, task ids, ...) are carried along.
+
+Output: the input rows repeated ``n`` times in a row (``Batch.repeat``: rows
+``i*n .. i*n+n-1`` are prompt ``i``'s samples, ``group_ids`` says which prompt) with
+the sequence columns of :func:`polyrl.batch.from_token_lists` (``prompts``,
+``responses``, ``input_ids``, ``attention_mask``, ``position_ids``,
+``response_mask``) and
+
+    rollout_log_probs       [N, R] float32  log-prob of each sampled token, 0 on padding
+    response_lengths        [N]    int32
+    prompt_lengths          [N]    int32
+    rollout_weight_version  [N]    int64    weight version that sampled the row
+    meta finish_reason      "stop" (EOS or a stop id, kept as the last token) | "length"
+    meta response_text      when SamplingSpec.detokenize
+    info temperature, n, weight_version, sampling_vocab_size, log_prob_mode, dropped
+
+``rollout_log_probs`` are vLLM's *processed* log-probs; see
+``polyrl.rollout.sampling`` for the exact convention and the vocabulary mask the
+trainer must apply (``info["sampling_vocab_size"]``).
+
+Recovery: servers are Ray actors with ``max_restarts``. A shard whose server dies or
+reports stale weights is retried once on the next server, after the failed server has
+been waited for and re-synced (from the retained object-store buckets of the last
+push, or from ``resync_source``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from polyrl.batch import Batch, from_token_lists
+from polyrl.rollout.sampling import OVERLONG_POLICIES, RolloutConfig, SamplingSpec
+from polyrl.rollout.server import RolloutServer, StaleWeightsError, server_env
+from polyrl.weight_sync import SyncStats, WeightSyncer
+
+__all__ = ["RolloutPool", "PROMPT_KEY", "apply_overlong_policy"]
+
+logger = logging.getLogger(__name__)
+
+PROMPT_KEY = "prompt_ids"
+LOG_PROB_MODE = "processed"  # log_softmax(mask(logits) / T), see polyrl.rollout.sampling
+
+
+def apply_overlong_policy(
+    prompts: Sequence[Sequence[int]], limit: int, policy: str,
+) -> tuple[list[int], list[list[int]]]:
+    """Indices kept and their (possibly left-truncated) prompts.
+
+    Empty prompts are always an error (vLLM cannot start from nothing).
+    """
+    if policy not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong policy {policy!r} is not one of {list(OVERLONG_POLICIES)}")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(
+            f"prompt_ids of sample(s) {empty[:8]} are empty; every prompt needs at least "
+            f"one token (apply the chat template before generate)"
+        )
+    long = [(i, len(p)) for i, p in enumerate(prompts) if len(p) > limit]
+    if long and policy == "error":
+        (i, n), rest = long[0], [j for j, _ in long[1:]]
+        more = f" (also samples {rest[:8]})" if rest else ""
+        raise ValueError(
+            f"prompt of sample {i} has {n} tokens, more than max_prompt_len={limit}{more}; "
+            f"raise RolloutConfig.max_prompt_len / max_model_len or set "
+            f"overlong_prompt='truncate_left' or 'drop'"
+        )
+    bad = {i for i, _ in long}
+    kept = [i for i in range(len(prompts)) if not (policy == "drop" and i in bad)]
+    return kept, [list(map(int, prompts[i]))[-limit:] for i in kept]
+
+
+class RolloutPool:
+    """``config.num_servers`` :class:`RolloutServer` actors; call after ``ray.init``.
+
+    resync_source: optional callable returning fresh buckets of the current weights
+      (e.g. ``lambda: engine.export_weights(bucket_bytes)`` on the trainer), used to
+      re-sync a restarted server when the last push retained nothing (GPU transports).
+    """
+
+    def __init__(self, config: RolloutConfig, *,
+                 resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None):
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "RolloutPool needs a Ray session: call ray.init(...) first (on a small CPU "
+                "host e.g. ray.init(num_cpus=2, include_dashboard=False))"
+            )
+        self.config = config
+        self.resync_source = resync_source
+        self.version = 0
+        self._retained: list | None = None
+        self.servers = self._start_servers()
+        self.infos = self._wait_ready()
+        first = self.infos[0]
+        self.pad_token_id = int(first["pad_token_id"])
+        self.eos_token_id = int(first["eos_token_id"])
+        self.sampling_vocab_size = int(first["sampling_vocab_size"])
+
+    # -------------------------------------------------------------- start-up
+    def _resources(self) -> dict[str, float]:
+        import ray
+
+        c = self.config
+        has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        num_cpus = c.num_cpus if c.num_cpus is not None else (1.0 if has_gpu else 0.5)
+        num_gpus = c.num_gpus if c.num_gpus is not None else (
+            float(c.tensor_parallel_size) if has_gpu else 0.0)
+        return {"num_cpus": num_cpus, "num_gpus": num_gpus}
+
+    def _start_servers(self) -> list[Any]:
+        import ray
+
+        c = self.config
+        res = self._resources()
+        total = ray.cluster_resources()
+        for key, ray_key in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
+            need = res[key] * c.num_servers
+            if need > total.get(ray_key, 0) + 1e-9:
+                raise RuntimeError(
+                    f"RolloutPool: {c.num_servers} servers x {key}={res[key]} need {need} {ray_key}, "
+                    f"the Ray cluster has {total.get(ray_key, 0)}; lower RolloutConfig.num_servers "
+                    f"or RolloutConfig.{key}, or start Ray with more {ray_key}s"
+                )
+        actor = ray.remote(RolloutServer)
+        env = server_env(c, on_gpu=res["num_gpus"] > 0)
+        return [
+            actor.options(
+                num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=c.max_restarts,
+                max_task_retries=0, runtime_env={"env_vars": env},
+            ).remote(c, i)
+            for i in range(c.num_servers)
+        ]
+
+    def _wait_ready(self) -> list[dict[str, Any]]:
+        import ray
+
+        refs = [s.info.remote() for s in self.servers]
+        try:
+            return ray.get(refs, timeout=self.config.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            self.shutdown()
+            raise TimeoutError(
+                f"RolloutPool: servers not ready after RolloutConfig.ready_timeout_s="
+                f"{self.config.ready_timeout_s:g} s. Each needs {self._resources()}; Ray has "
+                f"{ray.available_resources()} available. If resources are short, lower "
+                f"RolloutConfig.num_cpus/num_servers; otherwise raise ready_timeout_s"
+            ) from e
+        except ray.exceptions.RayActorError as e:
+            self.shutdown()
+            raise RuntimeError(f"RolloutPool: a rollout server failed to start: {e}") from e
+
+    # -------------------------------------------------------------- generate
+    def generate(
+        self, prompts: Batch, spec: SamplingSpec, *, overlong: str | None = None,
+        prompt_len: int | None = None, response_len: int | None = None,
+    ) -> Batch:
+        """Sample ``spec.n`` responses per row of ``prompts`` (see the module docstring).
+
+        overlong: override ``RolloutConfig.overlong_prompt`` for this call.
+        prompt_len / response_len: fixed padded widths (default: the longest), e.g.
+          ``response_len=spec.max_tokens`` for a jitted trainer.
+        """
+        prompts.require(PROMPT_KEY, who="RolloutPool.generate")
+        kept, ids = apply_overlong_policy(
+            prompts[PROMPT_KEY], self.config.prompt_limit, overlong or self.config.overlong_prompt)
+        dropped = sorted(set(range(len(prompts))) - set(kept))
+        if not kept:
+            raise ValueError(f"RolloutPool.generate: every prompt was dropped as too long ({dropped})")
+        base = prompts.take(kept).with_columns(meta={PROMPT_KEY: ids})
+        n = spec.n
+        # Seeds follow the prompt's index in the caller's batch, so dropping one prompt
+        # does not change any other prompt's samples.
+        requests = [(orig * n + j, p) for orig, p in zip(kept, ids) for j in range(n)]
+        results = self._dispatch("generate", requests, spec)
+        return self._assemble(base.repeat(n), results, spec, dropped, prompt_len, response_len)
+
+    def _assemble(self, rep: Batch, results: list[dict[str, Any]], spec: SamplingSpec,
+                  dropped: list[int], prompt_len: int | None, response_len: int | None) -> Batch:
+        responses = [r["token_ids"] for r in results]
+        seq = from_token_lists(list(rep[PROMPT_KEY]), responses, self.pad_token_id,
+                               prompt_len=prompt_len, response_len=response_len)
+        log_probs = np.zeros(seq["responses"].shape, dtype=np.float32)
+        for row, r in enumerate(results):
+            log_probs[row, : len(r["log_probs"])] = r["log_probs"]
+        tensors = {
+            **seq.tensors,
+            "rollout_log_probs": log_probs,
+            "response_lengths": np.array([len(r) for r in responses], dtype=np.int32),
+            "prompt_lengths": np.array([len(p) for p in rep[PROMPT_KEY]], dtype=np.int32),
+            "rollout_weight_version": np.array([r["version"] for r in results], dtype=np.int64),
+        }
+        meta: dict[str, Any] = {"finish_reason": [r["finish_reason"] for r in results]}
+        if spec.detokenize:
+            meta["response_text"] = [r["text"] for r in results]
+        return rep.with_columns(
+            tensors, meta, temperature=spec.temperature, n=spec.n, weight_version=self.version,
+            sampling_vocab_size=self.sampling_vocab_size, log_prob_mode=LOG_PROB_MODE,
+            dropped=dropped,
+        )
+
+    def score(self, prompt_ids: Sequence[Sequence[int]],
+              response_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per pair, ``log_softmax(logits)`` (T=1, full vocabulary) of each response
+        token under the servers' current weights (``RolloutServer.score``)."""
+        return self._dispatch("score", list(zip(prompt_ids, response_ids)))
+
+    # -------------------------------------------------------------- dispatch
+    def _dispatch(self, method: str, items: list[Any], *args: Any) -> list[Any]:
+        """Split ``items`` into contiguous shards, one per server, keep order; a failed
+        shard is retried once on the next server after the failed one is re-synced."""
+        shards = [s for s in np.array_split(np.arange(len(items)), len(self.servers)) if len(s)]
+        calls = [
+            (i, idx, getattr(self.servers[i], method).remote(
+                [items[j] for j in idx], *args, expected_version=self.version))
+            for i, idx in enumerate(shards)
+        ]
+        out: list[Any] = [None] * len(items)
+        for i, idx, ref in calls:
+            try:
+                part = self._get(ref)
+            except Exception as e:  # classified by _is_recoverable; others re-raised
+                if not _is_recoverable(e):
+                    raise
+                part = self._retry(method, [items[j] for j in idx], args, failed=i, error=e)
+            for j, r in zip(idx, part):
+                out[j] = r
+        return out
+
+    def _retry(self, method: str, shard: list[Any], args: tuple, failed: int, error: Exception):
+        logger.warning("rollout server %d failed (%s: %s); re-syncing it and retrying its "
+                       "%d requests once", failed, type(error).__name__, error, len(shard))
+        self._recover(failed)
+        target = (failed + 1) % len(self.servers)
+        if target != failed:
+            self._recover(target)  # cheap when healthy: one info() call
+        try:
+            return self._get(getattr(self.servers[target], method).remote(
+                shard, *args, expected_version=self.version))
+        except Exception as e:
+            raise RuntimeError(
+                f"RolloutPool.{method}: {len(shard)} requests failed on server {failed} "
+                f"({type(error).__name__}) and again on server {target}: {e}"
+            ) from e
+
+    def _recover(self, i: int) -> None:
+        """Wait until server ``i`` answers (Ray restarts it) and bring it to ``self.version``."""
+        import ray
+
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while True:
+            try:
+                info = ray.get(self.servers[i].info.remote(),
+                               timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except ray.exceptions.ActorUnavailableError:  # restarting: ask again shortly
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"rollout server {i} did not come back within RolloutConfig."
+                        f"ready_timeout_s={self.config.ready_timeout_s:g} s") from None
+                time.sleep(0.5)
+            except ray.exceptions.RayActorError as e:
+                raise RuntimeError(
+                    f"rollout server {i} is dead and Ray will not restart it (RolloutConfig."
+                    f"max_restarts={self.config.max_restarts} used up?): {e}"
+                ) from e
+        if info["version"] != self.version:
+            logger.warning("rollout server %d is at weight version %d (boot %s), pool at %d: "
+                           "re-syncing", i, info["version"], info["boot_id"][:8], self.version)
+            self._resync([self.servers[i]])
+
+    def _resync(self, servers: list[Any]) -> None:
+        syncer = WeightSyncer(servers, "object_store", retain=False,
+                              timeout_s=self.config.request_timeout_s)
+        if self._retained is not None:
+            syncer.replay(self._retained, self.version)
+        elif self.resync_source is not None:
+            syncer.push(self.resync_source(), self.version)
+        else:
+            raise RuntimeError(
+                f"a rollout server came back at a weight version other than {self.version} and "
+                f"the pool has nothing to re-sync it from: push with transport='object_store' "
+                f"(retain=True) or pass RolloutPool(resync_source=...)"
+            )
+
+    def _get(self, ref: Any) -> Any:
+        import ray
+
+        return ray.get(ref, timeout=self.config.request_timeout_s)
+
+    # --------------------------------------------------------------- weights
+    def weight_syncer(self, transport: str = "object_store", *, retain: bool = True) -> WeightSyncer:
+        """A syncer for these servers, to run where the exported tensors live; report
+        its result back with :meth:`commit`."""
+        return WeightSyncer(self.servers, transport, retain=retain,
+                            timeout_s=self.config.request_timeout_s)
+
+    def update_weights(self, buckets: Iterable[Sequence[tuple[str, Any]]],
+                       transport: str = "object_store", *, retain: bool = True) -> SyncStats:
+        """Push ``buckets`` (an engine's ``export_weights``) from this process to every
+        server as version ``self.version + 1``. A server dying mid-push fails the push;
+        call again."""
+        stats = self.weight_syncer(transport, retain=retain).push(buckets, self.version + 1)
+        self.commit(stats)
+        return stats
+
+    def commit(self, stats: SyncStats) -> None:
+        """Record a finished push (its version, and its retained buckets for re-syncs)."""
+        self.version = stats.version
+        self._retained = stats.retained
+
+    def weight_versions(self) -> list[int]:
+        import ray
+
+        return ray.get([s.weight_version.remote() for s in self.servers])
+
+    # ------------------------------------------------------------ colocation
+    def sleep(self, level: int = 1) -> list[bool]:
+        """Free the servers' GPU memory for colocated training (no-op on CPU)."""
+        import ray
+
+        return ray.get([s.sleep.remote(level) for s in self.servers])
+
+    def wake_up(self) -> list[bool]:
+        import ray
+
+        return ray.get([s.wake_up.remote() for s in self.servers])
+
+    def shutdown(self) -> None:
+        import ray
+
+        for s in self.servers:
+            ray.kill(s, no_restart=True)
+        self.servers = []
+
+
+def _is_recoverable(error: Exception) -> bool:
+    """A dead/restarting server or stale weights (not a bug in the request)."""
+    import ray
+
+    return isinstance(error, (StaleWeightsError, ray.exceptions.RayActorError,
+                              ray.exceptions.ActorUnavailableError))

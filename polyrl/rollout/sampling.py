@@ -1,0 +1,181 @@
+"""What to sample (:class:`SamplingSpec`) and how the rollout servers run (:class:`RolloutConfig`).
+
+Both are frozen dataclasses built on the driver and sent to the servers (DESIGN.md
+"Configuration"). Neither imports vLLM: the servers turn a spec into vLLM
+``SamplingParams`` themselves (:meth:`SamplingSpec.vllm_kwargs`).
+
+Log-probability convention
+--------------------------
+The servers run vLLM with ``logprobs_mode="processed_logprobs"``, so the log-prob
+reported for a sampled token is that of the distribution it was drawn from:
+``log_softmax(mask(logits) / temperature)`` after top-k/top-p, where ``mask`` sets
+the logits of ids the sampler may not emit to ``-inf``. The trainer computes
+``log_softmax(logits / temperature)``; the two agree exactly when
+
+* ``top_k`` and ``top_p`` are off (``top_k=0``, ``top_p=1``; the RL default), and
+* the trainer applies the same vocabulary mask: logits of ids
+  ``>= Batch.info["sampling_vocab_size"]`` set to ``-inf`` (equivalently, a
+  log-softmax over ``logits[..., :sampling_vocab_size]``). Models whose embedding is
+  padded past the tokenizer (Qwen2 checkpoints, the tiny test model: 64 rows, 58
+  tokens) would otherwise sample ids the tokenizer cannot decode.
+
+With ``temperature=0`` (greedy) vLLM reports ``log_softmax(mask(logits))``, i.e.
+temperature 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["SamplingSpec", "RolloutConfig", "OVERLONG_POLICIES", "derive_seed"]
+
+OVERLONG_POLICIES = ("error", "truncate_left", "drop")
+_SEED_MOD = 2**31 - 1
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """The per-request seed of sample ``sample_index`` (row of the repeated batch).
+
+    It depends only on the spec's seed and the sample's global index, so a sample's
+    tokens do not depend on how the batch was split across servers.
+    """
+    return (seed * 1_000_003 + sample_index) % _SEED_MOD
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+    """One generate call's sampling settings.
+
+    n: samples per prompt (rows ``i*n .. i*n+n-1`` of the output belong to prompt ``i``).
+    temperature: 0 means greedy.
+    top_p, top_k: nucleus / top-k filtering; ``top_p=1`` and ``top_k=0`` turn them off.
+      Keep them off for on-policy RL: with them on, the reported (processed) log-probs
+      are those of the truncated distribution, which the trainer does not compute.
+    max_tokens: response length cap (the response width R of the output batch).
+    stop_token_ids: extra ids that end a response (the tokenizer's EOS always does
+      unless ``ignore_eos``); the stop token is kept as the last response token.
+    seed: base seed; None draws fresh randomness every call (not reproducible).
+    ignore_eos: keep generating past EOS (benchmarks).
+    detokenize: also return each response's text (meta ``response_text``).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = 0
+    ignore_eos: bool = False
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        checks = (
+            ("n", self.n >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 = greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1] (1 = off)"),
+            ("top_k", self.top_k >= 0 or self.top_k == -1, "must be >= 0 (0 or -1 = off)"),
+            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
+        )
+        for field, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingSpec.{field}={getattr(self, field)!r} {rule}")
+
+    def vllm_kwargs(self, sample_index: int, allowed_token_ids: list[int] | None) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.SamplingParams`` for one sample (n=1 per request)."""
+        return dict(
+            n=1,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            seed=None if self.seed is None else derive_seed(self.seed, sample_index),
+            ignore_eos=self.ignore_eos,
+            detokenize=self.detokenize,
+            logprobs=0,  # the sampled token's log-prob only
+            allowed_token_ids=allowed_token_ids,
+            skip_special_tokens=True,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """The rollout servers of one run.
+
+    model_path: HF directory the servers start from (the actor's initial weights).
+    num_servers: independent vLLM engines; a batch is split across them.
+    tensor_parallel_size: GPUs per server (GPU only; 1 on CPU).
+    dtype: "float32" for parity tests; "auto" keeps the checkpoint dtype except that
+      vLLM casts fp32 checkpoints to bf16; "bfloat16"/"float16" force it.
+    max_model_len: prompt + response tokens per sequence.
+    max_prompt_len: longest accepted prompt; None means ``max_model_len - 1``.
+    overlong_prompt: what to do with a longer prompt: "error" (raise, naming the sample
+      index and length), "truncate_left" (keep the last ``max_prompt_len`` tokens) or
+      "drop" (leave the prompt out; the output's ``info["dropped"]`` lists its index).
+    restrict_to_tokenizer: sample only ids the tokenizer has (see the module
+      docstring for what the trainer must do); no effect when the model's vocabulary
+      is not larger than the tokenizer's.
+    kv_cache_gib: KV-cache size on CPU (vLLM's default sizing fails on some hosts).
+    gpu_memory_utilization: fraction of each GPU vLLM may take (colocated: leave room
+      for the trainer).
+    enable_sleep_mode: let :meth:`RolloutPool.sleep` free GPU memory (GPU only; vLLM
+      rejects it on CPU).
+    enforce_eager: None -> eager on CPU (starts in ~3 s, not 20-50 s), graphs on GPU.
+    in_process_engine: run the engine core in the server's process
+      (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights then reach the workers as tensors.
+    num_cpus / num_gpus: Ray resources per server (None: 0.5 CPU on CPU hosts, 1 CPU
+      with GPUs; ``tensor_parallel_size`` GPUs when a GPU is present).
+    max_restarts: how often Ray restarts a dead server before the pool gives up on it.
+    ready_timeout_s: how long to wait for a server to start before failing with a
+      placement/start-up error instead of hanging.
+    request_timeout_s: per generate call of one server.
+    seed: engine seed (sampling uses per-request seeds from SamplingSpec.seed).
+    env: extra environment variables for the server processes (``runtime_env``).
+    """
+
+    model_path: str
+    num_servers: int = 1
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    max_model_len: int = 1024
+    max_prompt_len: int | None = None
+    overlong_prompt: str = "error"
+    restrict_to_tokenizer: bool = True
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.5
+    enable_sleep_mode: bool = False
+    enforce_eager: bool | None = None
+    in_process_engine: bool = True
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+    max_restarts: int = 3
+    ready_timeout_s: float = 300.0
+    request_timeout_s: float = 3600.0
+    seed: int = 0
+    env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.overlong_prompt not in OVERLONG_POLICIES:
+            raise ValueError(
+                f"RolloutConfig.overlong_prompt={self.overlong_prompt!r} is not one of "
+                f"{list(OVERLONG_POLICIES)}"
+            )
+        if self.num_servers < 1 or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"RolloutConfig.num_servers={self.num_servers} and "
+                f"RolloutConfig.tensor_parallel_size={self.tensor_parallel_size} must be >= 1"
+            )
+        if not 0 < self.prompt_limit < self.max_model_len:
+            raise ValueError(
+                f"RolloutConfig.max_prompt_len={self.max_prompt_len} must be in "
+                f"[1, max_model_len={self.max_model_len}); raise max_model_len or lower it"
+            )
+        object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in dict(self.env).items()))
+
+    @property
+    def prompt_limit(self) -> int:
+        """The longest accepted prompt, in tokens."""
+        return self.max_model_len - 1 if self.max_prompt_len is None else self.max_prompt_len

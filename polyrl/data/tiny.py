@@ -46,7 +46,10 @@ class TinyModelSpec:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 256
-    vocab_multiple: int = 16  # pad the embedding table to a multiple of this
+    # Pad the embedding table to a multiple of this. 1 (no padding) keeps every row a real
+    # token, so vLLM never samples an id the tokenizer cannot decode and the trainer's
+    # full-vocabulary log-softmax equals the sampler's distribution.
+    vocab_multiple: int = 1
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     seed: int = 0

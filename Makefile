@@ -24,14 +24,13 @@ $(STAMP): requirements/cpu.lock setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) experiments/tiny_generate.py
+	$(VENV)/bin/polyrl train --gin_file gin/experiments/tiny_grpo.gin
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/lint-imports --config setup.cfg
+	$(PY) -m pytest -q tests/core/test_layering.py tests/core/test_lint.py
 
 clean-venv:
 	rm -rf $(VENV)

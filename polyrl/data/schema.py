@@ -21,6 +21,8 @@ __all__ = ["DatasetError", "DatasetReport", "validate_rows", "validate_file", "R
 
 ROLES = ("system", "user", "assistant")
 REQUIRED = ("prompt", "ground_truth", "data_source")
+# Preference (DPO) rows: the prompt and two assistant responses, the first preferred.
+PREFERENCE_REQUIRED = ("prompt", "chosen", "rejected")
 
 
 class DatasetError(ValueError):
@@ -48,12 +50,13 @@ class DatasetReport:
         return f"{self.n_rows} rows ({sources}){tokens}"
 
 
-def _row_problems(i: int, row: Any) -> list[str]:
+def _row_problems(i: int, row: Any, required: tuple[str, ...] = REQUIRED) -> list[str]:
+    """Every problem of row ``i``; ``data_source`` must have a reward only when required."""
     if not isinstance(row, Mapping):
-        return [f"row {i}: expected an object with fields {list(REQUIRED)}, got {type(row).__name__}"]
+        return [f"row {i}: expected an object with fields {list(required)}, got {type(row).__name__}"]
     problems = [
-        f"row {i}: missing field {name!r} (required fields: {list(REQUIRED)})"
-        for name in REQUIRED if name not in row
+        f"row {i}: missing field {name!r} (required fields: {list(required)})"
+        for name in required if name not in row
     ]
     prompt = row.get("prompt")
     if "prompt" in row:
@@ -74,13 +77,13 @@ def _row_problems(i: int, row: Any) -> list[str]:
                     problems.append(
                         f"row {i}: prompt[{j}].content must be a non-empty string, got {content!r:.80}"
                     )
-    for name in ("ground_truth", "data_source"):
+    for name in ("ground_truth", "data_source", "chosen", "rejected"):
         if name in row and not isinstance(row[name], str):
             problems.append(
                 f"row {i}: field {name!r} must be a string, got {type(row[name]).__name__} {row[name]!r:.80}"
             )
     source = row.get("data_source")
-    if isinstance(source, str) and source not in REWARDS:
+    if "data_source" in required and isinstance(source, str) and source not in REWARDS:
         problems.append(
             f"row {i}: data_source={source!r} has no reward function; registered sources: "
             f"{sorted(REWARDS)} (register one with polyrl.rewards.register_reward)"
@@ -93,16 +96,22 @@ def _row_problems(i: int, row: Any) -> list[str]:
 
 def validate_rows(
     rows: Sequence[Any], source: str = "<rows>", tokenizer: Any = None,
-    max_prompt_tokens: int | None = None,
+    max_prompt_tokens: int | None = None, kind: str = "rl",
 ) -> DatasetReport:
     """Check every row; raise :class:`DatasetError` listing all problems.
+
+    kind: "rl" (prompt, ground_truth, data_source) or "preference" (prompt, chosen,
+    rejected; data_source optional).
 
     With a ``tokenizer`` (transformers), prompts are rendered with its chat template and
     counted; rows over ``max_prompt_tokens`` are problems (name the row and length).
     """
+    kinds = {"rl": REQUIRED, "preference": PREFERENCE_REQUIRED}
+    if kind not in kinds:
+        raise ValueError(f"validate_rows: kind={kind!r} is not one of {sorted(kinds)}")
     if not rows:
         raise DatasetError(source, ["the dataset has no rows"], 0)
-    problems = [p for i, row in enumerate(rows) for p in _row_problems(i, row)]
+    problems = [p for i, row in enumerate(rows) for p in _row_problems(i, row, kinds[kind])]
     longest_tokens = None
     if tokenizer is not None and not problems:
         longest_tokens = 0
@@ -118,14 +127,19 @@ def validate_rows(
         raise DatasetError(source, problems, len(rows))
     return DatasetReport(
         n_rows=len(rows),
-        data_sources=dict(collections.Counter(r["data_source"] for r in rows)),
+        data_sources=dict(collections.Counter(r.get("data_source", "<none>") for r in rows)),
         max_prompt_chars=max(sum(len(m["content"]) for m in r["prompt"]) for r in rows),
         max_prompt_tokens=longest_tokens,
     )
 
 
 def validate_file(
-    path: str | Path, tokenizer: Any = None, max_prompt_tokens: int | None = None
+    path: str | Path, tokenizer: Any = None, max_prompt_tokens: int | None = None,
+    kind: str | None = None,
 ) -> DatasetReport:
-    """Read a ``.parquet``/``.jsonl`` dataset and :func:`validate_rows` it."""
-    return validate_rows(read_dataset(path), str(path), tokenizer, max_prompt_tokens)
+    """Read a ``.parquet``/``.jsonl`` dataset and :func:`validate_rows` it. ``kind``
+    None: "preference" if the first row has ``chosen``, else "rl"."""
+    rows = read_dataset(path)
+    if kind is None:
+        kind = "preference" if rows and isinstance(rows[0], Mapping) and "chosen" in rows[0] else "rl"
+    return validate_rows(rows, str(path), tokenizer, max_prompt_tokens, kind)

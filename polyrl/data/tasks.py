@@ -24,7 +24,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["TASKS", "Task", "make_rows", "write_dataset", "read_dataset", "corpus"]
+__all__ = ["TASKS", "Task", "make_rows", "make_preference_rows", "write_dataset", "read_dataset", "corpus"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,19 @@ def make_rows(task: str, n: int, seed: int = 0, split: str = "train") -> list[di
                 "extra_info": {"split": split, "index": i},
             }
         )
+    return rows
+
+
+def make_preference_rows(task: str, n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """``n`` preference pairs for DPO: the RL rows plus ``chosen`` (the ground truth) and
+    ``rejected`` (the same length, every character changed to another digit/char of the
+    answer's alphabet), deterministic in ``seed``."""
+    rng = random.Random(f"{task}/{split}/{seed}/rejected")
+    rows = make_rows(task, n, seed, split)
+    for row in rows:
+        good = row["ground_truth"]
+        bad = "".join(rng.choice([d for d in "0123456789" if d != c]) for c in good)
+        row["chosen"], row["rejected"] = good, bad
     return rows
 
 

@@ -22,11 +22,34 @@ def test_entry_point_help_lists_subcommands():
         assert name in out
 
 
-@pytest.mark.parametrize("command", ["train", "sweep", "validate-config", "report"])
-def test_pending_subcommands_exit_nonzero_with_message(command, capsys):
+@pytest.mark.parametrize("command", ["train", "sweep", "validate-config"])
+def test_gin_commands_need_a_gin_file(command, capsys):
     assert main([command]) == 2
     err = capsys.readouterr().err
-    assert f"polyrl {command}: not implemented yet" in err and "Traceback" not in err
+    assert f"polyrl {command}: give at least one --gin_file" in err and "Traceback" not in err
+
+
+def test_validate_config_ok_and_errors_name_the_binding(tmp_path, capsys):
+    run_dir = f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"
+    assert main(["validate-config", "--gin_file", "gin/experiments/tiny_grpo.gin", "--gin_param", run_dir]) == 0
+    assert "OK gin/experiments/tiny_grpo.gin: grpo on torch_fsdp" in capsys.readouterr().out
+    bad = ["--gin_param", "polyrl.RunConfig.prompts_per_step = 12", "--gin_param", "polyrl.SamplingSpec.n = 1",
+           "--gin_param", 'polyrl.RunConfig.backend = "tensorflow"']
+    assert main(["validate-config", "--gin_file", "gin/experiments/tiny_grpo.gin", "--gin_param", run_dir, *bad]) == 1
+    err = capsys.readouterr().err
+    assert "RunConfig.prompts_per_step=12 is not a multiple of RunConfig.mini_batch_prompts=8" in err
+    assert "SamplingSpec.n=1: algorithm 'grpo' compares samples of the same prompt" in err
+    assert "RunConfig.backend='tensorflow' is not a registered backend" in err
+
+
+def test_missing_gin_file_is_a_user_error(capsys):
+    assert main(["validate-config", "--gin_file", "gin/experiments/nope.gin"]) == 2
+    assert "--gin_file 'gin/experiments/nope.gin' not found" in capsys.readouterr().err
+
+
+def test_report_needs_a_run_dir(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "has no metrics.jsonl" in capsys.readouterr().err
 
 
 def test_unknown_subcommand_is_a_usage_error():

@@ -1,0 +1,103 @@
+"""PromptSource: the training prompts, validated once, served in deterministic batches.
+
+Batch ``k`` depends only on the seed and ``k`` (an epoch is a seeded permutation), so a
+resumed run sees exactly the prompts the uninterrupted run would have: the data
+position in a checkpoint is just the step number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from polyrl.batch import Batch, from_token_lists
+from polyrl.data.prompts import encode_prompts
+from polyrl.data.schema import validate_rows
+from polyrl.data.tasks import make_preference_rows, make_rows, read_dataset
+
+__all__ = ["PromptSource", "PairSource"]
+
+
+class PromptSource:
+    """Validated prompt rows + their token ids.
+
+    ``batch(k, size)`` returns a Batch with meta columns ``prompt_ids`` (list[int]),
+    ``ground_truth``, ``data_source``, ``extra_info`` and the int64 tensor ``prompt_index``.
+    """
+
+    kind = "rl"
+
+    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, seed: int = 0,
+                 max_prompt_tokens: int | None = None, source: str = "<rows>"):
+        self.report = validate_rows(rows, source, tokenizer, max_prompt_tokens, self.kind)
+        self.rows = list(rows)
+        self.prompt_ids = encode_prompts(tokenizer, self.rows)
+        self.seed = seed
+
+    @classmethod
+    def from_files(cls, files: Sequence[str], tokenizer: Any, **kw: Any) -> PromptSource:
+        rows = [row for f in files for row in read_dataset(f)]
+        return cls(rows, tokenizer, source=", ".join(files), **kw)
+
+    @classmethod
+    def from_task(cls, task: str, n: int, tokenizer: Any, **kw: Any) -> PromptSource:
+        make = make_preference_rows if cls.kind == "preference" else make_rows
+        return cls(make(task, n, seed=kw.get("seed", 0)), tokenizer, source=f"task {task}", **kw)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def indices(self, k: int, size: int) -> np.ndarray:
+        """Row indices of batch ``k``: consecutive slices of per-epoch permutations."""
+        if size > len(self):
+            raise ValueError(
+                f"prompts_per_step={size} is larger than the dataset ({len(self)} rows); "
+                f"lower prompts_per_step or add data"
+            )
+        per_epoch = len(self) // size
+        epoch, pos = divmod(k, per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+        return order[pos * size:(pos + 1) * size]
+
+    def batch(self, k: int, size: int) -> Batch:
+        idx = self.indices(k, size)
+        rows = [self.rows[i] for i in idx]
+        return Batch(
+            {"prompt_index": idx.astype(np.int64)},
+            {
+                "prompt_ids": [self.prompt_ids[i] for i in idx],
+                "ground_truth": [r["ground_truth"] for r in rows],
+                "data_source": [r["data_source"] for r in rows],
+                "extra_info": [r.get("extra_info") for r in rows],
+            },
+        )
+
+
+class PairSource(PromptSource):
+    """Preference pairs (``prompt``, ``chosen``, ``rejected``) for DPO.
+
+    ``batch(k, size)`` returns ``2 * size`` rows, interleaved: row ``2i`` is pair ``i``'s
+    chosen and row ``2i + 1`` its rejected response (each ending with EOS), in the
+    sequence layout of ``polyrl.batch``. Mini-batches of even size keep pairs whole.
+    """
+
+    kind = "preference"
+
+    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, **kw: Any):
+        super().__init__(rows, tokenizer, **kw)
+        eos = [tokenizer.eos_token_id]
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"]) + eos
+
+        self.responses = [(encode(r["chosen"]), encode(r["rejected"])) for r in self.rows]
+        self.pad_id = tokenizer.pad_token_id
+
+    def batch(self, k: int, size: int) -> Batch:
+        idx = self.indices(k, size)
+        prompts = [self.prompt_ids[i] for i in idx for _ in range(2)]
+        responses = [resp for i in idx for resp in self.responses[i]]
+        seq = from_token_lists(prompts, responses, self.pad_id)
+        return seq.with_columns({"pair_index": np.repeat(idx, 2).astype(np.int64)})

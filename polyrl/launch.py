@@ -1,0 +1,228 @@
+"""The entry points' gin layer: gin files -> a frozen, validated RunConfig -> a run.
+
+This is the only module that imports gin (DESIGN.md "Configuration"). The bound
+dataclasses — never gin — travel to the Ray workers.
+
+gin names (see gin/base.gin): ``RunConfig`` (the root), ``OptimConfig`` (scopes
+``actor/`` and ``critic/``), ``ParallelConfig`` (scopes ``actor/``, ``reference/``,
+``critic/``), ``SamplingSpec``, ``RolloutConfig``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from polyrl.config import OptimConfig, ParallelConfig, RunConfig, SweepConfig
+
+__all__ = ["parse_config", "prepare", "train", "sweep", "GIN_ROOT"]
+
+GIN_ROOT = Path(__file__).resolve().parents[1] / "gin"
+
+
+def _register() -> Any:
+    import gin
+    from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
+
+    for cls in (RunConfig, OptimConfig, ParallelConfig, SamplingSpec, RolloutConfig, SweepConfig):
+        with contextlib.suppress(ValueError):  # already registered in this process
+            gin.external_configurable(cls, module="polyrl")
+    return gin
+
+
+def parse_config(gin_files: Sequence[str], gin_params: Sequence[str] = (),
+                 root: str = "polyrl.RunConfig") -> tuple[Any, str]:
+    """Bind gin files + ``--gin_param`` overrides and build the ``root`` configurable
+    (the RunConfig; the SweepConfig for a sweep).
+
+    gin file paths are taken as given, else relative to the repository root; ``include``
+    lines inside them resolve the same way.
+    """
+    gin = _register()
+    gin.clear_config()
+    gin.add_config_file_search_path(str(GIN_ROOT))
+    gin.add_config_file_search_path(str(GIN_ROOT.parent))
+    files = [str(_find_gin(f)) for f in gin_files]
+    gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
+    cfg = gin.get_configurable(root)()
+    return cfg, gin.operative_config_str()
+
+
+def _find_gin(name: str) -> Path:
+    """A gin file as given, else relative to the repository root; absolute."""
+    for path in (Path(name), GIN_ROOT.parent / name):
+        if path.exists():
+            return path.resolve()
+    raise FileNotFoundError(f"--gin_file {name!r} not found (looked in . and {GIN_ROOT.parent})")
+
+
+def prepare(cfg: RunConfig) -> tuple[RunConfig, Any]:
+    """Fill defaults that need the file system (the tiny model), validate, and build
+    the controller-side parts: tokenizer, prompts, Ray, rollout pool."""
+    from polyrl.algos import get_algorithm
+    from polyrl.validate import check_run, raise_if_problems
+
+    spec = get_algorithm(cfg.algorithm).replace(**dict(cfg.algo_overrides))
+    model_path = cfg.model_path
+    if model_path is None:
+        from polyrl.data.tiny import ensure_tiny_model
+
+        model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
+    elif not Path(model_path, "config.json").exists():
+        raise FileNotFoundError(f"RunConfig.model_path={model_path!r} has no config.json; pass a "
+                                f"local Hugging Face model directory")
+    rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
+    cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
+    raise_if_problems(check_run(cfg, spec))
+    return cfg, spec
+
+
+def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
+    import ray
+    from transformers import AutoTokenizer
+
+    from polyrl.data.loader import PairSource, PromptSource
+    from polyrl.placement import Placement
+    from polyrl.rollout import RolloutPool
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    kw = {"seed": cfg.seed, "max_prompt_tokens": cfg.rollout.prompt_limit}
+    source = PromptSource if spec.objective == "rl" else PairSource
+    prompts = (source.from_files(cfg.train_files, tokenizer, **kw) if cfg.train_files
+               else source.from_task(cfg.task, cfg.n_train_prompts, tokenizer, **kw))
+    if not ray.is_initialized():
+        ray.init(num_cpus=cfg.ray_num_cpus, include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+    placement = Placement(cfg.pools, cfg.role_pools, role_workers(cfg, spec))
+    pool = None
+    if spec.objective == "rl":
+        share = placement.shares["rollout"]
+        pool = RolloutPool(dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus))
+    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, pool=pool, placement=placement)
+
+
+def role_workers(cfg: RunConfig, spec: Any) -> dict[str, int]:
+    """Role -> number of Ray workers it starts (rollout: servers)."""
+    from polyrl.workers import backend_workers
+
+    workers = {"actor": backend_workers(cfg.backend, cfg.actor_parallel)}
+    if spec.objective == "rl":
+        workers["rollout"] = cfg.rollout.num_servers
+    if spec.needs_reference:
+        workers["reference"] = backend_workers(cfg.backend, cfg.ref_parallel)
+    if spec.needs_critic:
+        workers["critic"] = backend_workers(cfg.backend, cfg.critic_parallel)
+    return workers
+
+
+def train(gin_files: Sequence[str], gin_params: Sequence[str] = (), resume: bool = False,
+          on_step: Any = None) -> dict:
+    """``polyrl train``: parse, validate, write the operative config, run."""
+    from polyrl.trainer import PreferenceTrainer, RLTrainer
+
+    cfg, operative = parse_config(gin_files, gin_params)
+    cfg, spec = prepare(cfg)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "operative_config.gin").write_text(operative)
+    print(f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True)
+    loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
+    trainer = loop(cfg, spec, _components(cfg, spec))
+    try:
+        return trainer.run(resume=resume, on_step=on_step)
+    finally:
+        trainer.shutdown()
+
+
+def _trial(params: dict, gin_files: Sequence[str], gin_params: Sequence[str], root: str) -> None:
+    """One Ray Tune trial: ``polyrl train`` with the trial's gin bindings, in its own
+    process (gin bindings are per process, and a trial's workers must not be captured
+    by the trial's placement group). It joins the sweep's Ray cluster as a new driver;
+    each line its run appends to metrics.jsonl is reported to Tune."""
+    import subprocess
+    import time
+
+    import ray
+    from ray import tune
+
+    from polyrl.metrics import read_jsonl
+
+    trial_dir = Path(root, f"trial_{tune.get_context().get_trial_id()}")
+    bindings = [*gin_params, *(f"{k} = {v!r}" for k, v in params.items()),
+                f"polyrl.RunConfig.run_dir = {str(trial_dir)!r}"]
+    cmd = [sys.executable, "-m", "polyrl.cli", "train"]
+    cmd += [a for f in gin_files for a in ("--gin_file", f)]
+    cmd += [a for b in bindings for a in ("--gin_param", b)]
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    log = (trial_dir / "train.log").open("w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=GIN_ROOT.parent)
+    reported = 0
+    while True:
+        done = proc.poll() is not None
+        path = trial_dir / "metrics.jsonl"
+        rows = read_jsonl(path) if path.exists() else []
+        for row in rows[reported:]:
+            tune.report(row)
+        reported = len(rows)
+        if done:
+            break
+        time.sleep(1.0)
+    log.close()
+    if proc.returncode:
+        tail = (trial_dir / "train.log").read_text()[-3000:]
+        raise RuntimeError(f"trial run exited with {proc.returncode}; end of {trial_dir / 'train.log'}:\n{tail}")
+
+
+def sweep(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> Any:
+    """``polyrl sweep``: grid-search ``SweepConfig.grid`` with Ray Tune; returns the
+    ResultGrid. Each trial parses the gin files itself (gin bindings are per process)
+    and is checked by ``validate-config`` rules before Tune starts."""
+    import functools
+
+    import ray
+    from ray import tune
+
+    # Tune runs trials in their own working directories: pass absolute gin paths.
+    gin_files = [str(_find_gin(f)) for f in gin_files]
+    sweep_cfg, _ = parse_config(gin_files, gin_params, root="polyrl.SweepConfig")
+    if not sweep_cfg.grid:
+        raise ValueError("SweepConfig.grid is empty: bind e.g. "
+                         "polyrl.SweepConfig.grid = {'actor/polyrl.OptimConfig.lr': [1e-3, 3e-3]}")
+    base, _ = parse_config(gin_files, gin_params)
+    root = Path(base.run_dir).resolve()
+    for combo in _grid(sweep_cfg.grid):  # fail before any trial starts
+        cfg, _ = parse_config(gin_files, [*gin_params, *(f"{k} = {v!r}" for k, v in combo.items())])
+        prepare(dataclasses.replace(cfg, run_dir=str(root / "validate")))
+    if not ray.is_initialized():
+        # Logical CPUs: each concurrent trial's pools, plus a sliver per trial driver.
+        pool_cpus = sum(float(r.get("CPU", 0)) for r in base.pools.values())
+        num_cpus = base.ray_num_cpus or pool_cpus * sweep_cfg.max_concurrent_trials + 1
+        ray.init(num_cpus=num_cpus, include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+    trainable = functools.partial(_trial, gin_files=list(gin_files), gin_params=list(gin_params),
+                                  root=str(root))
+    # The trial process only drives: its workers reserve the pool's resources themselves.
+    trainable = tune.with_resources(trainable, {"cpu": 0.01})
+    tuner = tune.Tuner(
+        trainable,
+        param_space={k: tune.grid_search(list(v)) for k, v in sweep_cfg.grid.items()},
+        tune_config=tune.TuneConfig(metric=sweep_cfg.metric, mode=sweep_cfg.mode,
+                                    num_samples=sweep_cfg.num_samples,
+                                    max_concurrent_trials=sweep_cfg.max_concurrent_trials),
+        run_config=tune.RunConfig(name="sweep", storage_path=str(root / "tune")),
+    )
+    return tuner.fit()
+
+
+def _grid(grid: dict) -> list[dict]:
+    import itertools
+
+    keys = list(grid)
+    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]

@@ -1,0 +1,165 @@
+"""Timers, metric trackers (JSONL, TensorBoard, optional W&B) and the end-of-run plot.
+
+Every phase of a step is timed with :class:`PhaseTimer` and logged as
+``[phase] step N: X s``; the step's metrics (including ``time/<phase>``) go to every
+tracker of a :class:`Tracker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["PhaseTimer", "Tracker", "read_jsonl", "plot_run", "phase_summary"]
+
+log = logging.getLogger("polyrl")
+
+
+class PhaseTimer:
+    """Wall-clock time per named phase of the current step."""
+
+    def __init__(self, echo: bool = True):
+        self.echo = echo
+        self.times: dict[str, float] = {}
+        self.step = 0
+
+    def start_step(self, step: int) -> None:
+        self.step, self.times = step, {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.times[name] = self.times.get(name, 0.0) + dt
+            if self.echo:
+                print(f"[{name}] step {self.step}: {dt:.2f} s", flush=True)
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.times.items()}
+
+
+class Tracker:
+    """Writes scalar metrics to ``metrics.jsonl`` and TensorBoard (and W&B if asked).
+
+    Appends on resume: lines of steps at or after the resume point are dropped first, so
+    the file holds each step once even after a crash between a step and its checkpoint.
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: Mapping[str, Any] | None = None, resume_step: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_jsonl(self.path) if r["step"] < resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._jsonl = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._wandb = None
+        if wandb_project:
+            import wandb  # optional: only when the user asks for it
+
+            self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# Panels of the end-of-run plot, in order; those a run did not log are left out.
+PLOTTED = (
+    ("reward/mean", "mean reward"),
+    ("actor/rewards/margins", "DPO reward margin"),
+    ("actor/kl_loss", "KL (actor loss term)"),
+    ("kl_in_reward/kl", "KL (in reward)"),
+    ("actor/entropy", "entropy (old policy)"),
+    ("response/length_mean", "response length"),
+    ("critic/loss", "critic loss"),
+)
+
+
+def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """A PNG of reward (or DPO margin), KL, entropy, response length, critic loss and
+    phase times over steps (panels for what the run logged)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_jsonl(metrics_path)
+    steps = [r["step"] for r in rows]
+    panels = [(key, title) for key, title in PLOTTED if any(key in r for r in rows)]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2), squeeze=False)
+    axes = axes[0]
+    for ax, (key, title) in zip(axes, panels):
+        ax.plot(*zip(*[(s, r[key]) for s, r in zip(steps, rows) if key in r]), marker=".")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    ax = axes[-1]
+    phases = sorted({k for r in rows for k in r if k.startswith("time/") and k != "time/step"})
+    bottom = [0.0] * len(rows)
+    for key in phases:
+        vals = [r.get(key, 0.0) for r in rows]
+        ax.bar(steps, vals, bottom=bottom, label=key[5:])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title("phase time (s)")
+    ax.set_xlabel("step")
+    if phases:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -> str:
+    """Per-phase share of wall time over the run, and framework overhead: step time
+    minus the compute phases (generation, forward passes, training)."""
+    totals: dict[str, float] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("time/"):
+                totals[k[5:]] = totals.get(k[5:], 0.0) + v
+    step_total = totals.pop("step", sum(totals.values()))
+    lines = [f"phase times over {len(rows)} steps ({step_total:.1f} s):"]
+    for name, t in sorted(totals.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {name:<16} {t:8.2f} s  {100 * t / max(step_total, 1e-9):5.1f}%")
+    compute = sum(t for k, t in totals.items() if k in compute_phases)
+    overhead = step_total - compute
+    lines.append(
+        f"  framework overhead (step time - {'/'.join(compute_phases)}): {overhead:.2f} s "
+        f"({100 * overhead / max(step_total, 1e-9):.1f}%)"
+    )
+    return "\n".join(lines)

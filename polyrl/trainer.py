@@ -1,0 +1,352 @@
+"""The single-controller RL loop (DESIGN.md "Data flow of one GRPO/PPO step").
+
+One step, as in the algorithm box::
+
+    prompts -> generate (rollout pool) -> score (rewards) -> reference log-probs
+    -> old log-probs -> values (critic) -> advantages (algos, on the controller)
+    -> actor updates over mini-batches x epochs (and critic) -> weight sync
+
+Each arrow is a named stage of tens of lines, timed and logged as ``[phase] step N: X s``.
+Roles live in their own Ray workers (``polyrl.workers``): the reference is a separate
+frozen engine, never the actor's object. The run directory holds the operative config,
+``metrics.jsonl``, TensorBoard events, checkpoints and ``summary.png``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyrl.batch import Batch
+from polyrl.config import ModelConfig, RunConfig
+from polyrl.metrics import PhaseTimer, Tracker, phase_summary, plot_run, read_jsonl
+from polyrl.rewards import get_reward_fn
+from polyrl.workers import RoleSpec, WorkerGroup
+
+__all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "latest_checkpoint"]
+
+COMPUTE_PHASES = ("generate", "reference", "old_log_probs", "values", "update_actor", "update_critic")
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    ckpts = sorted(Path(run_dir, "checkpoints").glob("step_*/trainer_state.json"),
+                   key=lambda p: int(p.parent.name.split("_")[1]))
+    return ckpts[-1].parent if ckpts else None
+
+
+class Loop(abc.ABC):
+    """What both loops share: role workers, the run loop, metrics, checkpoints."""
+
+    def __init__(self, cfg: RunConfig, spec: Any, components: Any):
+        self.cfg, self.spec = cfg, spec
+        self.tokenizer, self.prompts = components.tokenizer, components.prompts
+        self.placement, self.pool = components.placement, components.pool
+        # Score exactly the ids the rollout can sample (see ModelConfig.sampling_vocab_size).
+        self.vocab = self.pool.sampling_vocab_size if self.pool is not None else None
+        self.run_dir = Path(cfg.run_dir)
+        self.timer = PhaseTimer()
+        self.actor_loss = spec.make_actor_loss()
+        self.actor = self._group("actor", cfg.optim, cfg.actor_parallel)
+        self.reference = self._group("reference", None, cfg.ref_parallel) if spec.needs_reference else None
+        self.critic = None
+        self.start_step = 0
+
+    @abc.abstractmethod
+    def step(self, step: int) -> dict[str, float]:
+        """One step of the algorithm box; returns the step's metrics."""
+
+    def extra_state(self) -> dict[str, Any]:
+        """Loop state besides the engines' that a checkpoint must keep."""
+        return {}
+
+    def restore_extra(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional hook)
+        """Undo :meth:`extra_state` after the engines were loaded."""
+
+    @property
+    def temperature(self) -> float:
+        """Log-prob temperature: the sampling temperature (greedy scores at 1); a
+        preference loop scores fixed responses at 1."""
+        if self.spec.objective != "rl":
+            return 1.0
+        return float(self.cfg.sampling.temperature) or 1.0
+
+    def shutdown(self) -> None:
+        for group in (self.actor, self.reference, self.critic):
+            if group is not None:
+                group.shutdown()
+
+    def _group(self, role: str, optim: Any, parallel: Any) -> WorkerGroup:
+        model = ModelConfig(path=str(self.cfg.model_path), role=role,
+                            sampling_vocab_size=self.vocab if role != "critic" else None)
+        return WorkerGroup(RoleSpec(role, self.cfg.backend, model, optim, parallel),
+                           lambda rank: self.placement.options(role, rank))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, resume: bool = False,
+            on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+        """Steps from the start (or the latest checkpoint with ``resume``) to
+        ``total_steps``; ``on_step(step, metrics)`` after each (e.g. Ray Tune's report)."""
+        if resume:
+            self._restore()
+        tracker = Tracker(self.run_dir, self.cfg.tensorboard, self.cfg.wandb_project,
+                          resume_step=self.start_step if resume else None)
+        try:
+            for step in range(self.start_step, self.cfg.total_steps):
+                metrics = self.step(step)
+                tracker.log(step, metrics)
+                print(_progress(step, self.cfg.total_steps, metrics), flush=True)
+                if on_step is not None:
+                    on_step(step, metrics)
+                if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0:
+                    self._save(step + 1)
+        finally:
+            tracker.close()
+        rows = read_jsonl(self.run_dir / "metrics.jsonl")
+        plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "summary.png")
+        print(phase_summary(rows, COMPUTE_PHASES), flush=True)
+        return rows[-1] if rows else {}
+
+    def update(self, group: WorkerGroup, loss_fn: Any, batch: Batch, role: str, entropy: bool,
+               mini: int, unit: int = 1) -> dict[str, float]:
+        """``epochs`` passes over shuffled mini-batches of ``mini`` rows; one optimizer
+        step each. Rows are shuffled in units of ``unit`` consecutive rows (2: DPO pairs)."""
+        rng = np.random.default_rng([self.cfg.seed, int(batch.info.get("step", 0))])
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(self.cfg.epochs):
+            units = rng.permutation(len(batch) // unit)
+            order = (units[:, None] * unit + np.arange(unit)).reshape(-1)
+            for start in range(0, len(batch), mini):
+                part = batch.take(order[start:start + mini])
+                part, n_pad = part.pad_to_multiple(group.dp_size)
+                out = group.train_step(part, loss_fn, temperature=self.temperature, entropy=entropy)
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+        return {f"{role}/{k}": v / count for k, v in sums.items()}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, step: int) -> None:
+        path = self.run_dir / "checkpoints" / f"step_{step}"
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for name, group in (("actor", self.actor), ("critic", self.critic)):
+            if group is not None:
+                group.call_all("save", str(tmp / name))
+        state = {"step": step, **self.extra_state()}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)  # a checkpoint is complete or absent, never half-written
+        kept = sorted((p for p in path.parent.glob("step_*") if not p.name.endswith(".tmp")),
+                      key=lambda p: int(p.name.split("_")[1]))
+        for old in kept[:-self.cfg.keep_checkpoints]:
+            shutil.rmtree(old)
+        print(f"[checkpoint] step {step}: {path}", flush=True)
+
+    def _restore(self) -> None:
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            print(f"[resume] no checkpoint under {self.run_dir}/checkpoints: starting at step 0")
+            return
+        state = json.loads((path / "trainer_state.json").read_text())
+        for name, group in (("actor", self.actor), ("critic", self.critic)):
+            if group is not None:
+                group.call_all("load", str(path / name))
+        self.start_step = state["step"]
+        self.restore_extra(state)
+        print(f"[resume] from {path} at step {self.start_step}", flush=True)
+
+
+
+
+class RLTrainer(Loop):
+    """Runs ``cfg.total_steps`` steps of an ``objective == "rl"`` algorithm."""
+
+    def __init__(self, cfg: RunConfig, spec: Any, components: Any):
+        super().__init__(cfg, spec, components)
+        self.critic_loss = spec.make_critic_loss() if spec.needs_critic else None
+        self.kl_ctrl = spec.make_kl_controller() if spec.kl_in_reward else None
+        self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
+        self.critic = self._group("critic", cfg.critic_optim, cfg.critic_parallel) if spec.needs_critic else None
+        self.syncer = self.pool.weight_syncer()
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"kl_state": dataclasses.asdict(self.kl_state) if self.kl_state else None}
+
+    def restore_extra(self, state: dict[str, Any]) -> None:
+        if state.get("kl_state"):
+            from polyrl.algos.kl import KLState
+
+            self.kl_state = KLState(**state["kl_state"])
+        self.sync_weights(version=self.start_step)  # the servers still hold the initial weights
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.pool.shutdown()
+
+    def step(self, step: int) -> dict[str, float]:
+        self.timer.start_step(step)
+        t0 = time.perf_counter()
+        with self.timer.phase("generate"):
+            batch = self.collect(step)
+        with self.timer.phase("reward"):
+            batch = self.score(batch)
+        if self.spec.dynamic_sampling:
+            with self.timer.phase("dynamic_sampling"):
+                batch, kept = self.filter_groups(batch, step)
+        if self.reference is not None:
+            with self.timer.phase("reference"):
+                batch = batch.with_columns({"ref_log_probs": self.reference.forward(batch, temperature=self.temperature)["log_probs"]})
+        with self.timer.phase("old_log_probs"):
+            out = self.actor.forward(batch, temperature=self.temperature, entropy=True)
+            batch = batch.with_columns({"old_log_probs": out["log_probs"], "old_entropy": out["entropy"]})
+        if self.critic is not None:
+            with self.timer.phase("values"):
+                batch = batch.with_columns({"values": self.critic.forward(batch)["values"]})
+        with self.timer.phase("advantages"):
+            batch, metrics = self.advantages(batch)
+        if self.spec.dynamic_sampling:
+            metrics["dynamic_sampling/kept_fraction"] = kept
+        with self.timer.phase("update_actor"):
+            metrics |= self.update(self.actor, self.actor_loss, batch, "actor", self.spec.needs_entropy, self.mini_rows)
+        if self.critic is not None:
+            with self.timer.phase("update_critic"):
+                metrics |= self.update(self.critic, self.critic_loss, batch, "critic", False, self.mini_rows)
+        with self.timer.phase("sync_weights"):
+            metrics |= self.sync_weights(version=step + 1)
+        metrics |= self.timer.metrics() | {"time/step": time.perf_counter() - t0}
+        return metrics
+
+    @property
+    def mini_rows(self) -> int:
+        return self.cfg.mini_batch_prompts * self.cfg.sampling.n
+
+    # ------------------------------------------------------------------ stages
+    def collect(self, step: int) -> Batch:
+        """Generate ``n`` responses per prompt; with DAPO's dynamic sampling, keep only
+        groups whose rewards differ, generating more prompts until the step is full."""
+        prompts = self.prompts.batch(step, self.cfg.prompts_per_step)
+        sampling = self.cfg.sampling
+        if sampling.seed is not None:  # fresh, reproducible noise every step
+            sampling = dataclasses.replace(sampling, seed=int(np.random.SeedSequence([sampling.seed, step]).generate_state(1)[0] >> 1))
+        # A fixed response width: a jitted backend then compiles once per prompt bucket.
+        width = sampling.max_tokens
+        batch = self.pool.generate(prompts, sampling, response_len=width)
+        if self.spec.needs_greedy_baseline:
+            greedy = dataclasses.replace(sampling, n=1, temperature=0.0)
+            base = self.score(self.pool.generate(prompts, greedy, response_len=width))
+            scores = base["token_rewards"].sum(-1)
+            batch = batch.with_columns({"baseline_scores": scores[batch["group_ids"]]})
+        return batch.with_columns(step=step)
+
+    def filter_groups(self, batch: Batch, step: int) -> tuple[Batch, float]:
+        """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage),
+        generating up to ``max_gen_batches - 1`` more prompt batches until
+        ``prompts_per_step`` informative groups are found (fewer: train on what there is)."""
+        from polyrl.algos.dapo import dynamic_sampling_mask
+
+        want, n = self.cfg.prompts_per_step, self.cfg.sampling.n
+        seen, kept = len(batch), []
+        for extra in range(self.cfg.max_gen_batches):
+            if extra:
+                more = self.prompts.batch(self.cfg.total_steps + step * self.cfg.max_gen_batches + extra, want)
+                more = self.score(self.pool.generate(more, self.cfg.sampling, response_len=self.cfg.sampling.max_tokens))
+                batch, seen = more.with_columns({"group_ids": more["group_ids"] + 10**6 * extra}), seen + len(more)
+            kept.append(batch.take(np.asarray(dynamic_sampling_mask(batch["scores"], batch["group_ids"]))))
+            if sum(len(b) for b in kept) >= want * n:
+                break
+        out = Batch.concat(kept)
+        if len(out) == 0:  # nothing informative: the last batch, whose advantages are all 0
+            return batch.with_columns(step=step), 0.0
+        return out.take(slice(0, want * n)).with_columns(step=step), len(out) / seen
+
+    def score(self, batch: Batch) -> Batch:
+        """Rule-based reward per response, placed on its last valid token."""
+        texts = batch["response_text"]
+        scores = np.array([
+            get_reward_fn(src)(text, gt, extra)
+            for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"])
+        ], dtype=np.float32)
+        mask = batch["response_mask"]
+        token_rewards = np.zeros_like(mask, dtype=np.float32)
+        last = np.maximum(mask.sum(-1).astype(np.int64) - 1, 0)
+        token_rewards[np.arange(len(batch)), last] = scores * (mask.sum(-1) > 0)
+        return batch.with_columns({"token_rewards": token_rewards, "scores": scores})
+
+    def advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        from polyrl.algos.kl import apply_kl_penalty
+
+        metrics: dict[str, float] = {}
+        rewards = batch["token_rewards"]
+        if self.spec.overlong_buffer_len:
+            from polyrl.algos.dapo import overlong_penalty
+
+            lengths = batch["response_mask"].sum(-1)
+            pen = overlong_penalty(lengths, self.cfg.sampling.max_tokens,
+                                   min(self.spec.overlong_buffer_len, self.cfg.sampling.max_tokens),
+                                   self.spec.overlong_penalty_factor)
+            rewards = rewards.copy()
+            last = np.maximum(lengths.astype(np.int64) - 1, 0)
+            rewards[np.arange(len(batch)), last] += pen.astype(np.float32)
+        if self.kl_ctrl is not None:
+            rewards, current_kl = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                                   batch["response_mask"], self.kl_state.coef, self.spec.kl_reward_kind)
+            coef, self.kl_state = self.kl_ctrl.update(float(current_kl), len(batch), self.kl_state)
+            metrics |= {"kl_in_reward/kl": float(current_kl), "kl_in_reward/coef": coef}
+        columns = {k: batch[k] for k in ("response_mask", "group_ids", "values", "baseline_scores") if k in batch}
+        adv, returns = self.spec.compute_advantages({**columns, "token_rewards": rewards.astype(np.float32)})
+        mask = batch["response_mask"]
+        lengths = mask.sum(-1)
+        metrics |= {
+            "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
+            "reward/min": float(batch["scores"].min()),
+            "response/length_mean": float(lengths.mean()),
+            "advantages/abs_mean": float(np.abs(adv).sum() / max(mask.sum(), 1)),
+            "actor/entropy": float((batch["old_entropy"] * mask).sum() / max(mask.sum(), 1)),
+        }
+        batch = batch.with_columns({"advantages": np.asarray(adv, np.float32), "returns": np.asarray(returns, np.float32)})
+        return batch, metrics
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        stats = self.actor.sync_weights(self.syncer, int(self.cfg.weight_bucket_mb * 2**20), version)
+        self.pool.commit(stats)
+        return {"sync/seconds": float(stats.seconds), "sync/gb": stats.bytes / 1e9}
+
+class PreferenceTrainer(Loop):
+    """Offline DPO (and IPO/hinge): ``prompts_per_step`` pairs a step, the reference's
+    log-probs of both responses, then ``epochs`` passes of mini-batches of
+    ``mini_batch_prompts`` pairs. No rollout servers."""
+
+    def step(self, step: int) -> dict[str, float]:
+        self.timer.start_step(step)
+        t0 = time.perf_counter()
+        with self.timer.phase("data"):
+            batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
+        with self.timer.phase("reference"):
+            batch = batch.with_columns({"ref_log_probs": self.reference.forward(batch)["log_probs"]})
+        with self.timer.phase("update_actor"):
+            metrics = self.update(self.actor, self.actor_loss, batch, "actor", False,
+                                  mini=2 * self.cfg.mini_batch_prompts, unit=2)
+        lengths = batch["response_mask"].sum(-1)
+        metrics |= {"response/length_mean": float(lengths.mean())}
+        return metrics | self.timer.metrics() | {"time/step": time.perf_counter() - t0}
+
+
+def _progress(step: int, total: int, m: dict[str, float]) -> str:
+    done = int(20 * (step + 1) / total)
+    bar = "#" * done + "." * (20 - done)
+    parts = []
+    for key, label in (("reward/mean", "reward"), ("actor/rewards/margins", "margin"),
+                       ("actor/rewards/accuracies", "acc"), ("actor/kl_loss", "kl"), ("actor/entropy", "entropy"),
+                       ("response/length_mean", "len"), ("time/step", "s/step")):
+        if key in m:
+            parts.append(f"{label} {m[key]:.3g}")
+    return f"[{bar}] step {step + 1}/{total}  " + "  ".join(parts)

@@ -1,0 +1,64 @@
+"""Metrics trackers and the placement arithmetic (no Ray, no devices)."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyrl.metrics import Tracker, phase_summary, plot_run, read_jsonl
+from polyrl.placement import plan_shares
+
+
+def test_tracker_resume_drops_steps_after_the_checkpoint(tmp_path):
+    t = Tracker(tmp_path, tensorboard=False)
+    for step in range(5):
+        t.log(step, {"reward/mean": step / 10})
+    t.close()
+    # The run died after logging step 4 but its last checkpoint was at step 3.
+    t = Tracker(tmp_path, tensorboard=False, resume_step=3)
+    t.log(3, {"reward/mean": 0.33})
+    t.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[-1]["reward/mean"] == 0.33
+
+
+def test_tensorboard_events_are_written(tmp_path):
+    t = Tracker(tmp_path, tensorboard=True)
+    t.log(0, {"reward/mean": 0.5})
+    t.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_phase_summary_shares_and_overhead():
+    rows = [{"time/generate": 2.0, "time/update_actor": 1.0, "time/sync_weights": 0.5, "time/step": 4.0}] * 2
+    text = phase_summary(rows, ("generate", "update_actor"))
+    # total 8 s; generate 4 s = 50%; overhead = 8 - (4 + 2) = 2 s = 25%
+    assert "generate             4.00 s   50.0%" in text
+    assert "2.00 s (25.0%)" in text
+
+
+def test_plot_has_a_panel_per_logged_curve(tmp_path):
+    t = Tracker(tmp_path, tensorboard=False)
+    for step in range(3):
+        t.log(step, {"reward/mean": 0.1 * step, "time/generate": 1.0, "time/step": 1.5})
+    t.close()
+    png = plot_run(tmp_path / "metrics.jsonl", tmp_path / "s.png")
+    assert png.stat().st_size > 1000
+
+
+def test_colocated_gpu_pool_shares_each_gpu():
+    pools = {"train": {"GPU": 4, "CPU": 16}, "gen": {"GPU": 4, "CPU": 16}}
+    role_pools = {"actor": "train", "reference": "train", "rollout": "gen"}
+    shares = plan_shares(pools, role_pools, {"actor": 4, "reference": 4, "rollout": 4})
+    # Two roles on each of the train pool's GPUs: half a GPU and 16/4/2 = 2 CPUs per worker.
+    assert (shares["actor"].num_gpus, shares["actor"].num_cpus) == (0.5, 2.0)
+    assert shares["actor"].colocated_with == ("actor", "reference")
+    # The rollout pool is its own: a whole GPU, 4 CPUs per GPU.
+    assert (shares["rollout"].num_gpus, shares["rollout"].num_cpus) == (1.0, 4.0)
+
+
+def test_cpu_pool_is_split_over_all_its_workers():
+    shares = plan_shares({"shared": {"CPU": 2}}, {"actor": "shared", "reference": "shared", "rollout": "shared"},
+                         {"actor": 2, "reference": 1, "rollout": 1})
+    assert {r: s.num_cpus for r, s in shares.items()} == pytest.approx({"actor": 0.5, "reference": 0.5, "rollout": 0.5})
+    assert all(s.num_gpus == 0 for s in shares.values())

@@ -207,6 +207,10 @@ class RunConfig:
       on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec fields.
     max_gen_batches: with DAPO's dynamic sampling, how many prompt batches a step may
       generate to find ``prompts_per_step`` groups whose rewards differ.
+    model_dtype / gradient_checkpointing: the trained and reference engines' parameter
+      dtype ("bfloat16" on GPU) and activation checkpointing.
+    weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
+      "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     sampling / rollout: ``polyrl.rollout`` SamplingSpec / RolloutConfig (rollout's
       model_path is filled from ``model_path`` when left empty).
     """
@@ -238,6 +242,9 @@ class RunConfig:
         default_factory=lambda: {"actor": "shared", "reference": "shared", "critic": "shared",
                                  "rollout": "shared"}
     )
+    model_dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    weight_transport: str = "object_store"
     weight_bucket_mb: float = 64.0
     save_every: int = 0
     keep_checkpoints: int = 2

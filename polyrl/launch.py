@@ -103,7 +103,8 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     pool = None
     if spec.objective == "rl":
         share = placement.shares["rollout"]
-        pool = RolloutPool(dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus))
+        pool = RolloutPool(dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
+                           placement=lambda i: placement.options("rollout", i))
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, pool=pool, placement=placement)
 
 

@@ -84,7 +84,8 @@ class Loop(abc.ABC):
                 group.shutdown()
 
     def _group(self, role: str, optim: Any, parallel: Any) -> WorkerGroup:
-        model = ModelConfig(path=str(self.cfg.model_path), role=role,
+        model = ModelConfig(path=str(self.cfg.model_path), role=role, dtype=self.cfg.model_dtype,
+                            gradient_checkpointing=self.cfg.gradient_checkpointing,
                             sampling_vocab_size=self.vocab if role != "critic" else None)
         return WorkerGroup(RoleSpec(role, self.cfg.backend, model, optim, parallel),
                            lambda rank: self.placement.options(role, rank))
@@ -176,7 +177,7 @@ class RLTrainer(Loop):
         self.kl_ctrl = spec.make_kl_controller() if spec.kl_in_reward else None
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
         self.critic = self._group("critic", cfg.critic_optim, cfg.critic_parallel) if spec.needs_critic else None
-        self.syncer = self.pool.weight_syncer()
+        self.syncer = self.pool.weight_syncer(cfg.weight_transport)
 
     def extra_state(self) -> dict[str, Any]:
         return {"kl_state": dataclasses.asdict(self.kl_state) if self.kl_state else None}

@@ -65,6 +65,10 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"SamplingSpec.n={n}: algorithm {spec.name!r} compares samples of the same prompt "
             f"(group baseline), so one sample per prompt gives zero advantages; set n >= 2"
         )
+    from polyrl.config import DTYPES
+
+    if cfg.model_dtype not in DTYPES:
+        out.append(f"RunConfig.model_dtype={cfg.model_dtype!r} is not one of {list(DTYPES)}")
     if cfg.epochs < 1 or cfg.total_steps < 1:
         out.append(f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1")
     if cfg.optim.total_steps < cfg.total_steps * cfg.epochs * (cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1)) \
@@ -96,7 +100,17 @@ def _rollout_problems(cfg: RunConfig) -> list[str]:
 
 
 def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
+    from polyrl.weight_sync import TRANSPORTS
+
     out = []
+    if cfg.weight_transport not in TRANSPORTS:
+        out.append(f"RunConfig.weight_transport={cfg.weight_transport!r} is not one of {list(TRANSPORTS)}")
+    elif cfg.weight_transport == "cuda_ipc" and cfg.role_pools.get("actor") != cfg.role_pools.get("rollout"):
+        out.append(
+            "RunConfig.weight_transport='cuda_ipc' needs the actor and rollout in the same pool "
+            f"(same GPUs), but role_pools maps them to {cfg.role_pools.get('actor')!r} and "
+            f"{cfg.role_pools.get('rollout')!r}; use 'nccl' or 'object_store', or colocate them"
+        )
     roles = ["actor", *(["rollout"] if spec.objective == "rl" else []),
              *(r for r in ("reference", "critic") if r in spec.roles)]
     for role in roles:

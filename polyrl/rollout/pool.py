@@ -85,10 +85,14 @@ class RolloutPool:
     resync_source: optional callable returning fresh buckets of the current weights
       (e.g. ``lambda: engine.export_weights(bucket_bytes)`` on the trainer), used to
       re-sync a restarted server when the last push retained nothing (GPU transports).
+    placement: server index -> Ray actor options (resources and scheduling strategy,
+      e.g. ``polyrl.placement.Placement.options("rollout", i)``), replacing the
+      resources derived from the config; how a server joins a colocated GPU pool.
     """
 
     def __init__(self, config: RolloutConfig, *,
-                 resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None):
+                 resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None,
+                 placement: Callable[[int], dict[str, Any]] | None = None):
         import ray
 
         if not ray.is_initialized():
@@ -98,6 +102,7 @@ class RolloutPool:
             )
         self.config = config
         self.resync_source = resync_source
+        self.placement = placement
         self.version = 0
         self._retained: list | None = None
         self.servers = self._start_servers()
@@ -136,7 +141,7 @@ class RolloutPool:
         env = server_env(c, on_gpu=res["num_gpus"] > 0)
         return [
             actor.options(
-                num_cpus=res["num_cpus"], num_gpus=res["num_gpus"], max_restarts=c.max_restarts,
+                **(self.placement(i) if self.placement else res), max_restarts=c.max_restarts,
                 max_task_retries=0, runtime_env={"env_vars": env},
             ).remote(c, i)
             for i in range(c.num_servers)

@@ -112,7 +112,14 @@ class RolloutServer:
             "model_vocab_size": self.model_vocab_size, "tokenizer_size": self.tokenizer_size,
             "sampling_vocab_size": self.sampling_vocab_size,
             "pad_token_id": self.pad_token_id, "eos_token_id": self.eos_token_id,
+            "device_uuid": self._device_uuid(),
         }
+
+    def _device_uuid(self) -> str | None:
+        """The UUID of the server's (first) GPU, so a trainer can tell whether it shares it."""
+        import torch
+
+        return str(torch.cuda.get_device_properties(0).uuid) if self.on_gpu else None
 
     def weight_version(self) -> int:
         return self.version

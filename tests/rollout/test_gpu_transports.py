@@ -4,7 +4,9 @@ Never run where they were written (no GPU there): these are the proof they work,
 run on a GPU host with the GPU vLLM build (``pytest -m gpu tests/rollout``).
 
 Tolerance: vLLM's GPU kernels (FlashAttention, cuBLAS with TF32 allowed) against
-transformers' fp32 SDPA: 2e-3 absolute on log-probs of a 2-layer fp32 model.
+transformers' fp32 reference on the CPU: 5e-3 absolute on log-probs of the 2-layer fp32
+model. Measured on an H200: max 2.3e-3 (1 of 32 values above 2e-3, the first guess). A
+stale or wrong weight moves these log-probs by more than 0.1.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from polyrl.rollout import RolloutConfig, RolloutPool, SamplingSpec
 from polyrl.weight_sync import iter_buckets
 
 pytestmark = pytest.mark.gpu
-GPU_ATOL = 2e-3  # see module docstring
+GPU_ATOL = 5e-3  # see module docstring
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +64,13 @@ def test_cuda_ipc_colocated(gpu_ray, padded_model_dir):
 def test_nccl_disaggregated(gpu_ray, padded_model_dir):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: the server on one, the trainer on the other")
-    pool = _pool(padded_model_dir, num_gpus=1)  # Ray gives the server the first free GPU (0)
-    torch.cuda.set_device(1)
-    device = torch.device("cuda", 1)
+    pool = _pool(padded_model_dir, num_gpus=1)
+    # The trainer side must sit on the other GPU (two NCCL ranks on one device are invalid).
+    server_uuid = pool.infos[0]["device_uuid"]
+    other = next(i for i in range(torch.cuda.device_count())
+                 if str(torch.cuda.get_device_properties(i).uuid) != server_uuid)
+    torch.cuda.set_device(other)
+    device = torch.device("cuda", other)
     model = load_hf(padded_model_dir, seed=6).to(device)
     syncer = pool.weight_syncer("nccl")
     with socket.socket() as s:

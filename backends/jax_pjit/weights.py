@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from polyrl.backends.jax_pjit.models import TransformerConfig
+from polyrl.weight_sync import iter_buckets as group_buckets
 
 __all__ = [
     "LINEAR_MODULES",
@@ -144,25 +145,14 @@ def export_buckets(
     stored). Each array is gathered onto ``device`` (default: the first device) only
     when its bucket is built, so at most one bucket of gathered weights is alive at a time.
     """
-    if bucket_bytes <= 0:
-        raise ValueError(f"export_weights: bucket_bytes={bucket_bytes} must be > 0")
     device = device or jax.devices()[0]
 
-    def gather(path: str, x: jax.Array) -> jax.Array:
-        x = jax.device_put(x, device).astype(dtype or x.dtype)
-        return x.T if path.endswith(".kernel") else x
+    def gathered():
+        for path, x in params.items():
+            x = jax.device_put(x, device).astype(dtype or x.dtype)
+            yield hf_name(path), x.T if path.endswith(".kernel") else x
 
-    bucket: list[tuple[str, jax.Array]] = []
-    size = 0
-    for path, x in params.items():
-        nbytes = x.size * x.dtype.itemsize
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((hf_name(path), gather(path, x)))
-        size += nbytes
-    if bucket:
-        yield bucket
+    yield from group_buckets(gathered(), bucket_bytes)
 
 
 def to_torch(bucket: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:

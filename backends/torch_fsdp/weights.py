@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from polyrl.weight_sync import iter_buckets as group_buckets
+
 __all__ = ["hf_named_tensors", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = (
@@ -60,22 +62,12 @@ def iter_buckets(
     """Buckets ``[(hf_name, full tensor in dtype)]`` of at most ``bucket_bytes`` each (a
     single tensor larger than that gets a bucket of its own). Every rank must consume
     the whole iterator: each tensor is a collective."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"export_weights: bucket_bytes={bucket_bytes} must be > 0")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, shard in hf_named_tensors(model):
-        full = _full(shard.detach(), device)
-        if full.is_floating_point():
-            full = full.to(dtype)
-        nbytes = full.numel() * full.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, full))
-        size += nbytes
-    if bucket:
-        yield bucket
+    def gathered():
+        for name, shard in hf_named_tensors(model):
+            full = _full(shard.detach(), device)
+            yield name, full.to(dtype) if full.is_floating_point() else full
+
+    yield from group_buckets(gathered(), bucket_bytes)
 
 
 def _hf_config(hf_config, value_head: nn.Linear | None):

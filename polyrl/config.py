@@ -207,6 +207,10 @@ class RunConfig:
       on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec fields.
     max_gen_batches: with DAPO's dynamic sampling, how many prompt batches a step may
       generate to find ``prompts_per_step`` groups whose rewards differ.
+    reward_model_path: a sequence-classification checkpoint (one score, e.g. saved by
+      ``AutoModelForSequenceClassification``; same tokenizer as the policy) run as the
+      frozen reward role; a response's reward is its rule reward + ``reward_model_coef``
+      x the model's score at the last token. None: rule rewards only.
     model_dtype / gradient_checkpointing: the trained and reference engines' parameter
       dtype ("bfloat16" on GPU) and activation checkpointing.
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
@@ -235,12 +239,15 @@ class RunConfig:
     actor_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     ref_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     critic_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    reward_model_path: str | None = None
+    reward_model_coef: float = 1.0
+    reward_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     pools: Mapping[str, Mapping[str, float]] = dataclasses.field(
         default_factory=lambda: {"shared": {"CPU": 2.0, "GPU": 0.0}}
     )
     role_pools: Mapping[str, str] = dataclasses.field(
         default_factory=lambda: {"actor": "shared", "reference": "shared", "critic": "shared",
-                                 "rollout": "shared"}
+                                 "reward": "shared", "rollout": "shared"}
     )
     model_dtype: str = "float32"
     gradient_checkpointing: bool = False

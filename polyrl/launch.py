@@ -77,6 +77,9 @@ def prepare(cfg: RunConfig) -> tuple[RunConfig, Any]:
     elif not Path(model_path, "config.json").exists():
         raise FileNotFoundError(f"RunConfig.model_path={model_path!r} has no config.json; pass a "
                                 f"local Hugging Face model directory")
+    if cfg.reward_model_path is not None and not Path(cfg.reward_model_path, "config.json").exists():
+        raise FileNotFoundError(f"RunConfig.reward_model_path={cfg.reward_model_path!r} has no config.json; "
+                                f"pass a local sequence-classification model directory")
     rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
     cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
     raise_if_problems(check_run(cfg, spec))
@@ -119,6 +122,8 @@ def role_workers(cfg: RunConfig, spec: Any) -> dict[str, int]:
         workers["reference"] = backend_workers(cfg.backend, cfg.ref_parallel)
     if spec.needs_critic:
         workers["critic"] = backend_workers(cfg.backend, cfg.critic_parallel)
+    if cfg.reward_model_path and spec.objective == "rl":
+        workers["reward"] = backend_workers(cfg.backend, cfg.reward_parallel)
     return workers
 
 

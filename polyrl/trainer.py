@@ -83,10 +83,10 @@ class Loop(abc.ABC):
             if group is not None:
                 group.shutdown()
 
-    def _group(self, role: str, optim: Any, parallel: Any) -> WorkerGroup:
-        model = ModelConfig(path=str(self.cfg.model_path), role=role, dtype=self.cfg.model_dtype,
+    def _group(self, role: str, optim: Any, parallel: Any, path: str | None = None) -> WorkerGroup:
+        model = ModelConfig(path=str(path or self.cfg.model_path), role=role, dtype=self.cfg.model_dtype,
                             gradient_checkpointing=self.cfg.gradient_checkpointing,
-                            sampling_vocab_size=self.vocab if role != "critic" else None)
+                            sampling_vocab_size=self.vocab if role in ("actor", "reference") else None)
         return WorkerGroup(RoleSpec(role, self.cfg.backend, model, optim, parallel),
                            lambda rank: self.placement.options(role, rank))
 
@@ -177,6 +177,8 @@ class RLTrainer(Loop):
         self.kl_ctrl = spec.make_kl_controller() if spec.kl_in_reward else None
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
         self.critic = self._group("critic", cfg.critic_optim, cfg.critic_parallel) if spec.needs_critic else None
+        self.reward_model = (self._group("reward", None, cfg.reward_parallel, cfg.reward_model_path)
+                             if cfg.reward_model_path else None)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
 
     def extra_state(self) -> dict[str, Any]:
@@ -191,6 +193,8 @@ class RLTrainer(Loop):
 
     def shutdown(self) -> None:
         super().shutdown()
+        if self.reward_model is not None:
+            self.reward_model.shutdown()
         self.pool.shutdown()
 
     def step(self, step: int) -> dict[str, float]:
@@ -270,12 +274,15 @@ class RLTrainer(Loop):
         return out.take(slice(0, want * n)).with_columns(step=step), len(out) / seen
 
     def score(self, batch: Batch) -> Batch:
-        """Rule-based reward per response, placed on its last valid token."""
+        """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x
+        the reward model's score when there is one — placed on its last valid token."""
         texts = batch["response_text"]
         scores = np.array([
             get_reward_fn(src)(text, gt, extra)
             for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"])
         ], dtype=np.float32)
+        if self.reward_model is not None:
+            scores = scores + self.cfg.reward_model_coef * self.reward_model.forward(batch)["scores"].astype(np.float32)
         mask = batch["response_mask"]
         token_rewards = np.zeros_like(mask, dtype=np.float32)
         last = np.maximum(mask.sum(-1).astype(np.int64) - 1, 0)

@@ -112,7 +112,8 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"{cfg.role_pools.get('rollout')!r}; use 'nccl' or 'object_store', or colocate them"
         )
     roles = ["actor", *(["rollout"] if spec.objective == "rl" else []),
-             *(r for r in ("reference", "critic") if r in spec.roles)]
+             *(r for r in ("reference", "critic") if r in spec.roles),
+             *(["reward"] if cfg.reward_model_path and spec.objective == "rl" else [])]
     for role in roles:
         pool = cfg.role_pools.get(role)
         if pool is None:
@@ -125,7 +126,7 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
         gpus = float(res.get("GPU", 0))
         members = [r for r in roles if cfg.role_pools.get(r) == name]
         parallel = {"actor": cfg.actor_parallel, "critic": cfg.critic_parallel,
-                    "reference": cfg.ref_parallel}
+                    "reference": cfg.ref_parallel, "reward": cfg.reward_parallel}
         for role in members:
             if role in parallel and gpus and parallel[role].world_size > gpus:
                 out.append(

@@ -211,6 +211,10 @@ class RunConfig:
       ``AutoModelForSequenceClassification``; same tokenizer as the policy) run as the
       frozen reward role; a response's reward is its rule reward + ``reward_model_coef``
       x the model's score at the last token. None: rule rewards only.
+    offload_colocated: colocated roles take turns: engines stay in host memory except
+      during their phases and the rollout servers sleep while the trainer works (needs
+      RolloutConfig.enable_sleep_mode for the servers). None: on when the actor shares a
+      GPU pool with other roles.
     model_dtype / gradient_checkpointing: the trained and reference engines' parameter
       dtype ("bfloat16" on GPU) and activation checkpointing.
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
@@ -249,6 +253,7 @@ class RunConfig:
         default_factory=lambda: {"actor": "shared", "reference": "shared", "critic": "shared",
                                  "reward": "shared", "rollout": "shared"}
     )
+    offload_colocated: bool | None = None
     model_dtype: str = "float32"
     gradient_checkpointing: bool = False
     weight_transport: str = "object_store"

@@ -15,11 +15,12 @@ frozen engine, never the actor's object. The run directory holds the operative c
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class Loop(abc.ABC):
         self.actor = self._group("actor", cfg.optim, cfg.actor_parallel)
         self.reference = self._group("reference", None, cfg.ref_parallel) if spec.needs_reference else None
         self.critic = None
+        self.turns = Turns(False)  # RLTrainer: colocated roles take turns on shared GPUs
         self.start_step = 0
 
     @abc.abstractmethod
@@ -141,7 +143,8 @@ class Loop(abc.ABC):
         shutil.rmtree(tmp, ignore_errors=True)
         for name, group in (("actor", self.actor), ("critic", self.critic)):
             if group is not None:
-                group.call_all("save", str(tmp / name))
+                with self.turns.resident(group):
+                    group.call_all("save", str(tmp / name))
         state = {"step": step, **self.extra_state()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(path, ignore_errors=True)
@@ -160,7 +163,8 @@ class Loop(abc.ABC):
         state = json.loads((path / "trainer_state.json").read_text())
         for name, group in (("actor", self.actor), ("critic", self.critic)):
             if group is not None:
-                group.call_all("load", str(path / name))
+                with self.turns.resident(group):
+                    group.call_all("load", str(path / name))
         self.start_step = state["step"]
         self.restore_extra(state)
         print(f"[resume] from {path} at step {self.start_step}", flush=True)
@@ -180,6 +184,14 @@ class RLTrainer(Loop):
         self.reward_model = (self._group("reward", None, cfg.reward_parallel, cfg.reward_model_path)
                              if cfg.reward_model_path else None)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
+        self.turns = Turns(self._offloading(), self.pool)
+
+    def _offloading(self) -> bool:
+        """RunConfig.offload_colocated, or by default: the actor shares GPUs with others."""
+        if self.cfg.offload_colocated is not None:
+            return self.cfg.offload_colocated
+        pool = self.cfg.pools[self.placement.shares["actor"].pool]
+        return self.placement.is_colocated("actor") and float(pool.get("GPU", 0)) > 0
 
     def extra_state(self) -> dict[str, Any]:
         return {"kl_state": dataclasses.asdict(self.kl_state) if self.kl_state else None}
@@ -189,7 +201,8 @@ class RLTrainer(Loop):
             from polyrl.algos.kl import KLState
 
             self.kl_state = KLState(**state["kl_state"])
-        self.sync_weights(version=self.start_step)  # the servers still hold the initial weights
+        with self.turns.resident(self.actor):  # the servers still hold the initial weights
+            self.sync_weights(version=self.start_step)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -199,34 +212,37 @@ class RLTrainer(Loop):
 
     def step(self, step: int) -> dict[str, float]:
         self.timer.start_step(step)
-        t0 = time.perf_counter()
-        with self.timer.phase("generate"):
+        t0, turns, phase = time.perf_counter(), self.turns, self.timer.phase
+        with phase("generate"):
             batch = self.collect(step)
-        with self.timer.phase("reward"):
+        with phase("reward"):
             batch = self.score(batch)
         if self.spec.dynamic_sampling:
-            with self.timer.phase("dynamic_sampling"):
+            with phase("dynamic_sampling"):
                 batch, kept = self.filter_groups(batch, step)
+        turns.rollout_sleep()
         if self.reference is not None:
-            with self.timer.phase("reference"):
+            with phase("reference"), turns.resident(self.reference):
                 batch = batch.with_columns({"ref_log_probs": self.reference.forward(batch, temperature=self.temperature)["log_probs"]})
-        with self.timer.phase("old_log_probs"):
-            out = self.actor.forward(batch, temperature=self.temperature, entropy=True)
-            batch = batch.with_columns({"old_log_probs": out["log_probs"], "old_entropy": out["entropy"]})
-        if self.critic is not None:
-            with self.timer.phase("values"):
-                batch = batch.with_columns({"values": self.critic.forward(batch)["values"]})
-        with self.timer.phase("advantages"):
-            batch, metrics = self.advantages(batch)
-        if self.spec.dynamic_sampling:
-            metrics["dynamic_sampling/kept_fraction"] = kept
-        with self.timer.phase("update_actor"):
-            metrics |= self.update(self.actor, self.actor_loss, batch, "actor", self.spec.needs_entropy, self.mini_rows)
-        if self.critic is not None:
-            with self.timer.phase("update_critic"):
-                metrics |= self.update(self.critic, self.critic_loss, batch, "critic", False, self.mini_rows)
-        with self.timer.phase("sync_weights"):
-            metrics |= self.sync_weights(version=step + 1)
+        with turns.resident(self.actor):
+            with phase("old_log_probs"):
+                out = self.actor.forward(batch, temperature=self.temperature, entropy=True)
+                batch = batch.with_columns({"old_log_probs": out["log_probs"], "old_entropy": out["entropy"]})
+            if self.critic is not None:
+                with phase("values"), turns.resident(self.critic):
+                    batch = batch.with_columns({"values": self.critic.forward(batch)["values"]})
+            with phase("advantages"):
+                batch, metrics = self.advantages(batch)
+            if self.spec.dynamic_sampling:
+                metrics["dynamic_sampling/kept_fraction"] = kept
+            with phase("update_actor"):
+                metrics |= self.update(self.actor, self.actor_loss, batch, "actor", self.spec.needs_entropy, self.mini_rows)
+            if self.critic is not None:
+                with phase("update_critic"), turns.resident(self.critic):
+                    metrics |= self.update(self.critic, self.critic_loss, batch, "critic", False, self.mini_rows)
+            turns.rollout_wake()
+            with phase("sync_weights"):
+                metrics |= self.sync_weights(version=step + 1)
         metrics |= self.timer.metrics() | {"time/step": time.perf_counter() - t0}
         return metrics
 
@@ -282,7 +298,9 @@ class RLTrainer(Loop):
             for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"])
         ], dtype=np.float32)
         if self.reward_model is not None:
-            scores = scores + self.cfg.reward_model_coef * self.reward_model.forward(batch)["scores"].astype(np.float32)
+            with self.turns.resident(self.reward_model):
+                rm_scores = self.reward_model.forward(batch)["scores"].astype(np.float32)
+            scores = scores + self.cfg.reward_model_coef * rm_scores
         mask = batch["response_mask"]
         token_rewards = np.zeros_like(mask, dtype=np.float32)
         last = np.maximum(mask.sum(-1).astype(np.int64) - 1, 0)
@@ -327,6 +345,38 @@ class RLTrainer(Loop):
         stats = self.actor.sync_weights(self.syncer, int(self.cfg.weight_bucket_mb * 2**20), version)
         self.pool.commit(stats)
         return {"sync/seconds": float(stats.seconds), "sync/gb": stats.bytes / 1e9}
+
+class Turns:
+    """Colocated roles taking turns on shared GPUs (DESIGN.md "Placement").
+
+    When ``enabled``, every trainer engine lives in host memory except while a phase uses
+    it (``resident``: reload, run, offload), and the rollout servers sleep (vLLM sleep
+    mode, level 1: weights kept in host memory) from the end of generation until just
+    before the weight sync. Disabled, every call is a no-op.
+    """
+
+    def __init__(self, enabled: bool, pool: Any = None):
+        self.enabled, self.pool = enabled, pool
+
+    @contextlib.contextmanager
+    def resident(self, group: WorkerGroup | None) -> Iterator[None]:
+        if not self.enabled or group is None:
+            yield
+            return
+        group.call_all("reload")
+        try:
+            yield
+        finally:
+            group.call_all("offload")
+
+    def rollout_sleep(self) -> None:
+        if self.enabled:
+            self.pool.sleep(level=1)
+
+    def rollout_wake(self) -> None:
+        if self.enabled:
+            self.pool.wake_up()
+
 
 class PreferenceTrainer(Loop):
     """Offline DPO (and IPO/hinge): ``prompts_per_step`` pairs a step, the reference's

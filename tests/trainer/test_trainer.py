@@ -183,3 +183,29 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
     assert np.abs(hf).max() > 1e-3, "a zero head would make this test vacuous"
     # fp32 CPU forward, same weights, two implementations: 1e-4.
     np.testing.assert_allclose(got, rule + 2.0 * hf, atol=1e-4)
+
+
+def test_taking_turns_changes_no_number(ray_session, tmp_path):
+    """offload_colocated: engines are offloaded outside their phases and the rollout
+    sleeps while the trainer works. On CPU the moves are host -> host, so every metric
+    must equal the run without turns, and the engines must really be offloaded after a
+    step (a direct forward is refused)."""
+    from polyrl.launch import _components, prepare
+    from polyrl.trainer import RLTrainer
+
+    plain = tmp_path / "plain"
+    train([GRPO], _params(plain, "polyrl.RunConfig.total_steps = 3"))
+    cfg, _ = parse_config([GRPO], _params(tmp_path / "turns", "polyrl.RunConfig.total_steps = 3",
+                                          "polyrl.RunConfig.offload_colocated = True"))
+    cfg, spec = prepare(cfg)
+    trainer = RLTrainer(cfg, spec, _components(cfg, spec))
+    try:
+        trainer.run()
+        probe = trainer.score(trainer.collect(0))
+        with pytest.raises(Exception, match="offloaded"):
+            trainer.actor.forward(probe)
+    finally:
+        trainer.shutdown()
+    for a, b in zip(read_jsonl(plain / "metrics.jsonl"), read_jsonl(tmp_path / "turns" / "metrics.jsonl")):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss"):
+            assert a[key] == b[key], (a["step"], key)

@@ -126,21 +126,22 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _load_config(args: argparse.Namespace):
-    from polyrl.launch import parse_config, prepare
+    """The RunConfig bound by ``--gin_file``/``--gin_param`` (unvalidated)."""
+    from polyrl.launch import parse_config
 
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
     try:
-        cfg, operative = parse_config(args.gin_file, args.gin_param)
+        return parse_config(args.gin_file, args.gin_param)[0]
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
-    return cfg, operative, prepare
 
 
 def cmd_validate_config(args: argparse.Namespace) -> int:
+    from polyrl.launch import prepare
     from polyrl.validate import ConfigError
 
-    cfg, _, prepare = _load_config(args)
+    cfg = _load_config(args)
     try:
         cfg, spec = prepare(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -251,13 +251,15 @@ class RLTrainer(Loop):
         return self.cfg.mini_batch_prompts * self.cfg.sampling.n
 
     # ------------------------------------------------------------------ stages
-    def collect(self, step: int) -> Batch:
-        """Generate ``n`` responses per prompt; with DAPO's dynamic sampling, keep only
-        groups whose rewards differ, generating more prompts until the step is full."""
-        prompts = self.prompts.batch(step, self.cfg.prompts_per_step)
+    def collect(self, step: int, index: int | None = None) -> Batch:
+        """``n`` responses to each prompt of data batch ``index`` (default: the step's own;
+        DAPO's refills use others), sampled with noise seeded by that index, plus the
+        greedy baseline for ReMax."""
+        index = step if index is None else index
+        prompts = self.prompts.batch(index, self.cfg.prompts_per_step)
         sampling = self.cfg.sampling
-        if sampling.seed is not None:  # fresh, reproducible noise every step
-            sampling = dataclasses.replace(sampling, seed=int(np.random.SeedSequence([sampling.seed, step]).generate_state(1)[0] >> 1))
+        if sampling.seed is not None:  # fresh, reproducible noise for every batch
+            sampling = dataclasses.replace(sampling, seed=int(np.random.SeedSequence([sampling.seed, index]).generate_state(1)[0] >> 1))
         # A fixed response width: a jitted backend then compiles once per prompt bucket.
         width = sampling.max_tokens
         batch = self.pool.generate(prompts, sampling, response_len=width)
@@ -278,8 +280,7 @@ class RLTrainer(Loop):
         seen, kept = len(batch), []
         for extra in range(self.cfg.max_gen_batches):
             if extra:
-                more = self.prompts.batch(self.cfg.total_steps + step * self.cfg.max_gen_batches + extra, want)
-                more = self.score(self.pool.generate(more, self.cfg.sampling, response_len=self.cfg.sampling.max_tokens))
+                more = self.score(self.collect(step, self.cfg.total_steps + step * self.cfg.max_gen_batches + extra))
                 batch, seen = more.with_columns({"group_ids": more["group_ids"] + 10**6 * extra}), seen + len(more)
             kept.append(batch.take(np.asarray(dynamic_sampling_mask(batch["scores"], batch["group_ids"]))))
             if sum(len(b) for b in kept) >= want * n:

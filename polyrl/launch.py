@@ -36,8 +36,9 @@ def _register() -> Any:
     return gin
 
 
-def parse_config(gin_files: Sequence[str], gin_params: Sequence[str] = (),
-                 root: str = "polyrl.RunConfig") -> tuple[Any, str]:
+def parse_config(
+    gin_files: Sequence[str], gin_params: Sequence[str] = (), root: str = "polyrl.RunConfig"
+) -> tuple[Any, str]:
     """Bind gin files + ``--gin_param`` overrides and build the ``root`` configurable
     (the RunConfig; the SweepConfig for a sweep).
 
@@ -75,11 +76,18 @@ def prepare(cfg: RunConfig) -> tuple[RunConfig, Any]:
 
         model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
     elif not Path(model_path, "config.json").exists():
-        raise FileNotFoundError(f"RunConfig.model_path={model_path!r} has no config.json; pass a "
-                                f"local Hugging Face model directory")
-    if cfg.reward_model_path is not None and not Path(cfg.reward_model_path, "config.json").exists():
-        raise FileNotFoundError(f"RunConfig.reward_model_path={cfg.reward_model_path!r} has no config.json; "
-                                f"pass a local sequence-classification model directory")
+        raise FileNotFoundError(
+            f"RunConfig.model_path={model_path!r} has no config.json; pass a "
+            f"local Hugging Face model directory"
+        )
+    if (
+        cfg.reward_model_path is not None
+        and not Path(cfg.reward_model_path, "config.json").exists()
+    ):
+        raise FileNotFoundError(
+            f"RunConfig.reward_model_path={cfg.reward_model_path!r} has no config.json; "
+            f"pass a local sequence-classification model directory"
+        )
     rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
     cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
     raise_if_problems(check_run(cfg, spec))
@@ -97,17 +105,26 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     kw = {"seed": cfg.seed, "max_prompt_tokens": cfg.rollout.prompt_limit}
     source = PromptSource if spec.objective == "rl" else PairSource
-    prompts = (source.from_files(cfg.train_files, tokenizer, **kw) if cfg.train_files
-               else source.from_task(cfg.task, cfg.n_train_prompts, tokenizer, **kw))
+    prompts = (
+        source.from_files(cfg.train_files, tokenizer, **kw)
+        if cfg.train_files
+        else source.from_task(cfg.task, cfg.n_train_prompts, tokenizer, **kw)
+    )
     if not ray.is_initialized():
-        ray.init(num_cpus=cfg.ray_num_cpus, include_dashboard=False, log_to_driver=True,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
+        ray.init(
+            num_cpus=cfg.ray_num_cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+        )
     placement = Placement(cfg.pools, cfg.role_pools, role_workers(cfg, spec))
     pool = None
     if spec.objective == "rl":
         share = placement.shares["rollout"]
-        pool = RolloutPool(dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
-                           placement=lambda i: placement.options("rollout", i))
+        pool = RolloutPool(
+            dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
+            placement=lambda i: placement.options("rollout", i),
+        )
     return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, pool=pool, placement=placement)
 
 
@@ -127,8 +144,12 @@ def role_workers(cfg: RunConfig, spec: Any) -> dict[str, int]:
     return workers
 
 
-def train(gin_files: Sequence[str], gin_params: Sequence[str] = (), resume: bool = False,
-          on_step: Any = None) -> dict:
+def train(
+    gin_files: Sequence[str],
+    gin_params: Sequence[str] = (),
+    resume: bool = False,
+    on_step: Any = None,
+) -> dict:
     """``polyrl train``: parse, validate, write the operative config, run."""
     from polyrl.trainer import PreferenceTrainer, RLTrainer
 
@@ -137,7 +158,9 @@ def train(gin_files: Sequence[str], gin_params: Sequence[str] = (), resume: bool
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "operative_config.gin").write_text(operative)
-    print(f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True)
+    print(
+        f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
+    )
     loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
     trainer = loop(cfg, spec, _components(cfg, spec))
     try:
@@ -160,8 +183,11 @@ def _trial(params: dict, gin_files: Sequence[str], gin_params: Sequence[str], ro
     from polyrl.metrics import read_jsonl
 
     trial_dir = Path(root, f"trial_{tune.get_context().get_trial_id()}")
-    bindings = [*gin_params, *(f"{k} = {v!r}" for k, v in params.items()),
-                f"polyrl.RunConfig.run_dir = {str(trial_dir)!r}"]
+    bindings = [
+        *gin_params,
+        *(f"{k} = {v!r}" for k, v in params.items()),
+        f"polyrl.RunConfig.run_dir = {str(trial_dir)!r}",
+    ]
     cmd = [sys.executable, "-m", "polyrl.cli", "train"]
     cmd += [a for f in gin_files for a in ("--gin_file", f)]
     cmd += [a for b in bindings for a in ("--gin_param", b)]
@@ -183,7 +209,9 @@ def _trial(params: dict, gin_files: Sequence[str], gin_params: Sequence[str], ro
     log.close()
     if proc.returncode:
         tail = (trial_dir / "train.log").read_text()[-3000:]
-        raise RuntimeError(f"trial run exited with {proc.returncode}; end of {trial_dir / 'train.log'}:\n{tail}")
+        raise RuntimeError(
+            f"trial run exited with {proc.returncode}; end of {trial_dir / 'train.log'}:\n{tail}"
+        )
 
 
 def sweep(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> Any:
@@ -199,8 +227,10 @@ def sweep(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> Any:
     gin_files = [str(_find_gin(f)) for f in gin_files]
     sweep_cfg, _ = parse_config(gin_files, gin_params, root="polyrl.SweepConfig")
     if not sweep_cfg.grid:
-        raise ValueError("SweepConfig.grid is empty: bind e.g. "
-                         "polyrl.SweepConfig.grid = {'actor/polyrl.OptimConfig.lr': [1e-3, 3e-3]}")
+        raise ValueError(
+            "SweepConfig.grid is empty: bind e.g. "
+            "polyrl.SweepConfig.grid = {'actor/polyrl.OptimConfig.lr': [1e-3, 3e-3]}"
+        )
     base, _ = parse_config(gin_files, gin_params)
     root = Path(base.run_dir).resolve()
     for combo in _grid(sweep_cfg.grid):  # fail before any trial starts
@@ -210,18 +240,25 @@ def sweep(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> Any:
         # Logical CPUs: each concurrent trial's pools, plus a sliver per trial driver.
         pool_cpus = sum(float(r.get("CPU", 0)) for r in base.pools.values())
         num_cpus = base.ray_num_cpus or pool_cpus * sweep_cfg.max_concurrent_trials + 1
-        ray.init(num_cpus=num_cpus, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}})
-    trainable = functools.partial(_trial, gin_files=list(gin_files), gin_params=list(gin_params),
-                                  root=str(root))
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+        )
+    trainable = functools.partial(
+        _trial, gin_files=list(gin_files), gin_params=list(gin_params), root=str(root)
+    )
     # The trial process only drives: its workers reserve the pool's resources themselves.
     trainable = tune.with_resources(trainable, {"cpu": 0.01})
     tuner = tune.Tuner(
         trainable,
         param_space={k: tune.grid_search(list(v)) for k, v in sweep_cfg.grid.items()},
-        tune_config=tune.TuneConfig(metric=sweep_cfg.metric, mode=sweep_cfg.mode,
-                                    num_samples=sweep_cfg.num_samples,
-                                    max_concurrent_trials=sweep_cfg.max_concurrent_trials),
+        tune_config=tune.TuneConfig(
+            metric=sweep_cfg.metric,
+            mode=sweep_cfg.mode,
+            num_samples=sweep_cfg.num_samples,
+            max_concurrent_trials=sweep_cfg.max_concurrent_trials,
+        ),
         run_config=tune.RunConfig(name="sweep", storage_path=str(root / "tune")),
     )
     return tuner.fit()

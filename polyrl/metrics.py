@@ -53,8 +53,14 @@ class Tracker:
     the file holds each step once even after a crash between a step and its checkpoint.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: Mapping[str, Any] | None = None, resume_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -71,7 +77,9 @@ class Tracker:
         if wandb_project:
             import wandb  # optional: only when the user asks for it
 
-            self._wandb = wandb.init(project=wandb_project, dir=str(self.run_dir), config=dict(config or {}))
+            self._wandb = wandb.init(
+                project=wandb_project, dir=str(self.run_dir), config=dict(config or {})
+            )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items()}
@@ -120,7 +128,9 @@ def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
     rows = read_jsonl(metrics_path)
     steps = [r["step"] for r in rows]
     panels = [(key, title) for key, title in PLOTTED if any(key in r for r in rows)]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2), squeeze=False
+    )
     axes = axes[0]
     for ax, (key, title) in zip(axes, panels):
         ax.plot(*zip(*[(s, r[key]) for s, r in zip(steps, rows) if key in r]), marker=".")

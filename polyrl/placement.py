@@ -31,8 +31,11 @@ class RoleShare:
     colocated_with: tuple[str, ...]
 
 
-def plan_shares(pools: Mapping[str, Mapping[str, float]], role_pools: Mapping[str, str],
-                workers: Mapping[str, int]) -> dict[str, RoleShare]:
+def plan_shares(
+    pools: Mapping[str, Mapping[str, float]],
+    role_pools: Mapping[str, str],
+    workers: Mapping[str, int],
+) -> dict[str, RoleShare]:
     """Per-worker resources of every role in ``workers`` (role -> number of workers).
 
     GPU pools: a worker gets ``1/k`` GPU (``k`` roles in the pool) and an equal part of
@@ -56,8 +59,13 @@ def plan_shares(pools: Mapping[str, Mapping[str, float]], role_pools: Mapping[st
 class Placement:
     """Creates one Ray placement group per GPU pool and hands out actor options."""
 
-    def __init__(self, pools: Mapping[str, Mapping[str, float]], role_pools: Mapping[str, str],
-                 workers: Mapping[str, int], timeout_s: float = 120.0):
+    def __init__(
+        self,
+        pools: Mapping[str, Mapping[str, float]],
+        role_pools: Mapping[str, str],
+        workers: Mapping[str, int],
+        timeout_s: float = 120.0,
+    ):
         import ray
         from ray.util.placement_group import placement_group
 
@@ -87,7 +95,8 @@ class Placement:
 
             bundles = len(pg.bundle_specs)
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=rank % bundles)
+                placement_group=pg, placement_group_bundle_index=rank % bundles
+            )
         return opts
 
     def is_colocated(self, role: str) -> bool:

@@ -34,12 +34,21 @@ from polyrl.workers import RoleSpec, WorkerGroup
 
 __all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "latest_checkpoint"]
 
-COMPUTE_PHASES = ("generate", "reference", "old_log_probs", "values", "update_actor", "update_critic")
+COMPUTE_PHASES = (
+    "generate",
+    "reference",
+    "old_log_probs",
+    "values",
+    "update_actor",
+    "update_critic",
+)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    ckpts = sorted(Path(run_dir, "checkpoints").glob("step_*/trainer_state.json"),
-                   key=lambda p: int(p.parent.name.split("_")[1]))
+    ckpts = sorted(
+        Path(run_dir, "checkpoints").glob("step_*/trainer_state.json"),
+        key=lambda p: int(p.parent.name.split("_")[1]),
+    )
     return ckpts[-1].parent if ckpts else None
 
 
@@ -56,7 +65,9 @@ class Loop(abc.ABC):
         self.timer = PhaseTimer()
         self.actor_loss = spec.make_actor_loss()
         self.actor = self._group("actor", cfg.optim, cfg.actor_parallel)
-        self.reference = self._group("reference", None, cfg.ref_parallel) if spec.needs_reference else None
+        self.reference = (
+            self._group("reference", None, cfg.ref_parallel) if spec.needs_reference else None
+        )
         self.critic = None
         self.turns = Turns(False)  # RLTrainer: colocated roles take turns on shared GPUs
         self.start_step = 0
@@ -86,21 +97,32 @@ class Loop(abc.ABC):
                 group.shutdown()
 
     def _group(self, role: str, optim: Any, parallel: Any, path: str | None = None) -> WorkerGroup:
-        model = ModelConfig(path=str(path or self.cfg.model_path), role=role, dtype=self.cfg.model_dtype,
-                            gradient_checkpointing=self.cfg.gradient_checkpointing,
-                            sampling_vocab_size=self.vocab if role in ("actor", "reference") else None)
-        return WorkerGroup(RoleSpec(role, self.cfg.backend, model, optim, parallel),
-                           lambda rank: self.placement.options(role, rank))
+        model = ModelConfig(
+            path=str(path or self.cfg.model_path),
+            role=role,
+            dtype=self.cfg.model_dtype,
+            gradient_checkpointing=self.cfg.gradient_checkpointing,
+            sampling_vocab_size=self.vocab if role in ("actor", "reference") else None,
+        )
+        return WorkerGroup(
+            RoleSpec(role, self.cfg.backend, model, optim, parallel),
+            lambda rank: self.placement.options(role, rank),
+        )
 
     # ------------------------------------------------------------------ the loop
-    def run(self, resume: bool = False,
-            on_step: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, float]:
+    def run(
+        self, resume: bool = False, on_step: Callable[[int, dict[str, float]], None] | None = None
+    ) -> dict[str, float]:
         """Steps from the start (or the latest checkpoint with ``resume``) to
         ``total_steps``; ``on_step(step, metrics)`` after each (e.g. Ray Tune's report)."""
         if resume:
             self._restore()
-        tracker = Tracker(self.run_dir, self.cfg.tensorboard, self.cfg.wandb_project,
-                          resume_step=self.start_step if resume else None)
+        tracker = Tracker(
+            self.run_dir,
+            self.cfg.tensorboard,
+            self.cfg.wandb_project,
+            resume_step=self.start_step if resume else None,
+        )
         try:
             for step in range(self.start_step, self.cfg.total_steps):
                 metrics = self.step(step)
@@ -117,8 +139,16 @@ class Loop(abc.ABC):
         print(phase_summary(rows, COMPUTE_PHASES), flush=True)
         return rows[-1] if rows else {}
 
-    def update(self, group: WorkerGroup, loss_fn: Any, batch: Batch, role: str, entropy: bool,
-               mini: int, unit: int = 1) -> dict[str, float]:
+    def update(
+        self,
+        group: WorkerGroup,
+        loss_fn: Any,
+        batch: Batch,
+        role: str,
+        entropy: bool,
+        mini: int,
+        unit: int = 1,
+    ) -> dict[str, float]:
         """``epochs`` passes over shuffled mini-batches of ``mini`` rows; one optimizer
         step each. Rows are shuffled in units of ``unit`` consecutive rows (2: DPO pairs)."""
         rng = np.random.default_rng([self.cfg.seed, int(batch.info.get("step", 0))])
@@ -128,7 +158,7 @@ class Loop(abc.ABC):
             units = rng.permutation(len(batch) // unit)
             order = (units[:, None] * unit + np.arange(unit)).reshape(-1)
             for start in range(0, len(batch), mini):
-                part = batch.take(order[start:start + mini])
+                part = batch.take(order[start : start + mini])
                 part, n_pad = part.pad_to_multiple(group.dp_size)
                 out = group.train_step(part, loss_fn, temperature=self.temperature, entropy=entropy)
                 for k, v in out.items():
@@ -149,9 +179,11 @@ class Loop(abc.ABC):
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # a checkpoint is complete or absent, never half-written
-        kept = sorted((p for p in path.parent.glob("step_*") if not p.name.endswith(".tmp")),
-                      key=lambda p: int(p.name.split("_")[1]))
-        for old in kept[:-self.cfg.keep_checkpoints]:
+        kept = sorted(
+            (p for p in path.parent.glob("step_*") if not p.name.endswith(".tmp")),
+            key=lambda p: int(p.name.split("_")[1]),
+        )
+        for old in kept[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old)
         print(f"[checkpoint] step {step}: {path}", flush=True)
 
@@ -170,8 +202,6 @@ class Loop(abc.ABC):
         print(f"[resume] from {path} at step {self.start_step}", flush=True)
 
 
-
-
 class RLTrainer(Loop):
     """Runs ``cfg.total_steps`` steps of an ``objective == "rl"`` algorithm."""
 
@@ -180,9 +210,16 @@ class RLTrainer(Loop):
         self.critic_loss = spec.make_critic_loss() if spec.needs_critic else None
         self.kl_ctrl = spec.make_kl_controller() if spec.kl_in_reward else None
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
-        self.critic = self._group("critic", cfg.critic_optim, cfg.critic_parallel) if spec.needs_critic else None
-        self.reward_model = (self._group("reward", None, cfg.reward_parallel, cfg.reward_model_path)
-                             if cfg.reward_model_path else None)
+        self.critic = (
+            self._group("critic", cfg.critic_optim, cfg.critic_parallel)
+            if spec.needs_critic
+            else None
+        )
+        self.reward_model = (
+            self._group("reward", None, cfg.reward_parallel, cfg.reward_model_path)
+            if cfg.reward_model_path
+            else None
+        )
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
         self.turns = Turns(self._offloading(), self.pool)
 
@@ -223,11 +260,19 @@ class RLTrainer(Loop):
         turns.rollout_sleep()
         if self.reference is not None:
             with phase("reference"), turns.resident(self.reference):
-                batch = batch.with_columns({"ref_log_probs": self.reference.forward(batch, temperature=self.temperature)["log_probs"]})
+                batch = batch.with_columns(
+                    {
+                        "ref_log_probs": self.reference.forward(
+                            batch, temperature=self.temperature
+                        )["log_probs"]
+                    }
+                )
         with turns.resident(self.actor):
             with phase("old_log_probs"):
                 out = self.actor.forward(batch, temperature=self.temperature, entropy=True)
-                batch = batch.with_columns({"old_log_probs": out["log_probs"], "old_entropy": out["entropy"]})
+                batch = batch.with_columns(
+                    {"old_log_probs": out["log_probs"], "old_entropy": out["entropy"]}
+                )
             if self.critic is not None:
                 with phase("values"), turns.resident(self.critic):
                     batch = batch.with_columns({"values": self.critic.forward(batch)["values"]})
@@ -236,10 +281,19 @@ class RLTrainer(Loop):
             if self.spec.dynamic_sampling:
                 metrics["dynamic_sampling/kept_fraction"] = kept
             with phase("update_actor"):
-                metrics |= self.update(self.actor, self.actor_loss, batch, "actor", self.spec.needs_entropy, self.mini_rows)
+                metrics |= self.update(
+                    self.actor,
+                    self.actor_loss,
+                    batch,
+                    "actor",
+                    self.spec.needs_entropy,
+                    self.mini_rows,
+                )
             if self.critic is not None:
                 with phase("update_critic"), turns.resident(self.critic):
-                    metrics |= self.update(self.critic, self.critic_loss, batch, "critic", False, self.mini_rows)
+                    metrics |= self.update(
+                        self.critic, self.critic_loss, batch, "critic", False, self.mini_rows
+                    )
             turns.rollout_wake()
             with phase("sync_weights"):
                 metrics |= self.sync_weights(version=step + 1)
@@ -259,7 +313,10 @@ class RLTrainer(Loop):
         prompts = self.prompts.batch(index, self.cfg.prompts_per_step)
         sampling = self.cfg.sampling
         if sampling.seed is not None:  # fresh, reproducible noise for every batch
-            sampling = dataclasses.replace(sampling, seed=int(np.random.SeedSequence([sampling.seed, index]).generate_state(1)[0] >> 1))
+            sampling = dataclasses.replace(
+                sampling,
+                seed=int(np.random.SeedSequence([sampling.seed, index]).generate_state(1)[0] >> 1),
+            )
         # A fixed response width: a jitted backend then compiles once per prompt bucket.
         width = sampling.max_tokens
         batch = self.pool.generate(prompts, sampling, response_len=width)
@@ -280,9 +337,18 @@ class RLTrainer(Loop):
         seen, kept = len(batch), []
         for extra in range(self.cfg.max_gen_batches):
             if extra:
-                more = self.score(self.collect(step, self.cfg.total_steps + step * self.cfg.max_gen_batches + extra))
-                batch, seen = more.with_columns({"group_ids": more["group_ids"] + 10**6 * extra}), seen + len(more)
-            kept.append(batch.take(np.asarray(dynamic_sampling_mask(batch["scores"], batch["group_ids"]))))
+                more = self.score(
+                    self.collect(
+                        step, self.cfg.total_steps + step * self.cfg.max_gen_batches + extra
+                    )
+                )
+                batch, seen = (
+                    more.with_columns({"group_ids": more["group_ids"] + 10**6 * extra}),
+                    seen + len(more),
+                )
+            kept.append(
+                batch.take(np.asarray(dynamic_sampling_mask(batch["scores"], batch["group_ids"])))
+            )
             if sum(len(b) for b in kept) >= want * n:
                 break
         out = Batch.concat(kept)
@@ -294,10 +360,15 @@ class RLTrainer(Loop):
         """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x
         the reward model's score when there is one — placed on its last valid token."""
         texts = batch["response_text"]
-        scores = np.array([
-            get_reward_fn(src)(text, gt, extra)
-            for text, gt, src, extra in zip(texts, batch["ground_truth"], batch["data_source"], batch["extra_info"])
-        ], dtype=np.float32)
+        scores = np.array(
+            [
+                get_reward_fn(src)(text, gt, extra)
+                for text, gt, src, extra in zip(
+                    texts, batch["ground_truth"], batch["data_source"], batch["extra_info"]
+                )
+            ],
+            dtype=np.float32,
+        )
         if self.reward_model is not None:
             with self.turns.resident(self.reward_model):
                 rm_scores = self.reward_model.forward(batch)["scores"].astype(np.float32)
@@ -317,35 +388,56 @@ class RLTrainer(Loop):
             from polyrl.algos.dapo import overlong_penalty
 
             lengths = batch["response_mask"].sum(-1)
-            pen = overlong_penalty(lengths, self.cfg.sampling.max_tokens,
-                                   min(self.spec.overlong_buffer_len, self.cfg.sampling.max_tokens),
-                                   self.spec.overlong_penalty_factor)
+            pen = overlong_penalty(
+                lengths,
+                self.cfg.sampling.max_tokens,
+                min(self.spec.overlong_buffer_len, self.cfg.sampling.max_tokens),
+                self.spec.overlong_penalty_factor,
+            )
             rewards = rewards.copy()
             last = np.maximum(lengths.astype(np.int64) - 1, 0)
             rewards[np.arange(len(batch)), last] += pen.astype(np.float32)
         if self.kl_ctrl is not None:
-            rewards, current_kl = apply_kl_penalty(rewards, batch["old_log_probs"], batch["ref_log_probs"],
-                                                   batch["response_mask"], self.kl_state.coef, self.spec.kl_reward_kind)
+            rewards, current_kl = apply_kl_penalty(
+                rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                batch["response_mask"],
+                self.kl_state.coef,
+                self.spec.kl_reward_kind,
+            )
             coef, self.kl_state = self.kl_ctrl.update(float(current_kl), len(batch), self.kl_state)
             metrics |= {"kl_in_reward/kl": float(current_kl), "kl_in_reward/coef": coef}
-        columns = {k: batch[k] for k in ("response_mask", "group_ids", "values", "baseline_scores") if k in batch}
-        adv, returns = self.spec.compute_advantages({**columns, "token_rewards": rewards.astype(np.float32)})
+        columns = {
+            k: batch[k]
+            for k in ("response_mask", "group_ids", "values", "baseline_scores")
+            if k in batch
+        }
+        adv, returns = self.spec.compute_advantages(
+            {**columns, "token_rewards": rewards.astype(np.float32)}
+        )
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
         metrics |= {
-            "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
+            "reward/mean": float(batch["scores"].mean()),
+            "reward/max": float(batch["scores"].max()),
             "reward/min": float(batch["scores"].min()),
             "response/length_mean": float(lengths.mean()),
             "advantages/abs_mean": float(np.abs(adv).sum() / max(mask.sum(), 1)),
             "actor/entropy": float((batch["old_entropy"] * mask).sum() / max(mask.sum(), 1)),
         }
-        batch = batch.with_columns({"advantages": np.asarray(adv, np.float32), "returns": np.asarray(returns, np.float32)})
+        batch = batch.with_columns(
+            {"advantages": np.asarray(adv, np.float32), "returns": np.asarray(returns, np.float32)}
+        )
         return batch, metrics
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        stats = self.actor.sync_weights(self.syncer, int(self.cfg.weight_bucket_mb * 2**20), version)
+        stats = self.actor.sync_weights(
+            self.syncer, int(self.cfg.weight_bucket_mb * 2**20), version
+        )
         self.pool.commit(stats)
         return {"sync/seconds": float(stats.seconds), "sync/gb": stats.bytes / 1e9}
+
 
 class Turns:
     """Colocated roles taking turns on shared GPUs (DESIGN.md "Placement").
@@ -390,10 +482,19 @@ class PreferenceTrainer(Loop):
         with self.timer.phase("data"):
             batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
         with self.timer.phase("reference"):
-            batch = batch.with_columns({"ref_log_probs": self.reference.forward(batch)["log_probs"]})
+            batch = batch.with_columns(
+                {"ref_log_probs": self.reference.forward(batch)["log_probs"]}
+            )
         with self.timer.phase("update_actor"):
-            metrics = self.update(self.actor, self.actor_loss, batch, "actor", False,
-                                  mini=2 * self.cfg.mini_batch_prompts, unit=2)
+            metrics = self.update(
+                self.actor,
+                self.actor_loss,
+                batch,
+                "actor",
+                False,
+                mini=2 * self.cfg.mini_batch_prompts,
+                unit=2,
+            )
         lengths = batch["response_mask"].sum(-1)
         metrics |= {"response/length_mean": float(lengths.mean())}
         return metrics | self.timer.metrics() | {"time/step": time.perf_counter() - t0}
@@ -403,9 +504,15 @@ def _progress(step: int, total: int, m: dict[str, float]) -> str:
     done = int(20 * (step + 1) / total)
     bar = "#" * done + "." * (20 - done)
     parts = []
-    for key, label in (("reward/mean", "reward"), ("actor/rewards/margins", "margin"),
-                       ("actor/rewards/accuracies", "acc"), ("actor/kl_loss", "kl"), ("actor/entropy", "entropy"),
-                       ("response/length_mean", "len"), ("time/step", "s/step")):
+    for key, label in (
+        ("reward/mean", "reward"),
+        ("actor/rewards/margins", "margin"),
+        ("actor/rewards/accuracies", "acc"),
+        ("actor/kl_loss", "kl"),
+        ("actor/entropy", "entropy"),
+        ("response/length_mean", "len"),
+        ("time/step", "s/step"),
+    ):
         if key in m:
             parts.append(f"{label} {m[key]:.3g}")
     return f"[{bar}] step {step + 1}/{total}  " + "  ".join(parts)

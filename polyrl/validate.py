@@ -70,9 +70,14 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
     if cfg.model_dtype not in DTYPES:
         out.append(f"RunConfig.model_dtype={cfg.model_dtype!r} is not one of {list(DTYPES)}")
     if cfg.epochs < 1 or cfg.total_steps < 1:
-        out.append(f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1")
-    if cfg.optim.total_steps < cfg.total_steps * cfg.epochs * (cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1)) \
-            and cfg.optim.schedule == "cosine":
+        out.append(
+            f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1"
+        )
+    if (
+        cfg.optim.total_steps
+        < cfg.total_steps * cfg.epochs * (cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1))
+        and cfg.optim.schedule == "cosine"
+    ):
         out.append(
             f"OptimConfig.total_steps={cfg.optim.total_steps} is fewer than the run's optimizer "
             f"steps; the cosine schedule would sit at its floor — raise actor/OptimConfig.total_steps"
@@ -104,29 +109,44 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
 
     out = []
     if cfg.weight_transport not in TRANSPORTS:
-        out.append(f"RunConfig.weight_transport={cfg.weight_transport!r} is not one of {list(TRANSPORTS)}")
-    elif cfg.weight_transport == "cuda_ipc" and cfg.role_pools.get("actor") != cfg.role_pools.get("rollout"):
+        out.append(
+            f"RunConfig.weight_transport={cfg.weight_transport!r} is not one of {list(TRANSPORTS)}"
+        )
+    elif cfg.weight_transport == "cuda_ipc" and cfg.role_pools.get("actor") != cfg.role_pools.get(
+        "rollout"
+    ):
         out.append(
             "RunConfig.weight_transport='cuda_ipc' needs the actor and rollout in the same pool "
             f"(same GPUs), but role_pools maps them to {cfg.role_pools.get('actor')!r} and "
             f"{cfg.role_pools.get('rollout')!r}; use 'nccl' or 'object_store', or colocate them"
         )
-    roles = ["actor", *(["rollout"] if spec.objective == "rl" else []),
-             *(r for r in ("reference", "critic") if r in spec.roles),
-             *(["reward"] if cfg.reward_model_path and spec.objective == "rl" else [])]
+    roles = [
+        "actor",
+        *(["rollout"] if spec.objective == "rl" else []),
+        *(r for r in ("reference", "critic") if r in spec.roles),
+        *(["reward"] if cfg.reward_model_path and spec.objective == "rl" else []),
+    ]
     for role in roles:
         pool = cfg.role_pools.get(role)
         if pool is None:
-            out.append(f"RunConfig.role_pools has no entry for role {role!r}; map it to one of "
-                       f"{sorted(cfg.pools)}")
+            out.append(
+                f"RunConfig.role_pools has no entry for role {role!r}; map it to one of "
+                f"{sorted(cfg.pools)}"
+            )
         elif pool not in cfg.pools:
-            out.append(f"RunConfig.role_pools[{role!r}]={pool!r} is not a pool in RunConfig.pools "
-                       f"({sorted(cfg.pools)})")
+            out.append(
+                f"RunConfig.role_pools[{role!r}]={pool!r} is not a pool in RunConfig.pools "
+                f"({sorted(cfg.pools)})"
+            )
     for name, res in cfg.pools.items():
         gpus = float(res.get("GPU", 0))
         members = [r for r in roles if cfg.role_pools.get(r) == name]
-        parallel = {"actor": cfg.actor_parallel, "critic": cfg.critic_parallel,
-                    "reference": cfg.ref_parallel, "reward": cfg.reward_parallel}
+        parallel = {
+            "actor": cfg.actor_parallel,
+            "critic": cfg.critic_parallel,
+            "reference": cfg.ref_parallel,
+            "reward": cfg.reward_parallel,
+        }
         for role in members:
             if role in parallel and gpus and parallel[role].world_size > gpus:
                 out.append(
@@ -155,7 +175,9 @@ def check_cluster(cfg: RunConfig) -> list[str]:
             )
     address = os.environ.get("RAY_ADDRESS")
     if address and address not in ("auto", "local") and ":" not in address:
-        out.append(f"RAY_ADDRESS={address!r} is not host:port, 'auto' or 'local'; unset it for a local cluster")
+        out.append(
+            f"RAY_ADDRESS={address!r} is not host:port, 'auto' or 'local'; unset it for a local cluster"
+        )
     return out
 
 
@@ -165,8 +187,10 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
 
     problems = []
     if cfg.backend not in ENGINES:
-        problems.append(f"RunConfig.backend={cfg.backend!r} is not a registered backend; choose one of "
-                        f"{sorted(ENGINES)} (include gin/backends/<name>.gin)")
+        problems.append(
+            f"RunConfig.backend={cfg.backend!r} is not a registered backend; choose one of "
+            f"{sorted(ENGINES)} (include gin/backends/<name>.gin)"
+        )
     problems += _batch_problems(cfg, spec)
     if spec.objective == "rl":
         problems += _rollout_problems(cfg)

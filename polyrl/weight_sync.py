@@ -117,14 +117,14 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None):
         offset += -(-nbytes // 256) * 256
     flat = torch.empty(offset, dtype=torch.uint8, device=device)
     for (_, t), (_, _, _, off, nbytes) in zip(tensors, metas):
-        flat[off: off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        flat[off : off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return flat, metas
 
 
 def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
     """Views into ``flat`` (a uint8 tensor) as ``(name, tensor)`` pairs: no copy."""
     return [
-        (name, flat[off: off + nbytes].view(_dtype(dtype)).reshape(shape))
+        (name, flat[off : off + nbytes].view(_dtype(dtype)).reshape(shape))
         for name, dtype, shape, off, nbytes in metas
     ]
 
@@ -160,7 +160,9 @@ def host_unpack(arrays: Sequence[Any], metas: Sequence[TensorMeta]) -> list[tupl
     return out
 
 
-def iter_buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+def iter_buckets(
+    named: Iterable[tuple[str, Any]], bucket_bytes: int
+) -> Iterator[list[tuple[str, Any]]]:
     """Group ``(name, array)`` pairs into buckets of about ``bucket_bytes`` (a tensor
     larger than that gets a bucket of its own). For sources other than an engine's
     ``export_weights``, e.g. a transformers ``state_dict().items()``."""
@@ -201,9 +203,14 @@ class SyncStats:
 
     def summary(self) -> dict[str, float | int | str]:
         return {
-            "version": self.version, "transport": self.transport, "bytes": self.bytes,
-            "tensors": self.tensors, "buckets": self.buckets, "seconds": self.seconds,
-            "servers": self.servers, "gbps": self.gbps,
+            "version": self.version,
+            "transport": self.transport,
+            "bytes": self.bytes,
+            "tensors": self.tensors,
+            "buckets": self.buckets,
+            "seconds": self.seconds,
+            "servers": self.servers,
+            "gbps": self.gbps,
         }
 
 
@@ -222,8 +229,12 @@ class WeightSyncer:
     """
 
     def __init__(
-        self, servers: Sequence[Any], transport: str = "object_store", *,
-        retain: bool = True, timeout_s: float = 600.0,
+        self,
+        servers: Sequence[Any],
+        transport: str = "object_store",
+        *,
+        retain: bool = True,
+        timeout_s: float = 600.0,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
@@ -242,8 +253,12 @@ class WeightSyncer:
     def push(self, buckets: Iterable[Sequence[tuple[str, Any]]], version: int) -> SyncStats:
         """Stream ``buckets`` to every server; returns when all loaded them and set
         their weight version to ``version``."""
-        stats = SyncStats(version=version, transport=self.transport, servers=len(self.servers),
-                          retained=[] if self.retain else None)
+        stats = SyncStats(
+            version=version,
+            transport=self.transport,
+            servers=len(self.servers),
+            retained=[] if self.retain else None,
+        )
         start = time.perf_counter()
         self._get([s.begin_weight_update.remote() for s in self.servers])
         pending: list[Any] = []
@@ -258,8 +273,12 @@ class WeightSyncer:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def replay(self, retained: Sequence[tuple[Any, list[TensorMeta]]], version: int,
-               servers: Sequence[Any] | None = None) -> None:
+    def replay(
+        self,
+        retained: Sequence[tuple[Any, list[TensorMeta]]],
+        version: int,
+        servers: Sequence[Any] | None = None,
+    ) -> None:
         """Re-send retained object-store buckets (``SyncStats.retained``) to ``servers``
         (default: all), e.g. a server Ray just restarted."""
         targets = self.servers if servers is None else list(servers)
@@ -332,8 +351,10 @@ class WeightSyncer:
         sizes = self._get([s.num_workers.remote() for s in self.servers])
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        refs = [s.init_weight_group.remote(host, port, off, world)
-                for s, off in zip(self.servers, offsets)]
+        refs = [
+            s.init_weight_group.remote(host, port, off, world)
+            for s, off in zip(self.servers, offsets)
+        ]
         group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world)
         self._comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
         ray.get(refs, timeout=self.timeout_s)

@@ -98,8 +98,13 @@ class WorkerGroup:
       ``polyrl.placement.Placement.options``; default half a CPU per worker.
     """
 
-    def __init__(self, spec: RoleSpec, options: Callable[[int], dict[str, Any]] | None = None,
-                 env: Mapping[str, str] | None = None, ready_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        spec: RoleSpec,
+        options: Callable[[int], dict[str, Any]] | None = None,
+        env: Mapping[str, str] | None = None,
+        ready_timeout_s: float = 600.0,
+    ):
         import ray
 
         self.spec = spec
@@ -115,12 +120,18 @@ class WorkerGroup:
         remote = ray.remote(EngineWorker)
         self.workers = []
         for rank in range(world):
-            rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                        "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port)}
+            rank_env = {
+                **base_env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
             self.workers.append(
-                remote.options(**options(rank), runtime_env={"env_vars": rank_env})
-                .remote(spec.backend, rank_env)
+                remote.options(**options(rank), runtime_env={"env_vars": rank_env}).remote(
+                    spec.backend, rank_env
+                )
             )
         # Engines of a torch world initialise together (the process group needs every rank).
         refs = [w.init.remote(spec.model, spec.optim, spec.parallel) for w in self.workers]
@@ -143,14 +154,20 @@ class WorkerGroup:
     def forward(self, batch: Batch, **kwargs: Any) -> dict[str, np.ndarray]:
         import ray
 
-        outs = ray.get([w.forward.remote(s, kwargs) for w, s in zip(self.workers, self._shards(batch))])
+        outs = ray.get(
+            [w.forward.remote(s, kwargs) for w, s in zip(self.workers, self._shards(batch))]
+        )
         return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
 
     def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
         import ray
 
-        outs = ray.get([w.train_step.remote(s, loss_fn, kwargs)
-                        for w, s in zip(self.workers, self._shards(batch))])
+        outs = ray.get(
+            [
+                w.train_step.remote(s, loss_fn, kwargs)
+                for w, s in zip(self.workers, self._shards(batch))
+            ]
+        )
         return outs[0]
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
@@ -162,7 +179,9 @@ class WorkerGroup:
         """Push the role's weights to the rollout servers (see EngineWorker.sync_weights)."""
         import ray
 
-        return ray.get([w.sync_weights.remote(syncer, bucket_bytes, version) for w in self.workers])[0]
+        return ray.get(
+            [w.sync_weights.remote(syncer, bucket_bytes, version) for w in self.workers]
+        )[0]
 
     def shutdown(self) -> None:
         import ray

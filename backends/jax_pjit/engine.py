@@ -59,8 +59,9 @@ def adamw(optim: OptimConfig) -> optax.GradientTransformation:
     and Adam's own count (bias correction) does not advance.
     """
     b1, b2 = optim.betas
-    return optax.adamw(1.0, b1=b1, b2=b2, eps=optim.eps, eps_root=0.0,
-                       weight_decay=optim.weight_decay)
+    return optax.adamw(
+        1.0, b1=b1, b2=b2, eps=optim.eps, eps_root=0.0, weight_decay=optim.weight_decay
+    )
 
 
 def _mask_pad_rows(batch: Batch) -> Batch:
@@ -99,42 +100,61 @@ class JaxPjitEngine:
             )
         self.model_cfg, self.optim, self.parallel = model, optim, parallel
         self.mesh = sharding.make_mesh(parallel, self._devices)
-        self.config = TransformerConfig.from_hf(read_hf_config(model.path), where=f"{model.path}/config.json")
+        self.config = TransformerConfig.from_hf(
+            read_hf_config(model.path), where=f"{model.path}/config.json"
+        )
         self.with_lm = not model.has_value_head
         # trainable roles keep fp32 master weights and compute in model.dtype (as torch_fsdp)
         self.compute_dtype = jnp.dtype(model.dtype)
         dtype = jnp.dtype(jnp.float32) if model.trainable else self.compute_dtype
-        abstract = nnx.eval_shape(lambda: CausalLM(
-            self.config, dtype=dtype, rngs=nnx.Rngs(0), with_lm_head=self.with_lm,
-            with_value_head=model.has_value_head,
-            constrain=sharding.ActivationSharding(self.mesh, parallel.rules),
-            remat=model.gradient_checkpointing,
-        ))
+        abstract = nnx.eval_shape(
+            lambda: CausalLM(
+                self.config,
+                dtype=dtype,
+                rngs=nnx.Rngs(0),
+                with_lm_head=self.with_lm,
+                with_value_head=model.has_value_head,
+                constrain=sharding.ActivationSharding(self.mesh, parallel.rules),
+                remat=model.gradient_checkpointing,
+            )
+        )
         self._graphdef, abs_state = nnx.split(abstract)
         flat = list(abs_state.flat_state())
         self._paths = {".".join(map(str, p)): p for p, _ in flat}
         shapes = {".".join(map(str, p)): v.shape for p, v in flat}
         self.param_shardings = sharding.param_shardings(shapes, self.mesh, parallel.rules)
         host = load_hf_params(model.path, self.config, shapes, model.value_head_path)
-        self.params = {k: jax.device_put(host[k].astype(dtype), self.param_shardings[k]) for k in shapes}
+        self.params = {
+            k: jax.device_put(host[k].astype(dtype), self.param_shardings[k]) for k in shapes
+        }
         self._rep = sharding.replicated(self.mesh)
         self._rows = sharding.batch_sharding(self.mesh, parallel.rules, 1)
         if optim is not None:
             self.tx = adamw(optim)
             self._opt_shardings = self._optimizer_shardings()
-            self.opt_state = self._jit("opt_init", self.tx.init, out_shardings=self._opt_shardings)(self.params)
+            self.opt_state = self._jit("opt_init", self.tx.init, out_shardings=self._opt_shardings)(
+                self.params
+            )
         else:
             self.tx = None
         self.rng = jax.device_put(self.rng, self._rep)
-        log.info("jax_pjit %s: %s on mesh %s, %d params", model.role, self.config.architecture,
-                 dict(self.mesh.shape), sum(int(np.prod(s)) for s in shapes.values()))
+        log.info(
+            "jax_pjit %s: %s on mesh %s, %d params",
+            model.role,
+            self.config.architecture,
+            dict(self.mesh.shape),
+            sum(int(np.prod(s)) for s in shapes.values()),
+        )
 
     def _optimizer_shardings(self) -> Any:
         """Optimizer-state leaves under a parameter's name (Adam moments) share its
         sharding; the rest (step counts) are replicated."""
+
         def pick(path, _):
             names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-            return next((self.param_shardings[n] for n in names if n in self.param_shardings), self._rep)
+            return next(
+                (self.param_shardings[n] for n in names if n in self.param_shardings), self._rep
+            )
 
         return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(self.tx.init, self.params))
 
@@ -154,7 +174,8 @@ class JaxPjitEngine:
     # ------------------------------------------------------------------ compute
     def _module(self, params: dict[str, jax.Array]) -> CausalLM:
         state = nnx.State.from_flat_path(
-            {self._paths[k]: v.astype(self.compute_dtype) for k, v in params.items()})
+            {self._paths[k]: v.astype(self.compute_dtype) for k, v in params.items()}
+        )
         return nnx.merge(self._graphdef, state)
 
     def _outputs(self, params, arrays, temperature, entropy: bool) -> dict[str, jax.Array]:
@@ -164,7 +185,7 @@ class JaxPjitEngine:
         hidden = model(ids, attn, arrays["position_ids"])
         r = arrays["responses"].shape[1]
         p = ids.shape[1] - r
-        h = hidden[:, p - 1: p - 1 + r]  # position P-1+t predicts responses[:, t]
+        h = hidden[:, p - 1 : p - 1 + r]  # position P-1+t predicts responses[:, t]
         keep = arrays["response_mask"] != 0
         out = {}
         if self.with_lm:
@@ -189,30 +210,39 @@ class JaxPjitEngine:
         padded = pad_batch(batch, rows, self.min_bucket_len)
         n = next(iter(padded.arrays.values())).shape[0]
         chunks = [
-            {k: jax.device_put(v[i: i + rows], self._rows) for k, v in padded.arrays.items()}
+            {k: jax.device_put(v[i : i + rows], self._rows) for k, v in padded.arrays.items()}
             for i in range(0, n, rows)
         ]
         return padded, chunks
 
-    def forward(self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False) -> dict[str, np.ndarray]:
+    def forward(
+        self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
+    ) -> dict[str, np.ndarray]:
         fn = self._jit(
             ("forward", entropy),
             lambda params, arrays, temp: self._outputs(params, arrays, temp, entropy),
-            in_shardings=(self.param_shardings, self._rows, self._rep), out_shardings=self._rows,
+            in_shardings=(self.param_shardings, self._rows, self._rep),
+            out_shardings=self._rows,
         )
         self._check_loaded()
         padded, chunks = self._micro_batches(batch)
         temp = jnp.float32(temperature)
         outs = [jax.device_get(fn(self.params, c, temp)) for c in chunks]
         b, r = padded.batch_size, padded.response_len
-        return {k: np.concatenate([o[k] for o in outs])[:b, :r] if outs[0][k].ndim == 2
-                else np.concatenate([o[k] for o in outs])[:b] for k in outs[0]}
+        return {
+            k: np.concatenate([o[k] for o in outs])[:b, :r]
+            if outs[0][k].ndim == 2
+            else np.concatenate([o[k] for o in outs])[:b]
+            for k in outs[0]
+        }
 
     # ----------------------------------------------------------------- training
     def _grad_step(self, loss_fn: LossFn, entropy: bool):
         def step(params, grads, arrays, counts, temperature):
             def objective(p):
-                ctx = LossContext(global_tokens=counts[0], global_seqs=counts[1], temperature=temperature)
+                ctx = LossContext(
+                    global_tokens=counts[0], global_seqs=counts[1], temperature=temperature
+                )
                 return loss_fn(self._outputs(p, arrays, temperature, entropy), arrays, ctx)
 
             (loss, metrics), g = jax.value_and_grad(objective, has_aux=True)(params)
@@ -221,9 +251,11 @@ class JaxPjitEngine:
 
         ps = self.param_shardings
         return self._jit(
-            ("grad_step", loss_fn, entropy), step,
+            ("grad_step", loss_fn, entropy),
+            step,
             in_shardings=(ps, ps, self._rows, self._rep, self._rep),
-            out_shardings=(ps, self._rep, self._rep), donate_argnums=(1,),
+            out_shardings=(ps, self._rep, self._rep),
+            donate_argnums=(1,),
         )
 
     def _apply_step(self):
@@ -234,21 +266,37 @@ class JaxPjitEngine:
                 coef = jnp.minimum(1.0, clip / (norm + TORCH_CLIP_EPS))
                 grads = jax.tree.map(lambda g: g * coef, grads)
             updates, opt_state = self.tx.update(grads, opt_state, params)
-            return jax.tree.map(lambda p, u: (p + lr * u).astype(p.dtype), params, updates), opt_state
+            return jax.tree.map(
+                lambda p, u: (p + lr * u).astype(p.dtype), params, updates
+            ), opt_state
 
         def apply(params, opt_state, grads, lr):
             norm = optax.global_norm(grads)
             # a non-finite gradient skips the update (torch_fsdp does the same)
             params, opt_state = jax.lax.cond(
-                jnp.isfinite(norm), update, lambda p, o, *_: (p, o), params, opt_state, grads, norm, lr)
+                jnp.isfinite(norm),
+                update,
+                lambda p, o, *_: (p, o),
+                params,
+                opt_state,
+                grads,
+                norm,
+                lr,
+            )
             return params, opt_state, norm
 
         ps, os_ = self.param_shardings, self._opt_shardings
-        return self._jit("apply_step", apply, in_shardings=(ps, os_, ps, self._rep),
-                         out_shardings=(ps, os_, self._rep), donate_argnums=(0, 1))
+        return self._jit(
+            "apply_step",
+            apply,
+            in_shardings=(ps, os_, ps, self._rep),
+            out_shardings=(ps, os_, self._rep),
+            donate_argnums=(0, 1),
+        )
 
-    def train_step(self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0,
-                   entropy: bool = False) -> dict[str, float]:
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
+    ) -> dict[str, float]:
         if self.tx is None:
             raise RuntimeError(
                 f"train_step on the frozen {self.model_cfg.role!r} role: it was built with "
@@ -262,8 +310,11 @@ class JaxPjitEngine:
             raise ValueError("train_step: response_mask sums to 0 (no response token to train on)")
         _, chunks = self._micro_batches(batch)
         step = self._grad_step(loss_fn, entropy)
-        zeros = self._jit("zero_grads", lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-                          out_shardings=self.param_shardings)
+        zeros = self._jit(
+            "zero_grads",
+            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
+            out_shardings=self.param_shardings,
+        )
         grads, parts = zeros(self.params), []
         counts_dev, temp = jax.device_put(counts, self._rep), jnp.float32(temperature)
         for chunk in chunks:
@@ -271,14 +322,20 @@ class JaxPjitEngine:
             parts.append((loss, metrics))
         lr = self.optim.lr_at(self.step)
         self.params, self.opt_state, norm = self._apply_step()(
-            self.params, self.opt_state, grads, jnp.float32(lr))
+            self.params, self.opt_state, grads, jnp.float32(lr)
+        )
         if not np.isfinite(float(norm)):
             log.warning("step %d: non-finite grad norm %s, update skipped", self.step, norm)
         self.step += 1
         self.rng = jax.random.split(self.rng)[0]
         parts = jax.device_get(parts)
-        out = {"loss": float(sum(np.float64(lo) for lo, _ in parts)), "grad_norm": float(norm),
-               "lr": lr, "global_tokens": float(counts[0]), "global_seqs": float(counts[1])}
+        out = {
+            "loss": float(sum(np.float64(lo) for lo, _ in parts)),
+            "grad_norm": float(norm),
+            "lr": lr,
+            "global_tokens": float(counts[0]),
+            "global_seqs": float(counts[1]),
+        }
         for name in parts[0][1]:
             out[name] = float(sum(np.float64(m[name]) for _, m in parts))
         return out
@@ -289,18 +346,27 @@ class JaxPjitEngine:
         return export_buckets(self.params, bucket_bytes, dtype=self.compute_dtype)
 
     def _state(self) -> dict[str, Any]:
-        state = {"params": self.params, "step": jax.device_put(np.int32(self.step), self._rep),
-                 "rng": self.rng}
+        state = {
+            "params": self.params,
+            "step": jax.device_put(np.int32(self.step), self._rep),
+            "rng": self.rng,
+        }
         if self.opt_state is not None:
             state["opt_state"] = self.opt_state
         return state
 
     def save(self, path: str) -> None:
         self._check_loaded()
-        checkpoint.save_state(path, self._state(), {
-            "step": self.step, "role": self.model_cfg.role,
-            "architecture": self.config.architecture, "mesh": dict(self.parallel.mesh),
-        })
+        checkpoint.save_state(
+            path,
+            self._state(),
+            {
+                "step": self.step,
+                "role": self.model_cfg.role,
+                "architecture": self.config.architecture,
+                "mesh": dict(self.parallel.mesh),
+            },
+        )
 
     def load(self, path: str) -> None:
         self._check_loaded()
@@ -323,7 +389,8 @@ class JaxPjitEngine:
         kinds = {m.kind for m in self.mesh.devices.flat[0].addressable_memories()}
         if "pinned_host" in kinds:
             self._host = jax.tree.map(
-                lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree)
+                lambda x: jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), tree
+            )
         else:
             self._host = jax.device_get(tree)
         for x in jax.tree.leaves(tree):
@@ -333,7 +400,9 @@ class JaxPjitEngine:
     def reload(self) -> None:
         if self._host is None:
             return
-        self.params = {k: jax.device_put(v, self.param_shardings[k]) for k, v in self._host["params"].items()}
+        self.params = {
+            k: jax.device_put(v, self.param_shardings[k]) for k, v in self._host["params"].items()
+        }
         if self._host["opt_state"] is not None:
             self.opt_state = jax.device_put(self._host["opt_state"], self._opt_shardings)
         self._host = None

@@ -91,7 +91,9 @@ class TransformerConfig:
             )
         family = ARCHITECTURES[arch]
         if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{where}: hidden_act={cfg['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+            raise ValueError(
+                f"{where}: hidden_act={cfg['hidden_act']!r}; only 'silu' (SwiGLU) is supported"
+            )
         if cfg.get("use_sliding_window"):
             raise ValueError(
                 f"{where}: use_sliding_window=true is not supported by the jax_pjit backend; "
@@ -149,7 +151,9 @@ def rope_inv_freq(config: TransformerConfig) -> tuple[np.ndarray, float]:
         low, high = old / p["low_freq_factor"], old / p["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
         scaled = np.where(wavelen > low, inv_freq / factor, inv_freq)
-        smooth = (old / wavelen - p["low_freq_factor"]) / (p["high_freq_factor"] - p["low_freq_factor"])
+        smooth = (old / wavelen - p["low_freq_factor"]) / (
+            p["high_freq_factor"] - p["low_freq_factor"]
+        )
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high) & (wavelen <= low)
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
@@ -193,8 +197,16 @@ def _rotate_half(x: jax.Array) -> jax.Array:
 class Linear(nnx.Module):
     """``y = x @ kernel + bias`` with ``kernel`` [in, out] (HF ``weight`` transposed)."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: Any, rngs: nnx.Rngs,
-                 init: Callable | None = None):
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        bias: bool,
+        dtype: Any,
+        rngs: nnx.Rngs,
+        init: Callable | None = None,
+    ):
         init = init or nnx.initializers.normal(0.02)
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
@@ -252,10 +264,12 @@ class Attention(nnx.Module):
         cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        q = self.constrain(q.reshape(b, t, c.num_kv_heads, g, c.head_dim),
-                           ("batch", "length", "kv_heads", None, None))
+        q = self.constrain(
+            q.reshape(b, t, c.num_kv_heads, g, c.head_dim),
+            ("batch", "length", "kv_heads", None, None),
+        )
         scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (c.head_dim ** -0.5)
+        scores = scores * (c.head_dim**-0.5)
         # a finite minimum (not -inf) keeps fully masked rows (left padding) NaN-free
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
@@ -293,10 +307,13 @@ class DecoderLayer(nnx.Module):
 class Backbone(nnx.Module):
     """HF's ``model``: embeddings, decoder layers, final norm -> hidden states [B, T, E]."""
 
-    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain,
-                 remat: bool):
+    def __init__(
+        self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain, remat: bool
+    ):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(c, dtype, rngs, constrain) for _ in range(c.num_layers)])
+        self.layers = nnx.List(
+            [DecoderLayer(c, dtype, rngs, constrain) for _ in range(c.num_layers)]
+        )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         inv_freq, scale = rope_inv_freq(c)
         self.inv_freq, self.rope_scale = tuple(inv_freq.tolist()), scale
@@ -327,19 +344,35 @@ class CausalLM(nnx.Module):
     ``*ForTokenClassification`` / ``*ForSequenceClassification`` name) for critics and
     reward models. ``with_lm_head=False`` builds a critic/reward model without logits."""
 
-    def __init__(self, c: TransformerConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs,
-                 with_lm_head: bool = True, with_value_head: bool = False,
-                 constrain: Constrain | None = None, remat: bool = False):
+    def __init__(
+        self,
+        c: TransformerConfig,
+        *,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+        with_lm_head: bool = True,
+        with_value_head: bool = False,
+        constrain: Constrain | None = None,
+        remat: bool = False,
+    ):
         constrain = constrain or _no_constraint
         self.model = Backbone(c, dtype, rngs, constrain, remat)
         self.lm_head = (
             Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype, rngs=rngs)
-            if with_lm_head and not c.tie_word_embeddings else None
+            if with_lm_head and not c.tie_word_embeddings
+            else None
         )
         self.score = (
-            Linear(c.hidden_size, 1, bias=False, dtype=dtype, rngs=rngs,
-                   init=nnx.initializers.zeros_init())
-            if with_value_head else None
+            Linear(
+                c.hidden_size,
+                1,
+                bias=False,
+                dtype=dtype,
+                rngs=rngs,
+                init=nnx.initializers.zeros_init(),
+            )
+            if with_value_head
+            else None
         )
         self.config, self.with_lm_head = c, with_lm_head
 
@@ -350,9 +383,15 @@ class CausalLM(nnx.Module):
         """hidden [..., E] -> logits [..., V] (fp32 accumulation)."""
         if not self.with_lm_head:
             raise ValueError("this model was built without an LM head (a critic/reward model)")
-        w = self.lm_head.kernel[...] if self.lm_head is not None else self.model.embed_tokens.weight[...].T
+        w = (
+            self.lm_head.kernel[...]
+            if self.lm_head is not None
+            else self.model.embed_tokens.weight[...].T
+        )
         return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
 
     def values(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> scalar head [...] (fp32)."""
-        return jnp.matmul(hidden, self.score.kernel[...], preferred_element_type=jnp.float32)[..., 0]
+        return jnp.matmul(hidden, self.score.kernel[...], preferred_element_type=jnp.float32)[
+            ..., 0
+        ]

@@ -84,12 +84,19 @@ def logical_to_spec(
     spec: list[tuple[str, ...] | None] = []
     for i, name in enumerate(axes):
         mesh_axes = tuple(
-            a for a in table.get(name, ()) if name is not None and a not in used and mesh.shape[a] > 1
+            a
+            for a in table.get(name, ())
+            if name is not None and a not in used and mesh.shape[a] > 1
         )
         size = int(np.prod([mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
         if shape is not None and shape[i] % size:
-            log.info("dimension %d (%s, size %d) not divisible by mesh axes %s: replicated",
-                     i, name, shape[i], mesh_axes)
+            log.info(
+                "dimension %d (%s, size %d) not divisible by mesh axes %s: replicated",
+                i,
+                name,
+                shape[i],
+                mesh_axes,
+            )
             mesh_axes = ()
         used.update(mesh_axes)
         spec.append(mesh_axes or None)

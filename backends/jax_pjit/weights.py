@@ -40,8 +40,17 @@ __all__ = [
     "save_pretrained",
 ]
 
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                  "lm_head", "score")
+LINEAR_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+    "score",
+)
 # Value-head weight names used by HF (*ForTokenClassification / *ForSequenceClassification),
 # TRL's AutoModelForCausalLMWithValueHead and OpenRLHF, in order of preference.
 VALUE_HEAD_NAMES = ("score.weight", "v_head.summary.weight", "value_head.weight")
@@ -102,7 +111,9 @@ def _value_head(tensors: Mapping[str, np.ndarray], hidden: int, where: str) -> n
 
 
 def load_hf_params(
-    path: str | os.PathLike, config: TransformerConfig, expected: Mapping[str, tuple[int, ...]],
+    path: str | os.PathLike,
+    config: TransformerConfig,
+    expected: Mapping[str, tuple[int, ...]],
     value_head_path: str | None = None,
 ) -> dict[str, np.ndarray]:
     """Flat ``{nnx_path: numpy array}`` for the model whose parameters have ``expected``
@@ -117,10 +128,14 @@ def load_hf_params(
     params = {nnx_path(k): v for k, v in tensors.items()}
     params = {k: (v.T if k.endswith(".kernel") else v) for k, v in params.items()}
     if "score.kernel" in expected:
-        head = _value_head(read_safetensors(value_head_path), config.hidden_size, str(value_head_path)) \
-            if value_head_path else _value_head(tensors, config.hidden_size, str(path))
-        params["score.kernel"] = (np.zeros((config.hidden_size, 1), np.float32) if head is None
-                                  else head.T)
+        head = (
+            _value_head(read_safetensors(value_head_path), config.hidden_size, str(value_head_path))
+            if value_head_path
+            else _value_head(tensors, config.hidden_size, str(path))
+        )
+        params["score.kernel"] = (
+            np.zeros((config.hidden_size, 1), np.float32) if head is None else head.T
+        )
     missing = sorted(set(expected) - set(params))
     if missing:
         raise ValueError(
@@ -128,15 +143,20 @@ def load_hf_params(
             f"model needs, e.g. {[hf_name(m) for m in missing[:5]]}; is config.json from the "
             "same checkpoint?"
         )
-    wrong = {hf_name(k): (params[k].shape, tuple(s)) for k, s in expected.items()
-             if tuple(params[k].shape) != tuple(s)}
+    wrong = {
+        hf_name(k): (params[k].shape, tuple(s))
+        for k, s in expected.items()
+        if tuple(params[k].shape) != tuple(s)
+    }
     if wrong:
         raise ValueError(f"{path}: weight shapes (found, expected in JAX layout) differ: {wrong}")
     return {k: params[k] for k in expected}
 
 
 def export_buckets(
-    params: Mapping[str, jax.Array], bucket_bytes: int, dtype: Any = None,
+    params: Mapping[str, jax.Array],
+    bucket_bytes: int,
+    dtype: Any = None,
     device: jax.Device | None = None,
 ) -> Iterator[list[tuple[str, jax.Array]]]:
     """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each.
@@ -179,6 +199,10 @@ def save_pretrained(
     tensors = {name: np.asarray(x) for bucket in buckets for name, x in bucket}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in Path(src_dir).iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and f.name != "model.safetensors.index.json"
+        ):
             shutil.copy2(f, out / f.name)
     return out

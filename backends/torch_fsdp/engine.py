@@ -45,9 +45,7 @@ class TorchFSDPEngine:
         self._offloaded = False
 
     # ------------------------------------------------------------------ init
-    def init(
-        self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig
-    ) -> None:
+    def init(self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig) -> None:
         """Load ``model.path``, shard it per ``parallel``, build AdamW from ``optim``."""
         if model.trainable and optim is None:
             raise ValueError(
@@ -73,11 +71,19 @@ class TorchFSDPEngine:
         if model.trainable:
             self.optimizer = torch.optim.AdamW(
                 [p for p in self.model.parameters() if p.requires_grad],
-                lr=optim.lr_at(0), betas=optim.betas, eps=optim.eps,
+                lr=optim.lr_at(0),
+                betas=optim.betas,
+                eps=optim.eps,
                 weight_decay=optim.weight_decay,
             )
-        log.info("torch_fsdp %s on %s: rank %d/%d, mesh %s", model.role, self.env.device,
-                 self.env.rank, self.env.world_size, parallel.mesh)
+        log.info(
+            "torch_fsdp %s on %s: rank %d/%d, mesh %s",
+            model.role,
+            self.env.device,
+            self.env.rank,
+            self.env.world_size,
+            parallel.mesh,
+        )
 
     # --------------------------------------------------------------- helpers
     def _check_usable(self, what: str) -> None:
@@ -122,8 +128,9 @@ class TorchFSDPEngine:
             )
         if self.cfg.has_value_head:
             return models.value_outputs(self.model, inputs, scores=self.cfg.role == "reward")
-        return models.policy_outputs(self.model, inputs, temperature, entropy,
-                                     self.cfg.sampling_vocab_size)
+        return models.policy_outputs(
+            self.model, inputs, temperature, entropy, self.cfg.sampling_vocab_size
+        )
 
     # --------------------------------------------------------------- forward
     @torch.no_grad()
@@ -198,8 +205,11 @@ class TorchFSDPEngine:
         keys = sorted(sums)
         totals = sharding.all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist()
         return {
-            **dict(zip(keys, totals)), "grad_norm": float(grad_norm), "lr": lr,
-            "global_tokens": ctx.global_tokens, "global_seqs": ctx.global_seqs,
+            **dict(zip(keys, totals)),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "global_tokens": ctx.global_tokens,
+            "global_seqs": ctx.global_seqs,
         }
 
     # --------------------------------------------------------------- weights
@@ -219,8 +229,14 @@ class TorchFSDPEngine:
         self._check_usable("save_hf")
         head = self.model.score if self.cfg.has_value_head else None
         weights.save_hf(
-            self.model, self.hf_config, self.cfg.path, path, dtype=self.export_dtype,
-            device=self.env.device, is_main=self.env.is_main, value_head=head,
+            self.model,
+            self.hf_config,
+            self.cfg.path,
+            path,
+            dtype=self.export_dtype,
+            device=self.env.device,
+            is_main=self.env.is_main,
+            value_head=head,
         )
 
     # ------------------------------------------------------------ checkpoint
@@ -266,4 +282,3 @@ class TorchFSDPEngine:
                 self._move_optimizer_state(self.env.device)
             torch.cuda.synchronize(self.env.device)
         self._offloaded = False
-

@@ -64,7 +64,9 @@ class ValueModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids) -> torch.Tensor:
         """[B, L] ids/masks -> values [B, L] (fp32)."""
         hidden = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state
         # A copy, not a view: FSDP2 warns that in-place ops on a returned view would
@@ -190,7 +192,9 @@ def load_model(cfg: ModelConfig, master_dtype: torch.dtype) -> LoadedModel:
     backbone.config.use_cache = False
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks (re-gathers the layer).
-        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        backbone.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
     if not cfg.trainable:
         module.requires_grad_(False)
     layers = set(getattr(backbone, "_no_split_modules", None) or ())
@@ -203,7 +207,10 @@ def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_outputs(
-    model: nn.Module, inputs: dict[str, torch.Tensor], temperature: float, entropy: bool,
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    temperature: float,
+    entropy: bool,
     vocab: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` [B, R] = log_softmax(logits / temperature) at the response tokens (how
@@ -213,8 +220,11 @@ def policy_outputs(
     responses = inputs["responses"].long()
     R = responses.shape[1]
     out = model(
-        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-        position_ids=inputs["position_ids"], logits_to_keep=R + 1, use_cache=False,
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        position_ids=inputs["position_ids"],
+        logits_to_keep=R + 1,
+        use_cache=False,
     )
     # The last R + 1 logits are positions P-1 .. L-1; the last one predicts nothing.
     logits = out.logits[:, :-1, :vocab].float() / temperature

@@ -131,9 +131,7 @@ def _check_rules(parallel: ParallelConfig) -> None:
         )
 
 
-def build_plan(
-    parallel: ParallelConfig, env: DistEnv, param_dtype: torch.dtype
-) -> ShardingPlan:
+def build_plan(parallel: ParallelConfig, env: DistEnv, param_dtype: torch.dtype) -> ShardingPlan:
     """Mesh + fully_shard kwargs for ``parallel`` on this world.
 
     Mixed precision: when ``param_dtype`` is not fp32, parameters are all-gathered and

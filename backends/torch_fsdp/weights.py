@@ -30,8 +30,14 @@ from polyrl.weight_sync import iter_buckets as group_buckets
 __all__ = ["hf_named_tensors", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
     "generation_config.json",
 )
 
@@ -50,8 +56,9 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(t, DTensor):
         local = t.to_local()
         if local.device != device:  # CPU-offloaded shard on a GPU world: gather on device
-            t = DTensor.from_local(local.to(device), t.device_mesh, t.placements,
-                                   shape=t.shape, stride=t.stride())
+            t = DTensor.from_local(
+                local.to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+            )
         return t.full_tensor()
     return t.detach().to(device)
 
@@ -62,6 +69,7 @@ def iter_buckets(
     """Buckets ``[(hf_name, full tensor in dtype)]`` of at most ``bucket_bytes`` each (a
     single tensor larger than that gets a bucket of its own). Every rank must consume
     the whole iterator: each tensor is a collective."""
+
     def gathered():
         for name, shard in hf_named_tensors(model):
             full = _full(shard.detach(), device)
@@ -125,8 +133,15 @@ def _write_shards(buckets, out: Path, max_shard_bytes: int, write: bool) -> None
 
 
 def save_hf(
-    model: nn.Module, hf_config, src_path: str, out_dir: str, *, dtype: torch.dtype,
-    device: torch.device, is_main: bool, value_head: nn.Linear | None = None,
+    model: nn.Module,
+    hf_config,
+    src_path: str,
+    out_dir: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    is_main: bool,
+    value_head: nn.Linear | None = None,
     max_shard_bytes: int = 5 << 30,
 ) -> None:
     """Write ``model`` as an HF directory at ``out_dir`` (rank 0 writes; every rank must

@@ -71,10 +71,12 @@ def build_model(args, root: Path) -> Path:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, set_seed
 
     config = Qwen2Config(
-        hidden_size=args.hidden, num_hidden_layers=args.layers or 2,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers or 2,
         num_attention_heads=args.heads or max(1, args.hidden // 64),
         num_key_value_heads=args.kv_heads or args.heads or max(1, args.hidden // 64),
-        intermediate_size=args.intermediate or 4 * args.hidden, vocab_size=args.vocab or 64,
+        intermediate_size=args.intermediate or 4 * args.hidden,
+        vocab_size=args.vocab or 64,
         max_position_embeddings=args.prompt_len + args.response_len,
         tie_word_embeddings=True,
     )
@@ -124,7 +126,12 @@ def accelerator() -> tuple[str, float | None]:
 def train_flops(cfg: dict, tokens: int, seq_len: int) -> float:
     """6 * params * tokens for the matmuls + 12 * layers * hidden * seq_len * tokens for
     attention scores (forward + backward; no recompute counted: MFU, not HFU)."""
-    h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
+    h, layers, inter, vocab = (
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+    )
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter
     params = layers * per_layer + h * vocab
@@ -146,7 +153,9 @@ def run(args) -> dict:
         engine.init(
             ModelConfig(str(path), dtype=args.dtype, gradient_checkpointing=args.grad_ckpt),
             OptimConfig(lr=1e-5),
-            ParallelConfig(mesh=mesh, micro_batch_size=args.micro_batch, cpu_offload=args.cpu_offload),
+            ParallelConfig(
+                mesh=mesh, micro_batch_size=args.micro_batch, cpu_offload=args.cpu_offload
+            ),
         )
     local = args.batch // world
     batch = make_batch(args.batch, args.prompt_len, args.response_len, config["vocab_size"], 0)
@@ -163,15 +172,34 @@ def run(args) -> dict:
     device, peak = accelerator()
     flops = train_flops(config, tokens, args.prompt_len + args.response_len)
     result = {
-        "backend": args.backend, "device": device, "world_size": world, "mesh": mesh,
-        "model": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                         "num_key_value_heads", "intermediate_size", "vocab_size")},
-        "dtype": args.dtype, "grad_ckpt": args.grad_ckpt, "batch": args.batch,
-        "micro_batch": args.micro_batch, "prompt_len": args.prompt_len,
-        "response_len": args.response_len, "step_s_median": step, "step_s_all": times,
-        "tokens_per_s": tokens / step, "train_tflops_per_s": flops / step / 1e12,
+        "backend": args.backend,
+        "device": device,
+        "world_size": world,
+        "mesh": mesh,
+        "model": {
+            k: config[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+            )
+        },
+        "dtype": args.dtype,
+        "grad_ckpt": args.grad_ckpt,
+        "batch": args.batch,
+        "micro_batch": args.micro_batch,
+        "prompt_len": args.prompt_len,
+        "response_len": args.response_len,
+        "step_s_median": step,
+        "step_s_all": times,
+        "tokens_per_s": tokens / step,
+        "train_tflops_per_s": flops / step / 1e12,
         "mfu": flops / step / (peak * 1e12 * world) if peak else None,
-        "last_loss": metrics["loss"], **peak_memory(),
+        "last_loss": metrics["loss"],
+        **peak_memory(),
     }
     return result
 

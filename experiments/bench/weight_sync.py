@@ -30,8 +30,11 @@ def build_model(work: Path, hidden: int, layers: int) -> Path:
     from polyrl.data.tiny import TinyModelSpec, ensure_tiny_model
 
     spec = TinyModelSpec(
-        hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32, num_hidden_layers=layers,
-        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64),
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 32 * 32,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=max(1, hidden // 64),
     )
     return ensure_tiny_model(work, spec)
 
@@ -84,16 +87,25 @@ def bench_sync(pool, sources: dict, transports: list[str], bucket_bytes: int, re
         for backend, sd in sources.items():
             if transport != "object_store" and backend == "jax":
                 continue  # the jax arrays here are host arrays; GPU transports need device ones
-            runs = [pool.update_weights(iter_buckets(sd.items(), bucket_bytes), transport)
-                    for _ in range(repeats)]
+            runs = [
+                pool.update_weights(iter_buckets(sd.items(), bucket_bytes), transport)
+                for _ in range(repeats)
+            ]
             seconds = statistics.median(r.seconds for r in runs)
             copy = memcpy_gbps(sd, repeats)
             gbps = runs[0].bytes / seconds / 1e9
-            rows.append({
-                "transport": transport, "source": backend, "bytes": runs[0].bytes,
-                "buckets": runs[0].buckets, "seconds": seconds, "gbps": gbps,
-                "memcpy_gbps": copy, "ratio_to_memcpy": gbps / copy,
-            })
+            rows.append(
+                {
+                    "transport": transport,
+                    "source": backend,
+                    "bytes": runs[0].bytes,
+                    "buckets": runs[0].buckets,
+                    "seconds": seconds,
+                    "gbps": gbps,
+                    "memcpy_gbps": copy,
+                    "ratio_to_memcpy": gbps / copy,
+                }
+            )
     return rows
 
 
@@ -111,8 +123,15 @@ class DirectEngine:
     def timed_generate(self, prompts: list, spec) -> tuple[int, float]:
         from vllm import SamplingParams
 
-        params = SamplingParams(n=spec.n, temperature=spec.temperature, max_tokens=spec.max_tokens,
-                                seed=spec.seed, ignore_eos=True, logprobs=0, detokenize=False)
+        params = SamplingParams(
+            n=spec.n,
+            temperature=spec.temperature,
+            max_tokens=spec.max_tokens,
+            seed=spec.seed,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+        )
         start = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start
@@ -129,8 +148,14 @@ def bench_rollout(pool, args) -> dict:
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 58, size=args.prompt_len).tolist() for _ in range(args.prompts)]
-    spec = SamplingSpec(n=args.n, temperature=1.0, max_tokens=args.new_tokens, seed=0,
-                        ignore_eos=True, detokenize=False)
+    spec = SamplingSpec(
+        n=args.n,
+        temperature=1.0,
+        max_tokens=args.new_tokens,
+        seed=0,
+        ignore_eos=True,
+        detokenize=False,
+    )
     batch = Batch(meta={"prompt_ids": prompts})
 
     def through_pool() -> tuple[int, float]:
@@ -139,10 +164,15 @@ def bench_rollout(pool, args) -> dict:
         return int(out["response_lengths"].sum()), time.perf_counter() - start
 
     res = pool._resources()
-    direct = ray.remote(DirectEngine).options(
-        num_cpus=res["num_cpus"], num_gpus=res["num_gpus"],
-        runtime_env={"env_vars": server_env(pool.config, _on_gpu())},
-    ).remote(pool.config, _on_gpu())
+    direct = (
+        ray.remote(DirectEngine)
+        .options(
+            num_cpus=res["num_cpus"],
+            num_gpus=res["num_gpus"],
+            runtime_env={"env_vars": server_env(pool.config, _on_gpu())},
+        )
+        .remote(pool.config, _on_gpu())
+    )
     ray.get(direct.timed_generate.remote(prompts[:2], spec))  # start-up + warm-up
     through_pool()  # warm-up
     rows = {"pool": [], "direct": []}
@@ -152,10 +182,14 @@ def bench_rollout(pool, args) -> dict:
     ray.kill(direct)
     rate = {k: statistics.median(n / s for n, s in v) for k, v in rows.items()}
     return {
-        "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "servers": pool.config.num_servers,
+        "prompts": args.prompts,
+        "n": args.n,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "servers": pool.config.num_servers,
         "tokens_per_call": rows["pool"][0][0],
-        "pool_tok_s": rate["pool"], "direct_tok_s": rate["direct"],
+        "pool_tok_s": rate["pool"],
+        "direct_tok_s": rate["direct"],
         "ratio_pool_to_direct": rate["pool"] / rate["direct"],
     }
 
@@ -167,7 +201,9 @@ def _on_gpu() -> bool:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--work", default="runs/bench_weight_sync")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
@@ -191,17 +227,29 @@ def main() -> None:
     model_dir = build_model(work, args.hidden, args.layers)
     on_gpu = _on_gpu()
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
-    pool = RolloutPool(RolloutConfig(
-        model_path=str(model_dir), num_servers=args.servers, dtype="float32", max_model_len=256,
-        kv_cache_gib=1.0, gpu_memory_utilization=0.3, num_gpus=0.3 if on_gpu else None,
-    ))
+    pool = RolloutPool(
+        RolloutConfig(
+            model_path=str(model_dir),
+            num_servers=args.servers,
+            dtype="float32",
+            max_model_len=256,
+            kv_cache_gib=1.0,
+            gpu_memory_utilization=0.3,
+            num_gpus=0.3 if on_gpu else None,
+        )
+    )
     sources = state_dicts(model_dir, "cuda" if on_gpu else "cpu")
     result = {
         "device": "cuda" if on_gpu else "cpu",
-        "model": {"path": str(model_dir), "hidden": args.hidden, "layers": args.layers,
-                  "params": sum(int(t.numel()) for t in sources["torch"].values())},
-        "sync": bench_sync(pool, sources, args.transports.split(","),
-                           int(args.bucket_mb * 2**20), args.repeats),
+        "model": {
+            "path": str(model_dir),
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "params": sum(int(t.numel()) for t in sources["torch"].values()),
+        },
+        "sync": bench_sync(
+            pool, sources, args.transports.split(","), int(args.bucket_mb * 2**20), args.repeats
+        ),
         "rollout": bench_rollout(pool, args),
     }
     pool.shutdown()

@@ -29,8 +29,14 @@ class PromptSource:
 
     kind = "rl"
 
-    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, seed: int = 0,
-                 max_prompt_tokens: int | None = None, source: str = "<rows>"):
+    def __init__(
+        self,
+        rows: Sequence[dict[str, Any]],
+        tokenizer: Any,
+        seed: int = 0,
+        max_prompt_tokens: int | None = None,
+        source: str = "<rows>",
+    ):
         self.report = validate_rows(rows, source, tokenizer, max_prompt_tokens, self.kind)
         self.rows = list(rows)
         self.prompt_ids = encode_prompts(tokenizer, self.rows)
@@ -59,7 +65,7 @@ class PromptSource:
         per_epoch = len(self) // size
         epoch, pos = divmod(k, per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
-        return order[pos * size:(pos + 1) * size]
+        return order[pos * size : (pos + 1) * size]
 
     def batch(self, k: int, size: int) -> Batch:
         idx = self.indices(k, size)

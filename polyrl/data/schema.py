@@ -46,17 +46,24 @@ class DatasetReport:
 
     def summary(self) -> str:
         sources = ", ".join(f"{k}: {v}" for k, v in sorted(self.data_sources.items()))
-        tokens = "" if self.max_prompt_tokens is None else f", longest prompt {self.max_prompt_tokens} tokens"
+        tokens = (
+            ""
+            if self.max_prompt_tokens is None
+            else f", longest prompt {self.max_prompt_tokens} tokens"
+        )
         return f"{self.n_rows} rows ({sources}){tokens}"
 
 
 def _row_problems(i: int, row: Any, required: tuple[str, ...] = REQUIRED) -> list[str]:
     """Every problem of row ``i``; ``data_source`` must have a reward only when required."""
     if not isinstance(row, Mapping):
-        return [f"row {i}: expected an object with fields {list(required)}, got {type(row).__name__}"]
+        return [
+            f"row {i}: expected an object with fields {list(required)}, got {type(row).__name__}"
+        ]
     problems = [
         f"row {i}: missing field {name!r} (required fields: {list(required)})"
-        for name in required if name not in row
+        for name in required
+        if name not in row
     ]
     prompt = row.get("prompt")
     if "prompt" in row:
@@ -90,13 +97,18 @@ def _row_problems(i: int, row: Any, required: tuple[str, ...] = REQUIRED) -> lis
         )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
-        problems.append(f"row {i}: field 'extra_info' must be an object or absent, got {extra!r:.80}")
+        problems.append(
+            f"row {i}: field 'extra_info' must be an object or absent, got {extra!r:.80}"
+        )
     return problems
 
 
 def validate_rows(
-    rows: Sequence[Any], source: str = "<rows>", tokenizer: Any = None,
-    max_prompt_tokens: int | None = None, kind: str = "rl",
+    rows: Sequence[Any],
+    source: str = "<rows>",
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+    kind: str = "rl",
 ) -> DatasetReport:
     """Check every row; raise :class:`DatasetError` listing all problems.
 
@@ -134,12 +146,16 @@ def validate_rows(
 
 
 def validate_file(
-    path: str | Path, tokenizer: Any = None, max_prompt_tokens: int | None = None,
+    path: str | Path,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
     kind: str | None = None,
 ) -> DatasetReport:
     """Read a ``.parquet``/``.jsonl`` dataset and :func:`validate_rows` it. ``kind``
     None: "preference" if the first row has ``chosen``, else "rl"."""
     rows = read_dataset(path)
     if kind is None:
-        kind = "preference" if rows and isinstance(rows[0], Mapping) and "chosen" in rows[0] else "rl"
+        kind = (
+            "preference" if rows and isinstance(rows[0], Mapping) and "chosen" in rows[0] else "rl"
+        )
     return validate_rows(rows, str(path), tokenizer, max_prompt_tokens, kind)

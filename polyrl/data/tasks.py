@@ -24,7 +24,15 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["TASKS", "Task", "make_rows", "make_preference_rows", "write_dataset", "read_dataset", "corpus"]
+__all__ = [
+    "TASKS",
+    "Task",
+    "make_rows",
+    "make_preference_rows",
+    "write_dataset",
+    "read_dataset",
+    "corpus",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +56,6 @@ TASKS: dict[str, Task] = {
     "addition": Task("polyrl/addition", _addition, "2-digit addition, exact-match reward"),
     "copy": Task("polyrl/copy", _copy, "copy a 3-digit string, per-position partial credit"),
 }
-
 
 
 def corpus(samples_per_task: int = 200) -> list[str]:

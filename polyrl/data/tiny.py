@@ -21,7 +21,13 @@ from pathlib import Path
 
 from polyrl.data.tasks import corpus
 
-__all__ = ["TinyModelSpec", "build_tokenizer", "build_tiny_model", "ensure_tiny_model", "SPECIAL_TOKENS"]
+__all__ = [
+    "TinyModelSpec",
+    "build_tokenizer",
+    "build_tiny_model",
+    "ensure_tiny_model",
+    "SPECIAL_TOKENS",
+]
 
 PAD, EOS, IM_START, UNK = "<|endoftext|>", "<|im_end|>", "<|im_start|>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, IM_START, UNK)
@@ -56,8 +62,13 @@ class TinyModelSpec:
 
     def fingerprint(self) -> str:
         recipe = json.dumps(
-            {"spec": dataclasses.asdict(self), "corpus": corpus(),
-             "template": CHAT_TEMPLATE, "special": SPECIAL_TOKENS, "version": 1},
+            {
+                "spec": dataclasses.asdict(self),
+                "corpus": corpus(),
+                "template": CHAT_TEMPLATE,
+                "special": SPECIAL_TOKENS,
+                "version": 1,
+            },
             sort_keys=True,
         )
         return hashlib.sha256(recipe.encode()).hexdigest()[:12]
@@ -83,15 +94,23 @@ def build_tokenizer(vocab_size: int = 64):
     tok.pre_tokenizer = reference.pre_tokenizer
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=[],
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=[],
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
     state = json.loads(tok.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in state["merges"]]
     fast = Qwen2Tokenizer(
-        vocab=state["vocab"], merges=merges, unk_token=UNK, eos_token=EOS, pad_token=PAD,
-        additional_special_tokens=[IM_START], padding_side="left", model_max_length=256,
+        vocab=state["vocab"],
+        merges=merges,
+        unk_token=UNK,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START],
+        padding_side="left",
+        model_max_length=256,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast

@@ -9,7 +9,9 @@ from polyrl.rewards.registry import register_reward
 
 
 @register_reward("polyrl/addition")
-def exact_match(response: str, ground_truth: str, extra_info: Mapping[str, Any] | None = None) -> float:
+def exact_match(
+    response: str, ground_truth: str, extra_info: Mapping[str, Any] | None = None
+) -> float:
     """1.0 if the response, stripped of surrounding whitespace, equals the ground truth."""
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 

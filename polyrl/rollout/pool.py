@@ -51,7 +51,9 @@ LOG_PROB_MODE = "processed"  # log_softmax(mask(logits) / T), see polyrl.rollout
 
 
 def apply_overlong_policy(
-    prompts: Sequence[Sequence[int]], limit: int, policy: str,
+    prompts: Sequence[Sequence[int]],
+    limit: int,
+    policy: str,
 ) -> tuple[list[int], list[list[int]]]:
     """Indices kept and their (possibly left-truncated) prompts.
 
@@ -90,9 +92,13 @@ class RolloutPool:
       resources derived from the config; how a server joins a colocated GPU pool.
     """
 
-    def __init__(self, config: RolloutConfig, *,
-                 resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None,
-                 placement: Callable[[int], dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None,
+        placement: Callable[[int], dict[str, Any]] | None = None,
+    ):
         import ray
 
         if not ray.is_initialized():
@@ -119,8 +125,11 @@ class RolloutPool:
         c = self.config
         has_gpu = ray.cluster_resources().get("GPU", 0) > 0
         num_cpus = c.num_cpus if c.num_cpus is not None else (1.0 if has_gpu else 0.5)
-        num_gpus = c.num_gpus if c.num_gpus is not None else (
-            float(c.tensor_parallel_size) if has_gpu else 0.0)
+        num_gpus = (
+            c.num_gpus
+            if c.num_gpus is not None
+            else (float(c.tensor_parallel_size) if has_gpu else 0.0)
+        )
         return {"num_cpus": num_cpus, "num_gpus": num_gpus}
 
     def _start_servers(self) -> list[Any]:
@@ -141,8 +150,10 @@ class RolloutPool:
         env = server_env(c, on_gpu=res["num_gpus"] > 0)
         return [
             actor.options(
-                **(self.placement(i) if self.placement else res), max_restarts=c.max_restarts,
-                max_task_retries=0, runtime_env={"env_vars": env},
+                **(self.placement(i) if self.placement else res),
+                max_restarts=c.max_restarts,
+                max_task_retries=0,
+                runtime_env={"env_vars": env},
             ).remote(c, i)
             for i in range(c.num_servers)
         ]
@@ -167,8 +178,13 @@ class RolloutPool:
 
     # -------------------------------------------------------------- generate
     def generate(
-        self, prompts: Batch, spec: SamplingSpec, *, overlong: str | None = None,
-        prompt_len: int | None = None, response_len: int | None = None,
+        self,
+        prompts: Batch,
+        spec: SamplingSpec,
+        *,
+        overlong: str | None = None,
+        prompt_len: int | None = None,
+        response_len: int | None = None,
     ) -> Batch:
         """Sample ``spec.n`` responses per row of ``prompts`` (see the module docstring).
 
@@ -178,10 +194,13 @@ class RolloutPool:
         """
         prompts.require(PROMPT_KEY, who="RolloutPool.generate")
         kept, ids = apply_overlong_policy(
-            prompts[PROMPT_KEY], self.config.prompt_limit, overlong or self.config.overlong_prompt)
+            prompts[PROMPT_KEY], self.config.prompt_limit, overlong or self.config.overlong_prompt
+        )
         dropped = sorted(set(range(len(prompts))) - set(kept))
         if not kept:
-            raise ValueError(f"RolloutPool.generate: every prompt was dropped as too long ({dropped})")
+            raise ValueError(
+                f"RolloutPool.generate: every prompt was dropped as too long ({dropped})"
+            )
         base = prompts.take(kept).with_columns(meta={PROMPT_KEY: ids})
         n = spec.n
         # Seeds follow the prompt's index in the caller's batch, so dropping one prompt
@@ -190,11 +209,23 @@ class RolloutPool:
         results = self._dispatch("generate", requests, spec)
         return self._assemble(base.repeat(n), results, spec, dropped, prompt_len, response_len)
 
-    def _assemble(self, rep: Batch, results: list[dict[str, Any]], spec: SamplingSpec,
-                  dropped: list[int], prompt_len: int | None, response_len: int | None) -> Batch:
+    def _assemble(
+        self,
+        rep: Batch,
+        results: list[dict[str, Any]],
+        spec: SamplingSpec,
+        dropped: list[int],
+        prompt_len: int | None,
+        response_len: int | None,
+    ) -> Batch:
         responses = [r["token_ids"] for r in results]
-        seq = from_token_lists(list(rep[PROMPT_KEY]), responses, self.pad_token_id,
-                               prompt_len=prompt_len, response_len=response_len)
+        seq = from_token_lists(
+            list(rep[PROMPT_KEY]),
+            responses,
+            self.pad_token_id,
+            prompt_len=prompt_len,
+            response_len=response_len,
+        )
         log_probs = np.zeros(seq["responses"].shape, dtype=np.float32)
         for row, r in enumerate(results):
             log_probs[row, : len(r["log_probs"])] = r["log_probs"]
@@ -209,13 +240,19 @@ class RolloutPool:
         if spec.detokenize:
             meta["response_text"] = [r["text"] for r in results]
         return rep.with_columns(
-            tensors, meta, temperature=spec.temperature, n=spec.n, weight_version=self.version,
-            sampling_vocab_size=self.sampling_vocab_size, log_prob_mode=LOG_PROB_MODE,
+            tensors,
+            meta,
+            temperature=spec.temperature,
+            n=spec.n,
+            weight_version=self.version,
+            sampling_vocab_size=self.sampling_vocab_size,
+            log_prob_mode=LOG_PROB_MODE,
             dropped=dropped,
         )
 
-    def score(self, prompt_ids: Sequence[Sequence[int]],
-              response_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    def score(
+        self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
+    ) -> list[np.ndarray]:
         """Per pair, ``log_softmax(logits)`` (T=1, full vocabulary) of each response
         token under the servers' current weights (``RolloutServer.score``)."""
         return self._dispatch("score", list(zip(prompt_ids, response_ids)))
@@ -226,8 +263,13 @@ class RolloutPool:
         shard is retried once on the next server after the failed one is re-synced."""
         shards = [s for s in np.array_split(np.arange(len(items)), len(self.servers)) if len(s)]
         calls = [
-            (i, idx, getattr(self.servers[i], method).remote(
-                [items[j] for j in idx], *args, expected_version=self.version))
+            (
+                i,
+                idx,
+                getattr(self.servers[i], method).remote(
+                    [items[j] for j in idx], *args, expected_version=self.version
+                ),
+            )
             for i, idx in enumerate(shards)
         ]
         out: list[Any] = [None] * len(items)
@@ -243,15 +285,23 @@ class RolloutPool:
         return out
 
     def _retry(self, method: str, shard: list[Any], args: tuple, failed: int, error: Exception):
-        logger.warning("rollout server %d failed (%s: %s); re-syncing it and retrying its "
-                       "%d requests once", failed, type(error).__name__, error, len(shard))
+        logger.warning(
+            "rollout server %d failed (%s: %s); re-syncing it and retrying its %d requests once",
+            failed,
+            type(error).__name__,
+            error,
+            len(shard),
+        )
         self._recover(failed)
         target = (failed + 1) % len(self.servers)
         if target != failed:
             self._recover(target)  # cheap when healthy: one info() call
         try:
-            return self._get(getattr(self.servers[target], method).remote(
-                shard, *args, expected_version=self.version))
+            return self._get(
+                getattr(self.servers[target], method).remote(
+                    shard, *args, expected_version=self.version
+                )
+            )
         except Exception as e:
             raise RuntimeError(
                 f"RolloutPool.{method}: {len(shard)} requests failed on server {failed} "
@@ -265,14 +315,16 @@ class RolloutPool:
         deadline = time.monotonic() + self.config.ready_timeout_s
         while True:
             try:
-                info = ray.get(self.servers[i].info.remote(),
-                               timeout=max(1.0, deadline - time.monotonic()))
+                info = ray.get(
+                    self.servers[i].info.remote(), timeout=max(1.0, deadline - time.monotonic())
+                )
                 break
             except ray.exceptions.ActorUnavailableError:  # restarting: ask again shortly
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"rollout server {i} did not come back within RolloutConfig."
-                        f"ready_timeout_s={self.config.ready_timeout_s:g} s") from None
+                        f"ready_timeout_s={self.config.ready_timeout_s:g} s"
+                    ) from None
                 time.sleep(0.5)
             except ray.exceptions.RayActorError as e:
                 raise RuntimeError(
@@ -280,13 +332,19 @@ class RolloutPool:
                     f"max_restarts={self.config.max_restarts} used up?): {e}"
                 ) from e
         if info["version"] != self.version:
-            logger.warning("rollout server %d is at weight version %d (boot %s), pool at %d: "
-                           "re-syncing", i, info["version"], info["boot_id"][:8], self.version)
+            logger.warning(
+                "rollout server %d is at weight version %d (boot %s), pool at %d: re-syncing",
+                i,
+                info["version"],
+                info["boot_id"][:8],
+                self.version,
+            )
             self._resync([self.servers[i]])
 
     def _resync(self, servers: list[Any]) -> None:
-        syncer = WeightSyncer(servers, "object_store", retain=False,
-                              timeout_s=self.config.request_timeout_s)
+        syncer = WeightSyncer(
+            servers, "object_store", retain=False, timeout_s=self.config.request_timeout_s
+        )
         if self._retained is not None:
             syncer.replay(self._retained, self.version)
         elif self.resync_source is not None:
@@ -304,14 +362,22 @@ class RolloutPool:
         return ray.get(ref, timeout=self.config.request_timeout_s)
 
     # --------------------------------------------------------------- weights
-    def weight_syncer(self, transport: str = "object_store", *, retain: bool = True) -> WeightSyncer:
+    def weight_syncer(
+        self, transport: str = "object_store", *, retain: bool = True
+    ) -> WeightSyncer:
         """A syncer for these servers, to run where the exported tensors live; report
         its result back with :meth:`commit`."""
-        return WeightSyncer(self.servers, transport, retain=retain,
-                            timeout_s=self.config.request_timeout_s)
+        return WeightSyncer(
+            self.servers, transport, retain=retain, timeout_s=self.config.request_timeout_s
+        )
 
-    def update_weights(self, buckets: Iterable[Sequence[tuple[str, Any]]],
-                       transport: str = "object_store", *, retain: bool = True) -> SyncStats:
+    def update_weights(
+        self,
+        buckets: Iterable[Sequence[tuple[str, Any]]],
+        transport: str = "object_store",
+        *,
+        retain: bool = True,
+    ) -> SyncStats:
         """Push ``buckets`` (an engine's ``export_weights``) from this process to every
         server as version ``self.version + 1``. A server dying mid-push fails the push;
         call again."""
@@ -353,5 +419,7 @@ def _is_recoverable(error: Exception) -> bool:
     """A dead/restarting server or stale weights (not a bug in the request)."""
     import ray
 
-    return isinstance(error, (StaleWeightsError, ray.exceptions.RayActorError,
-                              ray.exceptions.ActorUnavailableError))
+    return isinstance(
+        error,
+        (StaleWeightsError, ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError),
+    )

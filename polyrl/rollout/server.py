@@ -48,14 +48,21 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     c = config
     eager = (not on_gpu) if c.enforce_eager is None else c.enforce_eager
     kwargs: dict[str, Any] = dict(
-        model=c.model_path, dtype=c.dtype, max_model_len=c.max_model_len, seed=c.seed,
-        enforce_eager=eager, tensor_parallel_size=c.tensor_parallel_size,
-        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-        worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+        model=c.model_path,
+        dtype=c.dtype,
+        max_model_len=c.max_model_len,
+        seed=c.seed,
+        enforce_eager=eager,
+        tensor_parallel_size=c.tensor_parallel_size,
+        enable_prefix_caching=True,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION,
+        disable_log_stats=True,
     )
     if on_gpu:
-        kwargs.update(gpu_memory_utilization=c.gpu_memory_utilization,
-                      enable_sleep_mode=c.enable_sleep_mode)
+        kwargs.update(
+            gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=c.enable_sleep_mode
+        )
         return kwargs
     if c.tensor_parallel_size != 1:
         raise ValueError(
@@ -92,8 +99,9 @@ class RolloutServer:
         restrict = config.restrict_to_tokenizer and self.model_vocab_size > self.tokenizer_size
         self.sampling_vocab_size = self.tokenizer_size if restrict else self.model_vocab_size
         self._allowed = list(range(self.tokenizer_size)) if restrict else None
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-            else tokenizer.eos_token_id
+        self.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
         self.eos_token_id = tokenizer.eos_token_id
         self.version = 0
         self.updating = False
@@ -107,11 +115,16 @@ class RolloutServer:
     def info(self) -> dict[str, Any]:
         """Start-up facts (the pool's ready check) and the current weight version."""
         return {
-            "index": self.index, "pid": os.getpid(), "boot_id": self.boot_id,
-            "version": self.version, "on_gpu": self.on_gpu,
-            "model_vocab_size": self.model_vocab_size, "tokenizer_size": self.tokenizer_size,
+            "index": self.index,
+            "pid": os.getpid(),
+            "boot_id": self.boot_id,
+            "version": self.version,
+            "on_gpu": self.on_gpu,
+            "model_vocab_size": self.model_vocab_size,
+            "tokenizer_size": self.tokenizer_size,
             "sampling_vocab_size": self.sampling_vocab_size,
-            "pad_token_id": self.pad_token_id, "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "eos_token_id": self.eos_token_id,
             "device_uuid": self._device_uuid(),
         }
 
@@ -126,7 +139,9 @@ class RolloutServer:
 
     # -------------------------------------------------------------- generate
     def generate(
-        self, requests: Sequence[tuple[int, Sequence[int]]], spec: SamplingSpec,
+        self,
+        requests: Sequence[tuple[int, Sequence[int]]],
+        spec: SamplingSpec,
         expected_version: int | None = None,
     ) -> list[dict[str, Any]]:
         """Sample one response per request.
@@ -146,14 +161,20 @@ class RolloutServer:
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             lps = np.array([lp[t].logprob for t, lp in zip(ids, comp.logprobs)], dtype=np.float32)
-            results.append({
-                "token_ids": ids, "log_probs": lps, "finish_reason": comp.finish_reason,
-                "text": comp.text if spec.detokenize else None, "version": self.version,
-            })
+            results.append(
+                {
+                    "token_ids": ids,
+                    "log_probs": lps,
+                    "finish_reason": comp.finish_reason,
+                    "text": comp.text if spec.detokenize else None,
+                    "version": self.version,
+                }
+            )
         return results
 
     def score(
-        self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+        self,
+        pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
         expected_version: int | None = None,
     ) -> list[np.ndarray]:
         """Log-probs of given responses: per pair ``(prompt_ids, response_ids)`` a float32
@@ -168,9 +189,10 @@ class RolloutServer:
         scores = []
         for (p, _), out in zip(pairs, outputs):
             ids = out.prompt_token_ids
-            entries = out.prompt_logprobs[len(p):]  # entry k scores token k given tokens < k
-            scores.append(np.array([e[t].logprob for t, e in zip(ids[len(p):], entries)],
-                                   dtype=np.float32))
+            entries = out.prompt_logprobs[len(p) :]  # entry k scores token k given tokens < k
+            scores.append(
+                np.array([e[t].logprob for t, e in zip(ids[len(p) :], entries)], dtype=np.float32)
+            )
         return scores
 
     def _check_version(self, expected: int | None) -> None:
@@ -207,9 +229,12 @@ class RolloutServer:
     def num_workers(self) -> int:
         return self.config.tensor_parallel_size
 
-    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> list[int]:
+    def init_weight_group(
+        self, host: str, port: int, rank_offset: int, world_size: int
+    ) -> list[int]:
         return self.llm.collective_rpc(
-            "polyrl_init_nccl", args=(host, port, rank_offset, world_size))
+            "polyrl_init_nccl", args=(host, port, rank_offset, world_size)
+        )
 
     def load_bucket_nccl(self, metas: Sequence[tuple], nbytes: int) -> int:
         return sum(self.llm.collective_rpc("polyrl_load_bucket_nccl", args=(metas, nbytes)))
@@ -232,8 +257,12 @@ class RolloutServer:
         level 2 drops them: re-sync after :meth:`wake_up`). A logged no-op on CPU,
         where vLLM has no sleep mode. Returns whether the engine slept."""
         if not self.on_gpu or not self.config.enable_sleep_mode:
-            logger.info("rollout server %d: sleep(level=%d) is a no-op (%s)", self.index, level,
-                        "CPU build" if not self.on_gpu else "enable_sleep_mode=False")
+            logger.info(
+                "rollout server %d: sleep(level=%d) is a no-op (%s)",
+                self.index,
+                level,
+                "CPU build" if not self.on_gpu else "enable_sleep_mode=False",
+            )
             return False
         self.llm.reset_prefix_cache()
         self.llm.sleep(level=level)

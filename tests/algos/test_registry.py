@@ -261,7 +261,9 @@ def test_dpo_actor_loss_ignores_padding_pairs(make_ctx):
     def pad(v):
         return np.concatenate([v, np.zeros_like(v[:2])])
 
-    loss, metrics = fn({k: pad(v) for k, v in outputs.items()}, {k: pad(v) for k, v in batch.items()}, ctx)
+    loss, metrics = fn(
+        {k: pad(v) for k, v in outputs.items()}, {k: pad(v) for k, v in batch.items()}, ctx
+    )
     np.testing.assert_allclose(loss, base_loss, **PARITY)
     for key in base_metrics:
         np.testing.assert_allclose(metrics[key], base_metrics[key], **PARITY)

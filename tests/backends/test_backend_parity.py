@@ -56,8 +56,11 @@ def _jax_engine(path):
 
 
 def _weights(engine):
-    return {k: np.array(v.detach().float().cpu() if isinstance(v, torch.Tensor) else v)
-            for bucket in engine.export_weights(1 << 22) for k, v in bucket}
+    return {
+        k: np.array(v.detach().float().cpu() if isinstance(v, torch.Tensor) else v)
+        for bucket in engine.export_weights(1 << 22)
+        for k, v in bucket
+    }
 
 
 def _run(engine, batch):
@@ -71,16 +74,29 @@ def _reference_step(path, batch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr_at(0), betas=OPTIM.betas,
-                            eps=OPTIM.eps, weight_decay=OPTIM.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=OPTIM.lr_at(0),
+        betas=OPTIM.betas,
+        eps=OPTIM.eps,
+        weight_decay=OPTIM.weight_decay,
+    )
     cols = {k: torch.as_tensor(v) for k, v in batch.tensors.items()}
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    logits = model(input_ids=cols["input_ids"].long(), attention_mask=cols["attention_mask"].long(),
-                   position_ids=cols["position_ids"].long()).logits[:, p - 1: p - 1 + r] / TEMPERATURE
+    logits = (
+        model(
+            input_ids=cols["input_ids"].long(),
+            attention_mask=cols["attention_mask"].long(),
+            position_ids=cols["position_ids"].long(),
+        ).logits[:, p - 1 : p - 1 + r]
+        / TEMPERATURE
+    )
     logp = torch.log_softmax(logits, -1)
     mask = cols["response_mask"]
-    outputs = {"log_probs": logp.gather(-1, cols["responses"].long()[..., None])[..., 0] * mask,
-               "entropy": -(logp.exp() * logp).sum(-1) * mask}
+    outputs = {
+        "log_probs": logp.gather(-1, cols["responses"].long()[..., None])[..., 0] * mask,
+        "entropy": -(logp.exp() * logp).sum(-1) * mask,
+    }
     ctx = LossContext(float(mask.sum()), float((mask.sum(1) > 0).sum()), TEMPERATURE)
     loss, _ = LOSS(outputs, cols, ctx)
     loss.backward()
@@ -117,5 +133,12 @@ def test_jax_engine_matches_torch_engine(tiny_model_dir):
     np.testing.assert_allclose(j_fwd["entropy"], t_fwd["entropy"], atol=TOL)
     for key in ("pg_loss", "kl_loss", "entropy", "clipfrac", "global_tokens", "global_seqs"):
         assert j_metrics[key] == pytest.approx(t_metrics[key], abs=TOL), key
-    _compare(j_fwd, j_metrics, j_weights, t_fwd["log_probs"], t_metrics["loss"],
-             t_metrics["grad_norm"], t_weights)
+    _compare(
+        j_fwd,
+        j_metrics,
+        j_weights,
+        t_fwd["log_probs"],
+        t_metrics["loss"],
+        t_metrics["grad_norm"],
+        t_weights,
+    )

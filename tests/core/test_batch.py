@@ -31,7 +31,9 @@ def test_scalar_column_rejected_with_hint():
 
 
 def test_meta_keeps_nested_objects_per_sample():
-    b = Batch(meta={"prompt": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]})
+    b = Batch(
+        meta={"prompt": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]}
+    )
     assert len(b) == 2
     assert b["prompt"][1][0]["content"] == "yo"
 

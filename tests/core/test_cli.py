@@ -31,13 +31,44 @@ def test_gin_commands_need_a_gin_file(command, capsys):
 
 def test_validate_config_ok_and_errors_name_the_binding(tmp_path, capsys):
     run_dir = f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"
-    assert main(["validate-config", "--gin_file", "gin/experiments/tiny_grpo.gin", "--gin_param", run_dir]) == 0
+    assert (
+        main(
+            [
+                "validate-config",
+                "--gin_file",
+                "gin/experiments/tiny_grpo.gin",
+                "--gin_param",
+                run_dir,
+            ]
+        )
+        == 0
+    )
     assert "OK gin/experiments/tiny_grpo.gin: grpo on torch_fsdp" in capsys.readouterr().out
-    bad = ["--gin_param", "polyrl.RunConfig.prompts_per_step = 12", "--gin_param", "polyrl.SamplingSpec.n = 1",
-           "--gin_param", 'polyrl.RunConfig.backend = "tensorflow"']
-    assert main(["validate-config", "--gin_file", "gin/experiments/tiny_grpo.gin", "--gin_param", run_dir, *bad]) == 1
+    bad = [
+        "--gin_param",
+        "polyrl.RunConfig.prompts_per_step = 12",
+        "--gin_param",
+        "polyrl.SamplingSpec.n = 1",
+        "--gin_param",
+        'polyrl.RunConfig.backend = "tensorflow"',
+    ]
+    assert (
+        main(
+            [
+                "validate-config",
+                "--gin_file",
+                "gin/experiments/tiny_grpo.gin",
+                "--gin_param",
+                run_dir,
+                *bad,
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
-    assert "RunConfig.prompts_per_step=12 is not a multiple of RunConfig.mini_batch_prompts=8" in err
+    assert (
+        "RunConfig.prompts_per_step=12 is not a multiple of RunConfig.mini_batch_prompts=8" in err
+    )
     assert "SamplingSpec.n=1: algorithm 'grpo' compares samples of the same prompt" in err
     assert "RunConfig.backend='tensorflow' is not a registered backend" in err
 

@@ -34,7 +34,11 @@ def _lint(staged: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(staged)}
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", str(ROOT / "setup.cfg")],
-        cwd=staged, env=env, capture_output=True, text=True, timeout=300,
+        cwd=staged,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -50,11 +54,17 @@ def test_import_contracts_hold(tmp_path):
     [
         ("polyrl/algos/_violation.py", "import torch\n", "algos/ is pure math"),
         ("polyrl/algos/_violation.py", "from polyrl.backends import base\n", "algos/ is pure math"),
-        ("polyrl/backends/jax_pjit/_violation.py", "import polyrl.backends.torch_fsdp\n",
-         "the two backends never import each other"),
+        (
+            "polyrl/backends/jax_pjit/_violation.py",
+            "import polyrl.backends.torch_fsdp\n",
+            "the two backends never import each other",
+        ),
         ("polyrl/rewards/_violation.py", "def f():\n    import jax\n", "never touch a framework"),
-        ("polyrl/rollout/_violation.py", "from polyrl.backends.base import LossContext\n",
-         "rollout/ serves any backend's weights"),
+        (
+            "polyrl/rollout/_violation.py",
+            "from polyrl.backends.base import LossContext\n",
+            "rollout/ serves any backend's weights",
+        ),
     ],
 )
 def test_contract_fails_when_violated(tmp_path, where, source, contract):
@@ -123,11 +133,19 @@ def test_only_the_launcher_imports_gin():
     """Library code never imports gin (DESIGN.md "Configuration"): bindings are resolved
     in polyrl/launch.py into dataclasses, which are what workers receive."""
     importers = []
-    for path in sorted([*ROOT.joinpath("polyrl").rglob("*.py"), *ROOT.joinpath("backends").rglob("*.py"),
-                        *ROOT.joinpath("algos").rglob("*.py")]):
+    for path in sorted(
+        [
+            *ROOT.joinpath("polyrl").rglob("*.py"),
+            *ROOT.joinpath("backends").rglob("*.py"),
+            *ROOT.joinpath("algos").rglob("*.py"),
+        ]
+    ):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            )
             if any(n.split(".")[0] == "gin" for n in names):
                 importers.append(str(path.relative_to(ROOT)))
     assert sorted(set(importers)) == ["polyrl/launch.py"]

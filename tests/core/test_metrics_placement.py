@@ -30,7 +30,9 @@ def test_tensorboard_events_are_written(tmp_path):
 
 
 def test_phase_summary_shares_and_overhead():
-    rows = [{"time/generate": 2.0, "time/update_actor": 1.0, "time/sync_weights": 0.5, "time/step": 4.0}] * 2
+    rows = [
+        {"time/generate": 2.0, "time/update_actor": 1.0, "time/sync_weights": 0.5, "time/step": 4.0}
+    ] * 2
     text = phase_summary(rows, ("generate", "update_actor"))
     # total 8 s; generate 4 s = 50%; overhead = 8 - (4 + 2) = 2 s = 25%
     assert "generate             4.00 s   50.0%" in text
@@ -58,7 +60,12 @@ def test_colocated_gpu_pool_shares_each_gpu():
 
 
 def test_cpu_pool_is_split_over_all_its_workers():
-    shares = plan_shares({"shared": {"CPU": 2}}, {"actor": "shared", "reference": "shared", "rollout": "shared"},
-                         {"actor": 2, "reference": 1, "rollout": 1})
-    assert {r: s.num_cpus for r, s in shares.items()} == pytest.approx({"actor": 0.5, "reference": 0.5, "rollout": 0.5})
+    shares = plan_shares(
+        {"shared": {"CPU": 2}},
+        {"actor": "shared", "reference": "shared", "rollout": "shared"},
+        {"actor": 2, "reference": 1, "rollout": 1},
+    )
+    assert {r: s.num_cpus for r, s in shares.items()} == pytest.approx(
+        {"actor": 0.5, "reference": 0.5, "rollout": 0.5}
+    )
     assert all(s.num_gpus == 0 for s in shares.values())

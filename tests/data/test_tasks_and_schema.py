@@ -25,7 +25,9 @@ def test_rows_are_deterministic_and_correct():
     for row in rows:
         a, b = row["prompt"][0]["content"].rstrip("=").split("+")
         assert int(row["ground_truth"]) == int(a) + int(b)
-        assert get_reward_fn(row["data_source"])(row["ground_truth"], row["ground_truth"], None) == 1.0
+        assert (
+            get_reward_fn(row["data_source"])(row["ground_truth"], row["ground_truth"], None) == 1.0
+        )
     for row in make_rows("copy", 10):
         assert row["prompt"][0]["content"] == f"copy {row['ground_truth']}"
 
@@ -37,7 +39,10 @@ def test_random_policy_scores_above_zero_on_copy():
     rng = random.Random(0)
     reward = get_reward_fn("polyrl/copy")
     rows = make_rows("copy", 500, seed=0)
-    scores = [reward("".join(rng.choice("0123456789") for _ in range(3)), r["ground_truth"], None) for r in rows]
+    scores = [
+        reward("".join(rng.choice("0123456789") for _ in range(3)), r["ground_truth"], None)
+        for r in rows
+    ]
     # Per position: right with p = 1/10 (credit 1), else a wrong digit (credit 0.25):
     # expected 0.1 * 1 + 0.9 * 0.25 = 0.325.
     assert 0.30 < sum(scores) / len(scores) < 0.35
@@ -50,9 +55,17 @@ def test_unknown_task_lists_tasks():
 
 def test_validator_reports_every_problem_with_row_and_field():
     rows = [
-        {"prompt": [{"role": "user", "content": "1+1="}], "ground_truth": "2", "data_source": "polyrl/addition"},
+        {
+            "prompt": [{"role": "user", "content": "1+1="}],
+            "ground_truth": "2",
+            "data_source": "polyrl/addition",
+        },
         {"prompt": "1+1=", "ground_truth": "2", "data_source": "polyrl/addition"},
-        {"prompt": [{"role": "robot", "content": ""}], "ground_truth": 2, "data_source": "polyrl/addition"},
+        {
+            "prompt": [{"role": "robot", "content": ""}],
+            "ground_truth": 2,
+            "data_source": "polyrl/addition",
+        },
         {"prompt": [{"role": "user", "content": "x"}], "data_source": "nope"},
     ]
     with pytest.raises(DatasetError) as info:
@@ -77,7 +90,9 @@ def test_validator_counts_tokens_and_flags_long_prompts(tiny_model_dir):
     # "<|im_start|>", "user", ":", "copy", " ", 3 digits, "<|im_end|>", "<|im_start|>",
     # "as", "sistant", ":"  -> 1+1+1+1+1+3+1+1+1+1+1 = 13 tokens
     assert report.max_prompt_tokens == 13
-    with pytest.raises(DatasetError, match=r"row 0: prompt is 13 tokens, over max_prompt_tokens=10"):
+    with pytest.raises(
+        DatasetError, match=r"row 0: prompt is 13 tokens, over max_prompt_tokens=10"
+    ):
         validate_rows(rows, tokenizer=tok, max_prompt_tokens=10)
 
 

@@ -96,11 +96,14 @@ def test_model_loads_in_vllm_and_matches_transformers(tiny_model_dir, tokenizer)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
         [sys.executable, "-c", VLLM_SCRIPT, str(tiny_model_dir), json.dumps(prompt)],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
-    got = json.loads(line[len("RESULT"):])
+    got = json.loads(line[len("RESULT") :])
     assert len(got["ids"]) == 6
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -17,7 +17,9 @@ import pytest
 def padded_model_dir(tmp_path_factory):
     from polyrl.data.tiny import TinyModelSpec, ensure_tiny_model
 
-    return ensure_tiny_model(tmp_path_factory.mktemp("tiny_padded"), TinyModelSpec(vocab_multiple=16))
+    return ensure_tiny_model(
+        tmp_path_factory.mktemp("tiny_padded"), TinyModelSpec(vocab_multiple=16)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +28,7 @@ def ray_session():
 
     if not ray.is_initialized():
         # 2 logical CPUs = the machine; servers take 0.5 each.
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 
@@ -37,8 +38,14 @@ def pool(ray_session, padded_model_dir):
     from polyrl.rollout import RolloutConfig, RolloutPool
 
     config = RolloutConfig(
-        model_path=str(padded_model_dir), num_servers=2, dtype="float32", max_model_len=256,
-        max_prompt_len=160, kv_cache_gib=0.25, ready_timeout_s=180, request_timeout_s=180,
+        model_path=str(padded_model_dir),
+        num_servers=2,
+        dtype="float32",
+        max_model_len=256,
+        max_prompt_len=160,
+        kv_cache_gib=0.25,
+        ready_timeout_s=180,
+        request_timeout_s=180,
     )
     p = RolloutPool(config)
     yield p

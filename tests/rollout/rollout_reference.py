@@ -41,7 +41,7 @@ def hf_log_probs(model, batch: Batch, temperature: float, vocab: int) -> np.ndar
         input_ids=torch.from_numpy(batch["input_ids"]).long(),
         attention_mask=torch.from_numpy(batch["attention_mask"]).long(),
         position_ids=torch.from_numpy(batch["position_ids"]).long(),
-    ).logits[:, P - 1: -1, :vocab]
+    ).logits[:, P - 1 : -1, :vocab]
     lp = torch.log_softmax(logits / temperature, dim=-1)
     out = lp.gather(-1, torch.from_numpy(batch["responses"]).long().unsqueeze(-1)).squeeze(-1)
     return (out.numpy() * batch["response_mask"]).astype(np.float32)
@@ -55,7 +55,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int, vocab: int, eos: int) -
         ids.append(nxt)
         if nxt == eos:
             break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def prompts_batch(lengths: list[int], seed: int = 0) -> Batch:

@@ -35,15 +35,22 @@ def gpu_ray():
 
 
 def _pool(model_dir, num_gpus: float) -> RolloutPool:
-    return RolloutPool(RolloutConfig(
-        model_path=str(model_dir), dtype="float32", max_model_len=256, num_gpus=num_gpus,
-        gpu_memory_utilization=0.2, enforce_eager=True,
-    ))
+    return RolloutPool(
+        RolloutConfig(
+            model_path=str(model_dir),
+            dtype="float32",
+            max_model_len=256,
+            num_gpus=num_gpus,
+            gpu_memory_utilization=0.2,
+            enforce_eager=True,
+        )
+    )
 
 
 def _check(pool, model, device) -> None:
-    out = pool.generate(prompts_batch([6, 40], seed=2),
-                        SamplingSpec(n=2, temperature=0.9, max_tokens=8, seed=4))
+    out = pool.generate(
+        prompts_batch([6, 40], seed=2), SamplingSpec(n=2, temperature=0.9, max_tokens=8, seed=4)
+    )
     ref = hf_log_probs(model.cpu(), out, temperature=0.9, vocab=pool.sampling_vocab_size)
     np.testing.assert_allclose(out["rollout_log_probs"], ref, atol=GPU_ATOL, rtol=0)
     model.to(device)
@@ -54,8 +61,9 @@ def test_cuda_ipc_colocated(gpu_ray, padded_model_dir):
     pool = _pool(padded_model_dir, num_gpus=0.4)
     device = torch.device("cuda", 0)
     model = load_hf(padded_model_dir, seed=5).to(device)
-    stats = pool.update_weights(iter_buckets(model.state_dict().items(), 64 * 1024),
-                                transport="cuda_ipc")
+    stats = pool.update_weights(
+        iter_buckets(model.state_dict().items(), 64 * 1024), transport="cuda_ipc"
+    )
     assert stats.retained is None and pool.weight_versions() == [1]
     _check(pool, model, device)
     pool.shutdown()
@@ -67,8 +75,11 @@ def test_nccl_disaggregated(gpu_ray, padded_model_dir):
     pool = _pool(padded_model_dir, num_gpus=1)
     # The trainer side must sit on the other GPU (two NCCL ranks on one device are invalid).
     server_uuid = pool.infos[0]["device_uuid"]
-    other = next(i for i in range(torch.cuda.device_count())
-                 if str(torch.cuda.get_device_properties(i).uuid) != server_uuid)
+    other = next(
+        i
+        for i in range(torch.cuda.device_count())
+        if str(torch.cuda.get_device_properties(i).uuid) != server_uuid
+    )
     torch.cuda.set_device(other)
     device = torch.device("cuda", other)
     model = load_hf(padded_model_dir, seed=6).to(device)

@@ -24,7 +24,7 @@ def test_generate_layout_order_and_log_probs(pool, padded_model_dir):
     for row in range(15):
         prompt = prompts["prompt_ids"][row // 3]
         P = out["prompts"].shape[1]
-        assert out["prompts"][row, P - len(prompt):].tolist() == prompt
+        assert out["prompts"][row, P - len(prompt) :].tolist() == prompt
         assert out["prompt_lengths"][row] == len(prompt)
     lengths = out["response_lengths"]
     np.testing.assert_array_equal(out["response_mask"].sum(1), lengths)
@@ -60,7 +60,9 @@ def test_seeded_samples_do_not_depend_on_split(pool, ray_session):
     for row, r in enumerate(alone):
         assert a["responses"][row, : len(r["token_ids"])].tolist() == r["token_ids"]
     assert not np.array_equal(
-        a["responses"], pool.generate(prompts, SamplingSpec(n=2, max_tokens=8, seed=12))["responses"])
+        a["responses"],
+        pool.generate(prompts, SamplingSpec(n=2, max_tokens=8, seed=12))["responses"],
+    )
 
 
 def test_synced_weights_match_transformers(pool, padded_model_dir):
@@ -81,16 +83,23 @@ def test_synced_weights_match_transformers(pool, padded_model_dir):
     assert got == expected
     assert got != before["responses"][0, : before["response_lengths"][0]].tolist()
     # Greedy reports T=1 log-probs; stale KV of the first 64 prompt tokens would move them.
-    np.testing.assert_allclose(after["rollout_log_probs"], hf_log_probs(new, after, 1.0, vocab=58),
-                               atol=LOGPROB_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        after["rollout_log_probs"],
+        hf_log_probs(new, after, 1.0, vocab=58),
+        atol=LOGPROB_ATOL,
+        rtol=0,
+    )
 
-    sampled = pool.generate(prompts_batch([6, 40, 9], seed=4), SamplingSpec(n=2, temperature=1.3,
-                                                                            max_tokens=9, seed=2))
+    sampled = pool.generate(
+        prompts_batch([6, 40, 9], seed=4), SamplingSpec(n=2, temperature=1.3, max_tokens=9, seed=2)
+    )
     ref = hf_log_probs(new, sampled, temperature=1.3, vocab=58)
     np.testing.assert_allclose(sampled["rollout_log_probs"], ref, atol=LOGPROB_ATOL, rtol=0)
     # Scoring fixed responses: T=1 over the full (64-id) vocabulary, no sampler mask.
-    scores = pool.score(list(sampled["prompt_ids"]),
-                        [r[:n].tolist() for r, n in zip(sampled["responses"], sampled["response_lengths"])])
+    scores = pool.score(
+        list(sampled["prompt_ids"]),
+        [r[:n].tolist() for r, n in zip(sampled["responses"], sampled["response_lengths"])],
+    )
     full = hf_log_probs(new, sampled, temperature=1.0, vocab=64)
     for row, s in enumerate(scores):
         np.testing.assert_allclose(s, full[row, : len(s)], atol=LOGPROB_ATOL, rtol=0)
@@ -105,20 +114,30 @@ def test_jax_and_torch_buckets_give_the_same_model(pool, padded_model_dir):
 
     push(pool, new)
     from_torch = pool.generate(prompts, spec)
-    pool.update_weights(iter_buckets(
-        ((k, jnp.asarray(v.numpy())) for k, v in new.state_dict().items()), bucket_bytes=32 * 1024))
+    pool.update_weights(
+        iter_buckets(
+            ((k, jnp.asarray(v.numpy())) for k, v in new.state_dict().items()),
+            bucket_bytes=32 * 1024,
+        )
+    )
     from_jax = pool.generate(prompts, spec)
 
     np.testing.assert_array_equal(from_jax["responses"], from_torch["responses"])
     np.testing.assert_array_equal(from_jax["rollout_log_probs"], from_torch["rollout_log_probs"])
-    np.testing.assert_allclose(from_jax["rollout_log_probs"],
-                               hf_log_probs(new, from_jax, 0.9, vocab=58), atol=LOGPROB_ATOL, rtol=0)
+    np.testing.assert_allclose(
+        from_jax["rollout_log_probs"],
+        hf_log_probs(new, from_jax, 0.9, vocab=58),
+        atol=LOGPROB_ATOL,
+        rtol=0,
+    )
 
 
 def test_overlong_prompts(pool):
     prompts = prompts_batch([5, 200, 7, 170], seed=6)  # max_prompt_len=160
     spec = SamplingSpec(n=2, temperature=1.0, max_tokens=6, seed=4)
-    with pytest.raises(ValueError, match=r"sample 1 has 200 tokens.*max_prompt_len=160.*also samples \[3\]"):
+    with pytest.raises(
+        ValueError, match=r"sample 1 has 200 tokens.*max_prompt_len=160.*also samples \[3\]"
+    ):
         pool.generate(prompts, spec)
 
     dropped = pool.generate(prompts, spec, overlong="drop")
@@ -128,7 +147,9 @@ def test_overlong_prompts(pool):
     short_only = pool.generate(prompts.take([0, 2]), spec)
     kept = [0, 1, 4, 5]  # rows of prompts 0 and 2 when all four are generated
     full = pool.generate(prompts, spec, overlong="truncate_left")
-    np.testing.assert_array_equal(dropped["responses"], full["responses"][kept][:, : dropped["responses"].shape[1]])
+    np.testing.assert_array_equal(
+        dropped["responses"], full["responses"][kept][:, : dropped["responses"].shape[1]]
+    )
     assert short_only["responses"][:2].tolist() == dropped["responses"][:2].tolist()
 
     P = full["prompts"].shape[1]
@@ -137,7 +158,9 @@ def test_overlong_prompts(pool):
 
 
 @pytest.mark.slow  # ~16k generated tokens three times and two restarts: 30-90 s on 2 cores
-def test_server_killed_mid_run_is_restarted_and_resynced(pool, padded_model_dir, ray_session, caplog):
+def test_server_killed_mid_run_is_restarted_and_resynced(
+    pool, padded_model_dir, ray_session, caplog
+):
     ray = ray_session
     push(pool, load_hf(padded_model_dir, seed=99))
     # 8k tokens per server (~1 s on a quiet host): a kill 0.2 s in lands mid-call (or,

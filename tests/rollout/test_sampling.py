@@ -7,13 +7,16 @@ import pytest
 from polyrl.rollout import RolloutConfig, SamplingSpec, apply_overlong_policy, derive_seed
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("n", 0, r"SamplingSpec.n=0 must be >= 1"),
-    ("temperature", -0.1, r"SamplingSpec.temperature=-0.1 must be >= 0 \(0 = greedy\)"),
-    ("top_p", 0.0, r"SamplingSpec.top_p=0.0 must be in \(0, 1\]"),
-    ("top_k", -2, r"SamplingSpec.top_k=-2 must be >= 0"),
-    ("max_tokens", 0, r"SamplingSpec.max_tokens=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("n", 0, r"SamplingSpec.n=0 must be >= 1"),
+        ("temperature", -0.1, r"SamplingSpec.temperature=-0.1 must be >= 0 \(0 = greedy\)"),
+        ("top_p", 0.0, r"SamplingSpec.top_p=0.0 must be in \(0, 1\]"),
+        ("top_k", -2, r"SamplingSpec.top_k=-2 must be >= 0"),
+        ("max_tokens", 0, r"SamplingSpec.max_tokens=0 must be >= 1"),
+    ],
+)
 def test_sampling_spec_errors_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingSpec(**{field: value})
@@ -29,9 +32,15 @@ def test_vllm_kwargs_seed_per_sample_and_logprobs_of_the_sampled_token():
 
 
 def test_rollout_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"overlong_prompt='cut' is not one of \['error', 'truncate_left', 'drop'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"overlong_prompt='cut' is not one of \['error', 'truncate_left', 'drop'\]",
+    ):
         RolloutConfig(model_path="m", overlong_prompt="cut")
-    with pytest.raises(ValueError, match=r"max_prompt_len=300 must be in \[1, max_model_len=256\); raise max_model_len"):
+    with pytest.raises(
+        ValueError,
+        match=r"max_prompt_len=300 must be in \[1, max_model_len=256\); raise max_model_len",
+    ):
         RolloutConfig(model_path="m", max_model_len=256, max_prompt_len=300)
     assert RolloutConfig(model_path="m", max_model_len=256).prompt_limit == 255
 
@@ -40,7 +49,10 @@ def test_overlong_policy():
     prompts = [[1, 2], [1, 2, 3, 4, 5], [9]]
     with pytest.raises(ValueError, match=r"sample 1 has 5 tokens, more than max_prompt_len=3"):
         apply_overlong_policy(prompts, 3, "error")
-    assert apply_overlong_policy(prompts, 3, "truncate_left") == ([0, 1, 2], [[1, 2], [3, 4, 5], [9]])
+    assert apply_overlong_policy(prompts, 3, "truncate_left") == (
+        [0, 1, 2],
+        [[1, 2], [3, 4, 5], [9]],
+    )
     assert apply_overlong_policy(prompts, 3, "drop") == ([0, 2], [[1, 2], [9]])
     with pytest.raises(ValueError, match=r"prompt_ids of sample\(s\) \[1\] are empty"):
         apply_overlong_policy([[1], []], 3, "drop")

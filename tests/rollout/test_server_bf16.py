@@ -22,8 +22,11 @@ BF16_ATOL = 0.1  # see module docstring
 
 @pytest.fixture(scope="module")
 def bf16_server(padded_model_dir):
-    server = RolloutServer(RolloutConfig(model_path=str(padded_model_dir), dtype="bfloat16",
-                                         max_model_len=256, kv_cache_gib=0.25))
+    server = RolloutServer(
+        RolloutConfig(
+            model_path=str(padded_model_dir), dtype="bfloat16", max_model_len=256, kv_cache_gib=0.25
+        )
+    )
     yield server
     del server.llm
 
@@ -37,8 +40,11 @@ def test_bf16_server_loads_fp32_buckets(bf16_server, padded_model_dir):
     assert s.finish_weight_update(5) == 5 and s.info()["version"] == 5
 
     prompts = list(prompts_batch([10, 30, 50], seed=3)["prompt_ids"])
-    out = s.generate([(i, p) for i, p in enumerate(prompts)],
-                     SamplingSpec(temperature=1.0, max_tokens=10, seed=1), expected_version=5)
+    out = s.generate(
+        [(i, p) for i, p in enumerate(prompts)],
+        SamplingSpec(temperature=1.0, max_tokens=10, seed=1),
+        expected_version=5,
+    )
     batch = from_token_lists(prompts, [r["token_ids"] for r in out], pad_id=0)
     got = np.zeros(batch["responses"].shape, np.float32)
     for i, r in enumerate(out):

@@ -34,7 +34,10 @@ def test_to_torch_and_packing_are_bit_exact(source):
     sources, (a, b_bf16) = _sources()
     bucket = sources[source]
     # Independent expectation: numpy's bytes of the same values.
-    want = {"a": (a.tobytes(), torch.float32, (5, 7)), "b.bf16": (b_bf16.tobytes(), torch.bfloat16, (3,))}
+    want = {
+        "a": (a.tobytes(), torch.float32, (5, 7)),
+        "b.bf16": (b_bf16.tobytes(), torch.bfloat16, (3,)),
+    }
 
     for name, t in ((n, ws.to_torch(x)) for n, x in bucket):
         assert (_bits(t), t.dtype, tuple(t.shape)) == want[name]
@@ -63,8 +66,10 @@ def test_to_torch_gathers_an_array_sharded_over_devices():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     devices = np.array(jax.devices()[:4])
-    x = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4),
-                       NamedSharding(Mesh(devices, ("d",)), PartitionSpec("d")))
+    x = jax.device_put(
+        np.arange(32, dtype=np.float32).reshape(8, 4),
+        NamedSharding(Mesh(devices, ("d",)), PartitionSpec("d")),
+    )
     np.testing.assert_array_equal(ws.to_torch(x).numpy(), np.arange(32).reshape(8, 4))
 
 
@@ -77,9 +82,13 @@ def test_iter_buckets_groups_by_size_and_keeps_order():
 
 
 def test_syncer_errors_name_the_fix():
-    with pytest.raises(ValueError, match=r"transport='shm' is not one of \['object_store', 'cuda_ipc', 'nccl'\]"):
+    with pytest.raises(
+        ValueError, match=r"transport='shm' is not one of \['object_store', 'cuda_ipc', 'nccl'\]"
+    ):
         ws.WeightSyncer([], "shm")
-    with pytest.raises(ValueError, match="CUDA IPC needs CUDA tensors; use transport='object_store'"):
+    with pytest.raises(
+        ValueError, match="CUDA IPC needs CUDA tensors; use transport='object_store'"
+    ):
         ws.WeightSyncer([], "cuda_ipc")._send_ipc([("a", torch.ones(2))])
     with pytest.raises(RuntimeError, match=r"call init_nccl\(host, port\) in this process"):
         ws.WeightSyncer([], "nccl")._send_nccl([("a", torch.ones(2))])

@@ -34,7 +34,11 @@ def ray_session():
 
 
 def _params(run_dir: Path, *extra: str) -> list[str]:
-    return [f"polyrl.RunConfig.run_dir = {str(run_dir)!r}", "polyrl.RunConfig.tensorboard = False", *extra]
+    return [
+        f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
+        "polyrl.RunConfig.tensorboard = False",
+        *extra,
+    ]
 
 
 def _rewards(run_dir: Path) -> np.ndarray:
@@ -77,7 +81,9 @@ def test_ppo_trains_critic_with_kl_in_reward(ray_session, tmp_path):
     # The policy moves away from the reference, so the measured KL grows from 0.
     assert rows[0]["kl_in_reward/kl"] < 1e-4 < rows[-1]["kl_in_reward/kl"]
     # The critic learns the returns: its loss falls.
-    assert np.mean([r["critic/loss"] for r in rows[-5:]]) < np.mean([r["critic/loss"] for r in rows[:3]])
+    assert np.mean([r["critic/loss"] for r in rows[-5:]]) < np.mean(
+        [r["critic/loss"] for r in rows[:3]]
+    )
     assert np.mean([r["reward/mean"] for r in rows[-5:]]) > 3 * RANDOM_PLAY
 
 
@@ -120,10 +126,16 @@ def test_killed_run_resumes_with_the_same_metrics(ray_session, tmp_path):
 
     killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--gin_file", GRPO]
-    cmd += [a for p in _params(killed, "polyrl.RunConfig.total_steps = 100", "polyrl.RunConfig.save_every = 2")
-            for a in ("--gin_param", p)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    cmd += [
+        a
+        for p in _params(
+            killed, "polyrl.RunConfig.total_steps = 100", "polyrl.RunConfig.save_every = 2"
+        )
+        for a in ("--gin_param", p)
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.time() + 300
         while not (killed / "checkpoints" / "step_2" / "trainer_state.json").exists():
@@ -161,8 +173,14 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(rm_dir)
 
-    cfg, _ = parse_config([GRPO], _params(tmp_path / "rm_run", f"polyrl.RunConfig.reward_model_path = {str(rm_dir)!r}",
-                                          "polyrl.RunConfig.reward_model_coef = 2.0"))
+    cfg, _ = parse_config(
+        [GRPO],
+        _params(
+            tmp_path / "rm_run",
+            f"polyrl.RunConfig.reward_model_path = {str(rm_dir)!r}",
+            "polyrl.RunConfig.reward_model_coef = 2.0",
+        ),
+    )
     cfg, spec = prepare(cfg)
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:
@@ -170,16 +188,33 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
         got = trainer.score(batch)["scores"]
     finally:
         trainer.shutdown()
-    rule = np.array([get_reward_fn(s)(t, g, e) for t, g, s, e in zip(
-        batch["response_text"], batch["ground_truth"], batch["data_source"], batch["extra_info"])])
+    rule = np.array(
+        [
+            get_reward_fn(s)(t, g, e)
+            for t, g, s, e in zip(
+                batch["response_text"],
+                batch["ground_truth"],
+                batch["data_source"],
+                batch["extra_info"],
+            )
+        ]
+    )
     rm.eval()
     # The score head at each sequence's last real token. (Not rm(...).logits: transformers
     # pools at the last token that is not pad_token_id, and a random policy can sample the
     # pad id as a real response token.)
     with torch.no_grad():
-        hf = np.array([(rm.model(torch.from_numpy(ids[mask == 1].astype(np.int64))[None])
-                        .last_hidden_state[0, -1] @ rm.score.weight[0]).item()
-                       for ids, mask in zip(batch["input_ids"], batch["attention_mask"])])
+        hf = np.array(
+            [
+                (
+                    rm.model(
+                        torch.from_numpy(ids[mask == 1].astype(np.int64))[None]
+                    ).last_hidden_state[0, -1]
+                    @ rm.score.weight[0]
+                ).item()
+                for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
+            ]
+        )
     assert np.abs(hf).max() > 1e-3, "a zero head would make this test vacuous"
     # fp32 CPU forward, same weights, two implementations: 1e-4.
     np.testing.assert_allclose(got, rule + 2.0 * hf, atol=1e-4)
@@ -195,8 +230,14 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
 
     plain = tmp_path / "plain"
     train([GRPO], _params(plain, "polyrl.RunConfig.total_steps = 3"))
-    cfg, _ = parse_config([GRPO], _params(tmp_path / "turns", "polyrl.RunConfig.total_steps = 3",
-                                          "polyrl.RunConfig.offload_colocated = True"))
+    cfg, _ = parse_config(
+        [GRPO],
+        _params(
+            tmp_path / "turns",
+            "polyrl.RunConfig.total_steps = 3",
+            "polyrl.RunConfig.offload_colocated = True",
+        ),
+    )
     cfg, spec = prepare(cfg)
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:
@@ -206,6 +247,8 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
             trainer.actor.forward(probe)
     finally:
         trainer.shutdown()
-    for a, b in zip(read_jsonl(plain / "metrics.jsonl"), read_jsonl(tmp_path / "turns" / "metrics.jsonl")):
+    for a, b in zip(
+        read_jsonl(plain / "metrics.jsonl"), read_jsonl(tmp_path / "turns" / "metrics.jsonl")
+    ):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss"):
             assert a[key] == b[key], (a["step"], key)

@@ -20,8 +20,9 @@ from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 
 # GRPO's actor loss (PPO clip + k3 KL) with an entropy bonus: the loss a run would use.
 LOSS = get_algorithm("grpo").make_actor_loss(entropy_coef=0.01)
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5, warmup_steps=2, total_steps=10,
-                    schedule="cosine")
+OPTIM = OptimConfig(
+    lr=1e-2, weight_decay=0.1, grad_clip=0.5, warmup_steps=2, total_steps=10, schedule="cosine"
+)
 # fp32; different meshes/micro-batchings reorder the reductions (all-reduce trees, gradient
 # sums over micro-batches), so results agree to a few ulps of the O(1) values involved.
 TOL_MESH = 2e-5
@@ -32,7 +33,9 @@ TOL_WEIGHTS = 1e-2 * OPTIM.lr
 
 
 def _engine(path, mesh=None, mbs=8, role="actor", optim=OPTIM, seed=0):
-    parallel = ParallelConfig(mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1}, micro_batch_size=mbs)
+    parallel = ParallelConfig(
+        mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1}, micro_batch_size=mbs
+    )
     eng = JaxPjitEngine(devices=jax.devices()[: parallel.world_size], seed=seed)
     eng.init(ModelConfig(str(path), role=role), optim, parallel)
     return eng
@@ -70,7 +73,9 @@ def _check_invariance(tiny_model_dir, cases):
         for key in ("loss", "grad_norm", "pg_loss", "kl_loss", "entropy", "clipfrac"):
             assert metrics[key] == pytest.approx(ref_metrics[key], abs=TOL_MESH), (mesh, mbs, key)
         for name, w in ref_weights.items():
-            np.testing.assert_allclose(weights[name], w, atol=TOL_WEIGHTS, err_msg=f"{mesh} {mbs} {name}")
+            np.testing.assert_allclose(
+                weights[name], w, atol=TOL_WEIGHTS, err_msg=f"{mesh} {mbs} {name}"
+            )
 
 
 def test_mesh_and_micro_batch_invariance(tiny_model_dir):
@@ -116,14 +121,21 @@ def test_export_loads_in_transformers_with_the_same_log_probs(tiny_model_dir, tm
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     batch = _rl_batch(seed=5)
     with torch.no_grad():
-        logits = hf(input_ids=torch.as_tensor(batch["input_ids"]).long(),
-                    attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
-                    position_ids=torch.as_tensor(batch["position_ids"]).long()).logits
+        logits = hf(
+            input_ids=torch.as_tensor(batch["input_ids"]).long(),
+            attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
+            position_ids=torch.as_tensor(batch["position_ids"]).long(),
+        ).logits
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    want = torch.log_softmax(logits[:, p - 1: p - 1 + r], -1).gather(
-        -1, torch.as_tensor(batch["responses"]).long()[..., None])[..., 0].numpy()
+    want = (
+        torch.log_softmax(logits[:, p - 1 : p - 1 + r], -1)
+        .gather(-1, torch.as_tensor(batch["responses"]).long()[..., None])[..., 0]
+        .numpy()
+    )
     # fp32 forward in two frameworks (see test_jax_models.TOL_TINY)
-    np.testing.assert_allclose(eng.forward(batch)["log_probs"], want * batch["response_mask"], atol=2e-5)
+    np.testing.assert_allclose(
+        eng.forward(batch)["log_probs"], want * batch["response_mask"], atol=2e-5
+    )
 
 
 def test_to_torch_is_zero_copy_on_cpu(tiny_model_dir):
@@ -143,9 +155,13 @@ def test_compile_count_is_bounded_over_varied_lengths(tiny_model_dir):
     # zero_grads, grad step, apply step, optimizer init
     assert after_first <= 4
     for seed in range(1, 5):  # new lengths (all <= 16, the first bucket), 6-9 samples
-        eng.train_step(_rl_batch(seed=seed, n=5 + seed, max_prompt=16, max_resp=16), LOSS, entropy=True)
+        eng.train_step(
+            _rl_batch(seed=seed, n=5 + seed, max_prompt=16, max_resp=16), LOSS, entropy=True
+        )
     assert eng.compile_count == after_first
-    eng.train_step(_rl_batch(seed=9, max_prompt=16, max_resp=30), LOSS, entropy=True)  # R -> bucket 32
+    eng.train_step(
+        _rl_batch(seed=9, max_prompt=16, max_resp=30), LOSS, entropy=True
+    )  # R -> bucket 32
     assert eng.compile_count == after_first + 1  # only the grad step sees a new shape
 
 
@@ -175,7 +191,9 @@ def test_role_and_optimizer_must_agree(tiny_model_dir):
 
 def test_mesh_not_matching_devices_shows_the_arithmetic(tiny_model_dir):
     eng = JaxPjitEngine()  # all 4 devices
-    with pytest.raises(ValueError, match=r"data=2 x fsdp=1 x tensor=1 = 2 devices, but 4 are available"):
+    with pytest.raises(
+        ValueError, match=r"data=2 x fsdp=1 x tensor=1 = 2 devices, but 4 are available"
+    ):
         eng.init(ModelConfig(str(tiny_model_dir)), OPTIM, ParallelConfig(mesh={"data": 2}))
 
 

@@ -62,7 +62,7 @@ def _hf_log_probs(model, batch, temperature):
             position_ids=torch.as_tensor(batch["position_ids"]).long(),
         ).logits
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    logp = torch.log_softmax(logits[:, p - 1: p - 1 + r].double() / temperature, -1)
+    logp = torch.log_softmax(logits[:, p - 1 : p - 1 + r].double() / temperature, -1)
     ids = torch.as_tensor(batch["responses"]).long()[..., None]
     return logp.gather(-1, ids)[..., 0].numpy() * batch["response_mask"], logp
 
@@ -92,37 +92,67 @@ def test_tiny_qwen2_logprobs_match_transformers(tiny_model_dir):
 def test_tiny_qwen2_sharded_tensor_parallel_matches(tiny_model_dir):
     """The same parity on a (1, 2, 2) mesh: sharding changes layout, never results."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    _check_parity(tiny_model_dir, hf, hf.config.vocab_size, TOL_TINY,
-                  mesh={"data": 1, "fsdp": 2, "tensor": 2})
+    _check_parity(
+        tiny_model_dir, hf, hf.config.vocab_size, TOL_TINY, mesh={"data": 1, "fsdp": 2, "tensor": 2}
+    )
 
 
 def test_qwen25_05b_shapes_truncated_match_transformers(tmp_path):
     """Real Qwen2.5-0.5B widths (hidden 896, 14 heads / 2 kv heads, head_dim 64,
     intermediate 4864, rope_theta 1e6, tied), 1 layer and vocab cut to 512 for CPU."""
-    cfg = Qwen2Config(vocab_size=512, hidden_size=896, intermediate_size=4864,
-                      num_hidden_layers=1, num_attention_heads=14, num_key_value_heads=2,
-                      max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                      tie_word_embeddings=True, initializer_range=0.02)
+    cfg = Qwen2Config(
+        vocab_size=512,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=1,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+    )
     hf = _save_random(tmp_path, Qwen2ForCausalLM, cfg)
     _check_parity(tmp_path, hf, 512, TOL_WIDE)
 
 
 def test_llama_untied_llama3_rope_matches_transformers(tmp_path):
     """Llama (no qkv bias, untied lm_head) with Llama-3.1 rope scaling; head_dim 32."""
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
-                      tie_word_embeddings=False,
-                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     hf = _save_random(tmp_path, LlamaForCausalLM, cfg)
     assert "lm_head.weight" in _keys(tmp_path)
     _check_parity(tmp_path, hf, 96, TOL_TINY)
 
 
 def test_qwen3_qk_norm_matches_transformers(tmp_path):
-    cfg = Qwen3Config(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=48,
-                      max_position_embeddings=256, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
     hf = _save_random(tmp_path, Qwen3ForCausalLM, cfg)
     _check_parity(tmp_path, hf, 96, TOL_TINY)
 
@@ -134,20 +164,33 @@ def _keys(path):
         return set(f.keys())
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default"},
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 128},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default"},
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    ],
+)
 def test_rope_frequencies_match_transformers(rope):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=1024,
-                         rope_scaling=dict(rope, rope_theta=500000.0))
-    ours, scale = rope_inv_freq(TransformerConfig.from_hf(
-        {**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]}))
+    hf_cfg = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=1024,
+        rope_scaling=dict(rope, rope_theta=500000.0),
+    )
+    ours, scale = rope_inv_freq(
+        TransformerConfig.from_hf({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    )
     kind = rope["rope_type"]
     if kind == "default":
         want = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
@@ -176,12 +219,19 @@ def test_critic_values_match_token_classification(tiny_model_dir, tmp_path):
     eng = _engine(tiny_model_dir, role="reward", value_head_path=str(tmp_path))
     out = eng.forward(batch)
     with torch.no_grad():
-        full = hf(input_ids=torch.as_tensor(batch["input_ids"]).long(),
-                  attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
-                  position_ids=torch.as_tensor(batch["position_ids"]).long()).logits[..., 0].numpy()
+        full = (
+            hf(
+                input_ids=torch.as_tensor(batch["input_ids"]).long(),
+                attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
+                position_ids=torch.as_tensor(batch["position_ids"]).long(),
+            )
+            .logits[..., 0]
+            .numpy()
+        )
     p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-    np.testing.assert_allclose(out["values"], full[:, p - 1: p - 1 + r] * batch["response_mask"],
-                               atol=TOL_TINY)
+    np.testing.assert_allclose(
+        out["values"], full[:, p - 1 : p - 1 + r] * batch["response_mask"], atol=TOL_TINY
+    )
     last = [np.nonzero(row)[0][-1] for row in batch["attention_mask"]]
     np.testing.assert_allclose(out["scores"], full[np.arange(len(last)), last], atol=TOL_TINY)
 
@@ -198,17 +248,30 @@ def test_reward_scores_match_sequence_classification(tiny_model_dir, tmp_path):
     batch = _critic_batch()
     out = _engine(tmp_path, role="reward").forward(batch)
     with torch.no_grad():
-        want = hf(input_ids=torch.as_tensor(batch["input_ids"]).long(),
-                  attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
-                  position_ids=torch.as_tensor(batch["position_ids"]).long()).logits[:, 0].numpy()
+        want = (
+            hf(
+                input_ids=torch.as_tensor(batch["input_ids"]).long(),
+                attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
+                position_ids=torch.as_tensor(batch["position_ids"]).long(),
+            )
+            .logits[:, 0]
+            .numpy()
+        )
     np.testing.assert_allclose(out["scores"], want, atol=TOL_TINY)
 
 
 def test_name_table_round_trips_and_transposes_only_linears():
-    assert nnx_path("model.layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn.q_proj.kernel"
-    assert nnx_path("model.layers.3.self_attn.q_proj.bias") == "model.layers.3.self_attn.q_proj.bias"
+    assert (
+        nnx_path("model.layers.3.self_attn.q_proj.weight")
+        == "model.layers.3.self_attn.q_proj.kernel"
+    )
+    assert (
+        nnx_path("model.layers.3.self_attn.q_proj.bias") == "model.layers.3.self_attn.q_proj.bias"
+    )
     assert nnx_path("model.embed_tokens.weight") == "model.embed_tokens.weight"
-    assert nnx_path("model.layers.0.input_layernorm.weight") == "model.layers.0.input_layernorm.weight"
+    assert (
+        nnx_path("model.layers.0.input_layernorm.weight") == "model.layers.0.input_layernorm.weight"
+    )
     assert nnx_path("lm_head.weight") == "lm_head.kernel"
     for name in ("score.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"):
         assert hf_name(nnx_path(name)) == name
@@ -221,10 +284,18 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
 
 def test_unsupported_rope_type_names_the_choices():
-    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 8,
-           "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-           "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}
-    with pytest.raises(ValueError, match=r"rope_type='longrope'.*\['default', 'linear', 'llama3', 'yarn'\]"):
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_scaling": {"rope_type": "longrope", "factor": 2.0},
+    }
+    with pytest.raises(
+        ValueError, match=r"rope_type='longrope'.*\['default', 'linear', 'llama3', 'yarn'\]"
+    ):
         TransformerConfig.from_hf(cfg)
 
 

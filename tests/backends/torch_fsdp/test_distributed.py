@@ -30,8 +30,13 @@ def two_rank_results(tiny_model_dir, tmp_path_factory):
     threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        mp.start_processes(two_rank_worker, args=(2, free_port(), str(tiny_model_dir), str(out)),
-                           nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(
+            two_rank_worker,
+            args=(2, free_port(), str(tiny_model_dir), str(out)),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
     finally:
         if threads is None:
             os.environ.pop("OMP_NUM_THREADS")

@@ -20,7 +20,9 @@ def _init(path, role="actor", optim=_ADAMW, parallel=_ONE_RANK, **kw):
 
 
 def test_wrong_model_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"ModelConfig.path='.*nope' does not exist.*Hugging Face"):
+    with pytest.raises(
+        FileNotFoundError, match=r"ModelConfig.path='.*nope' does not exist.*Hugging Face"
+    ):
         _init(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         _init(tmp_path)
@@ -36,7 +38,9 @@ def test_missing_tokenizer(tiny_model_dir, tmp_path):
 def test_missing_batch_column(tiny_model_dir):
     engine = actor(tiny_model_dir)
     batch = random_batch(2).select("input_ids", "attention_mask", "responses", "response_mask")
-    with pytest.raises(KeyError, match=r"TorchFSDPEngine.forward needs batch column\(s\) \['position_ids'\]"):
+    with pytest.raises(
+        KeyError, match=r"TorchFSDPEngine.forward needs batch column\(s\) \['position_ids'\]"
+    ):
         engine.forward(batch)
     with pytest.raises(KeyError, match=r"train_step needs batch column\(s\) \['position_ids'\]"):
         engine.train_step(batch, nll_loss)
@@ -52,7 +56,9 @@ def test_optimizer_must_match_role(tiny_model_dir):
 def test_mesh_must_fit_the_world(tiny_model_dir):
     with pytest.raises(ValueError, match=r"fsdp=2.*= 2 devices, but 1 are available"):
         _init(tiny_model_dir, parallel=ParallelConfig(mesh={"fsdp": 2}))
-    with pytest.raises(ValueError, match=r"tensor=2: tensor parallelism is not implemented.*set tensor=1"):
+    with pytest.raises(
+        ValueError, match=r"tensor=2: tensor parallelism is not implemented.*set tensor=1"
+    ):
         _init(tiny_model_dir, parallel=ParallelConfig(mesh={"tensor": 2}))
 
 

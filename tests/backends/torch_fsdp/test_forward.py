@@ -77,9 +77,17 @@ def test_other_families_match_transformers(tiny_model_dir, tmp_path, family):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     config_cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[family]
-    config = config_cls(vocab_size=64, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, max_position_embeddings=128, tie_word_embeddings=False)
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(tmp_path)
@@ -91,8 +99,7 @@ def test_other_families_match_transformers(tiny_model_dir, tmp_path, family):
         ids, P, R = _unpadded(batch, i)
         with torch.no_grad():
             logp = torch.log_softmax(model(ids).logits[0, P - 1 : P - 1 + R], -1)
-        np.testing.assert_allclose(got[i, :R], logp.gather(-1, ids[0, P:, None])[:, 0],
-                                   atol=ATOL)
+        np.testing.assert_allclose(got[i, :R], logp.gather(-1, ids[0, P:, None])[:, 0], atol=ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +134,9 @@ def test_critic_values_align_with_the_token_they_precede(tiny_model_dir, reward_
 
     path, hf = reward_dir
     batch = random_batch(4, seed=5)
-    values = _engine(tiny_model_dir, role="critic", value_head_path=str(path)).forward(batch)["values"]
+    values = _engine(tiny_model_dir, role="critic", value_head_path=str(path)).forward(batch)[
+        "values"
+    ]
     backbone = AutoModel.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     for i in range(len(batch)):
         ids, P, R = _unpadded(batch, i)

@@ -40,8 +40,9 @@ def test_step_matches_plain_transformers_adamw(tiny_model_dir):
     t = {k: torch.from_numpy(v).long() for k, v in batch.tensors.items() if k != "response_mask"}
     mask = torch.from_numpy(batch["response_mask"])
     R = t["responses"].shape[1]
-    logits = model(t["input_ids"], attention_mask=t["attention_mask"],
-                   position_ids=t["position_ids"]).logits[:, -R - 1 : -1]
+    logits = model(
+        t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]
+    ).logits[:, -R - 1 : -1]
     logp = torch.log_softmax(logits, -1).gather(-1, t["responses"][..., None])[..., 0]
     loss = -(logp * mask).sum() / mask.sum()
     loss.backward()
@@ -96,8 +97,11 @@ def _copy_task(tokenizer, n: int, seed: int) -> Batch:
     prompts, responses = [], []
     for _ in range(n):
         digits = "".join(map(str, rng.integers(0, 10, 3)))
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"copy {digits}"}],
-                                             tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"copy {digits}"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         prompts.append(tokenizer(text)["input_ids"])
         responses.append(tokenizer(digits)["input_ids"] + [tokenizer.eos_token_id])
     return from_token_lists(prompts, responses, pad_id=tokenizer.pad_token_id)
@@ -121,8 +125,11 @@ def test_sft_steps_lower_train_and_heldout_loss(tiny_model_dir):
 def test_critic_fits_a_toy_regression(tiny_model_dir):
     """Value head + backbone regress per-token targets (1 on even token ids, -1 on odd)."""
     engine = get_engine("torch_fsdp")()
-    engine.init(ModelConfig(str(tiny_model_dir), role="critic"), OptimConfig(lr=3e-3),
-                ParallelConfig(micro_batch_size=4))
+    engine.init(
+        ModelConfig(str(tiny_model_dir), role="critic"),
+        OptimConfig(lr=3e-3),
+        ParallelConfig(micro_batch_size=4),
+    )
     batch = random_batch(8, seed=3)
     targets = np.where(batch["responses"] % 2 == 0, 1.0, -1.0).astype(np.float32)
     batch = batch.with_columns({"returns": targets})
@@ -156,7 +163,9 @@ def test_memory_knobs_do_not_change_the_update(tiny_model_dir, knob):
     for on in (False, True):
         engine = get_engine("torch_fsdp")()
         engine.init(
-            ModelConfig(str(tiny_model_dir), gradient_checkpointing=on and knob == "gradient_checkpointing"),
+            ModelConfig(
+                str(tiny_model_dir), gradient_checkpointing=on and knob == "gradient_checkpointing"
+            ),
             OptimConfig(lr=1e-3, eps=PARITY_EPS),
             ParallelConfig(micro_batch_size=4, cpu_offload=on and knob == "cpu_offload"),
         )

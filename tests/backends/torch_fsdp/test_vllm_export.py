@@ -41,7 +41,10 @@ def test_save_hf_scores_the_same_in_vllm(tiny_model_dir, tmp_path):
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", _VLLM_SCRIPT, str(tmp_path / "hf"), json.dumps(ids)],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]

@@ -23,10 +23,14 @@ def trained(tiny_model_dir):
 
 
 def _logits(model, batch) -> torch.Tensor:
-    t = {k: torch.from_numpy(batch[k]).long() for k in ("input_ids", "attention_mask", "position_ids")}
+    t = {
+        k: torch.from_numpy(batch[k]).long()
+        for k in ("input_ids", "attention_mask", "position_ids")
+    }
     with torch.no_grad():
-        return model(t["input_ids"], attention_mask=t["attention_mask"],
-                     position_ids=t["position_ids"]).logits
+        return model(
+            t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]
+        ).logits
 
 
 def test_export_keys_are_save_pretrained_keys(tiny_model_dir, trained):
@@ -59,7 +63,8 @@ def test_exported_weights_give_identical_logits(tiny_model_dir, trained):
     lp = trained.forward(batch)["log_probs"]
     R = batch["responses"].shape[1]
     ref = torch.log_softmax(after[:, -R - 1 : -1], -1).gather(
-        -1, torch.from_numpy(batch["responses"]).long()[..., None])[..., 0]
+        -1, torch.from_numpy(batch["responses"]).long()[..., None]
+    )[..., 0]
     ref = ref * torch.from_numpy(batch["response_mask"])
     # fp32, same batch shapes, same ops: 1e-6 covers kernel-level nondeterminism.
     np.testing.assert_allclose(lp, ref.numpy(), atol=1e-6)
@@ -81,11 +86,18 @@ def test_critic_save_hf_is_a_sequence_classifier(tiny_model_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     critic = get_engine("torch_fsdp")()
-    critic.init(ModelConfig(str(tiny_model_dir), role="critic"), OptimConfig(lr=1e-2),
-                ParallelConfig())
+    critic.init(
+        ModelConfig(str(tiny_model_dir), role="critic"), OptimConfig(lr=1e-2), ParallelConfig()
+    )
     batch = random_batch(4, seed=4)
     target = batch.with_columns({"ret": np.ones_like(batch["response_mask"])})
-    critic.train_step(target, lambda o, b, c: (((o["values"] - b["ret"]) ** 2 * b["response_mask"]).sum() / c.global_tokens, {}))
+    critic.train_step(
+        target,
+        lambda o, b, c: (
+            ((o["values"] - b["ret"]) ** 2 * b["response_mask"]).sum() / c.global_tokens,
+            {},
+        ),
+    )
     critic.save_hf(str(tmp_path))
     hf = AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert hf.score.weight.abs().sum() > 0  # the trained head, not a fresh zero/random one

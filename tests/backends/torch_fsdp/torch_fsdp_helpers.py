@@ -15,14 +15,16 @@ from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 VOCAB = 58  # real tokens of the tiny tokenizer (the embedding is padded to 64)
 
 
-def random_batch(n: int, seed: int = 0, prompt_len: int | None = None,
-                 response_len: int | None = None) -> Batch:
+def random_batch(
+    n: int, seed: int = 0, prompt_len: int | None = None, response_len: int | None = None
+) -> Batch:
     """``n`` random samples of ragged prompt (1-6) and response (1-5) lengths."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(4, VOCAB, rng.integers(1, 7)).tolist() for _ in range(n)]
     responses = [rng.integers(4, VOCAB, rng.integers(1, 6)).tolist() for _ in range(n)]
-    return from_token_lists(prompts, responses, pad_id=0, prompt_len=prompt_len,
-                            response_len=response_len)
+    return from_token_lists(
+        prompts, responses, pad_id=0, prompt_len=prompt_len, response_len=response_len
+    )
 
 
 def nll_loss(outputs, batch, ctx):
@@ -47,9 +49,11 @@ def actor(path, micro_batch_size: int = 8, lr: float = 1e-3, mesh=None, **optim)
     optim.setdefault("eps", PARITY_EPS)
     engine = get_engine("torch_fsdp")()
     engine.init(
-        ModelConfig(str(path)), OptimConfig(lr=lr, **optim),
-        ParallelConfig(mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1},
-                       micro_batch_size=micro_batch_size),
+        ModelConfig(str(path)),
+        OptimConfig(lr=lr, **optim),
+        ParallelConfig(
+            mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1}, micro_batch_size=micro_batch_size
+        ),
     )
     return engine
 
@@ -68,8 +72,13 @@ def free_port() -> int:
 def two_rank_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     """One gloo rank: a train step on its half of ``random_batch(8)`` under mesh fsdp=2
     and under data=2 (HSDP), saving metrics/weights (rank 0) and a DCP checkpoint."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     shard = random_batch(8).split(world)[rank]
     results = {}

@@ -123,7 +123,8 @@ def cmd_validate_dataset(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from polyrl.data.tasks import TASKS, make_rows, write_dataset
+    from polyrl.data.formats import write_dataset
+    from polyrl.data.tasks import TASKS, make_rows
     from polyrl.data.tiny import ensure_tiny_model
 
     out = Path(args.out)
@@ -269,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
-        "validate-dataset", help="check a .parquet/.jsonl prompt dataset against the RL schema"
+        "validate-dataset",
+        help="check a prompt dataset (.parquet/.jsonl file, shard directory, HF save_to_disk folder; polyrl or verl schema)",
     )
     p.add_argument("path")
     p.add_argument("--tokenizer", help="local HF tokenizer dir: also count prompt tokens")

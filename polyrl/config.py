@@ -205,8 +205,10 @@ class RunConfig:
     run_dir: where the operative config, metrics, TensorBoard events, checkpoints and
       the plot go. model_path: local HF model for actor, reference (a separate frozen
       instance) and rollout; None builds the embedded tiny model under ``run_dir``.
-    train_files: RL-schema datasets (.parquet/.jsonl); empty -> ``task`` rows generated
-      on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec fields.
+    train_files: RL datasets: .parquet/.jsonl files, shard directories, HF save_to_disk
+      folders, in polyrl's or verl's schema (polyrl.data.formats); empty -> ``task`` rows
+      generated on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec
+      fields.
     max_gen_batches: with DAPO's dynamic sampling, how many prompt batches a step may
       generate to find ``prompts_per_step`` groups whose rewards differ.
     reward_model_path: a sequence-classification checkpoint (one score, e.g. saved by

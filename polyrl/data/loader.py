@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from polyrl.batch import Batch, from_token_lists
+from polyrl.data.formats import read_dataset
 from polyrl.data.prompts import encode_prompts
 from polyrl.data.schema import validate_rows
-from polyrl.data.tasks import make_preference_rows, make_rows, read_dataset
+from polyrl.data.tasks import make_preference_rows, make_rows
 
 __all__ = ["PromptSource", "PairSource"]
 

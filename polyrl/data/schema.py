@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyrl.data.formats import read_dataset, row_schema
 from polyrl.data.prompts import encode_prompt
-from polyrl.data.tasks import read_dataset
 from polyrl.rewards import REWARDS
 
 __all__ = ["DatasetError", "DatasetReport", "validate_rows", "validate_file", "ROLES"]
@@ -43,6 +43,7 @@ class DatasetReport:
     data_sources: dict[str, int]
     max_prompt_chars: int
     max_prompt_tokens: int | None = None
+    schema: str = "polyrl"  # "verl": ground truth read from reward_model.ground_truth
 
     def summary(self) -> str:
         sources = ", ".join(f"{k}: {v}" for k, v in sorted(self.data_sources.items()))
@@ -51,7 +52,8 @@ class DatasetReport:
             if self.max_prompt_tokens is None
             else f", longest prompt {self.max_prompt_tokens} tokens"
         )
-        return f"{self.n_rows} rows ({sources}){tokens}"
+        schema = ", verl schema" if self.schema == "verl" else ""
+        return f"{self.n_rows} rows ({sources}){tokens}{schema}"
 
 
 def _row_problems(i: int, row: Any, required: tuple[str, ...] = REQUIRED) -> list[str]:
@@ -62,6 +64,7 @@ def _row_problems(i: int, row: Any, required: tuple[str, ...] = REQUIRED) -> lis
         ]
     problems = [
         f"row {i}: missing field {name!r} (required fields: {list(required)})"
+        + (" or verl's 'reward_model': {'ground_truth': ...}" if name == "ground_truth" else "")
         for name in required
         if name not in row
     ]
@@ -142,6 +145,7 @@ def validate_rows(
         data_sources=dict(collections.Counter(r.get("data_source", "<none>") for r in rows)),
         max_prompt_chars=max(sum(len(m["content"]) for m in r["prompt"]) for r in rows),
         max_prompt_tokens=longest_tokens,
+        schema=row_schema(rows[0]),
     )
 
 
@@ -151,7 +155,8 @@ def validate_file(
     max_prompt_tokens: int | None = None,
     kind: str | None = None,
 ) -> DatasetReport:
-    """Read a ``.parquet``/``.jsonl`` dataset and :func:`validate_rows` it. ``kind``
+    """Read a dataset (a file, a shard directory or a Hugging Face folder; see
+    polyrl.data.formats) and :func:`validate_rows` it. ``kind``
     None: "preference" if the first row has ``chosen``, else "rl"."""
     rows = read_dataset(path)
     if kind is None:

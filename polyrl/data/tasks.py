@@ -19,18 +19,14 @@ Tasks:
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from collections.abc import Callable
-from pathlib import Path
 
 __all__ = [
     "TASKS",
     "Task",
     "make_rows",
     "make_preference_rows",
-    "write_dataset",
-    "read_dataset",
     "corpus",
 ]
 
@@ -101,36 +97,3 @@ def make_preference_rows(task: str, n: int, seed: int = 0, split: str = "train")
         bad = "".join(rng.choice([d for d in "0123456789" if d != c]) for c in good)
         row["chosen"], row["rejected"] = good, bad
     return rows
-
-
-def write_dataset(rows: list[dict], path: str | Path) -> Path:
-    """Write rows as ``.parquet`` or ``.jsonl`` (by suffix)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".jsonl":
-        with path.open("w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    elif path.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    else:
-        raise ValueError(f"dataset path {str(path)!r}: suffix must be .parquet or .jsonl")
-    return path
-
-
-def read_dataset(path: str | Path) -> list[dict]:
-    """Rows of a ``.parquet`` or ``.jsonl`` dataset (no validation; see polyrl.data.schema)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist")
-    if path.suffix == ".jsonl":
-        with path.open() as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    raise ValueError(f"dataset path {str(path)!r}: suffix must be .parquet or .jsonl")

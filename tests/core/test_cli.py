@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from polyrl.cli import main
-from polyrl.data.tasks import make_rows, write_dataset
+from polyrl.data.formats import write_dataset
+from polyrl.data.tasks import make_rows
 
 POLYRL = shutil.which("polyrl") or str(Path(sys.executable).with_name("polyrl"))
 

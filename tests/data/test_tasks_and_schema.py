@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from polyrl.data.formats import read_dataset, write_dataset
 from polyrl.data.schema import DatasetError, validate_file, validate_rows
-from polyrl.data.tasks import make_rows, read_dataset, write_dataset
+from polyrl.data.tasks import make_rows
 from polyrl.rewards import get_reward_fn
 
 

@@ -142,6 +142,11 @@ class ParallelConfig:
       gradients are accumulated over micro-batches with global normalisers, so it changes
       speed and memory, never the update.
     cpu_offload: keep parameters/optimizer state in host memory between uses.
+    logits_chunk_tokens: response tokens whose logits the LM head computes at once.
+      Log-probs and entropy are computed chunk by chunk (each chunk's logits recomputed
+      in the backward pass), so the fp32 [tokens x vocab] logits of a micro-batch never
+      exist at once; the peak is about 3 x 4 bytes x this x vocab. Speed and memory
+      only, never results.
     """
 
     mesh: Mapping[str, int] = dataclasses.field(
@@ -150,6 +155,7 @@ class ParallelConfig:
     rules: tuple[tuple[str, tuple[str, ...]], ...] = DEFAULT_LOGICAL_RULES
     micro_batch_size: int = 8
     cpu_offload: bool = False
+    logits_chunk_tokens: int = 1024
 
     def __post_init__(self) -> None:
         unknown = set(self.mesh) - set(MESH_AXES)
@@ -165,6 +171,11 @@ class ParallelConfig:
         if self.micro_batch_size < 1:
             raise ValueError(
                 f"ParallelConfig.micro_batch_size={self.micro_batch_size} must be >= 1"
+            )
+        if self.logits_chunk_tokens < 1:
+            raise ValueError(
+                f"ParallelConfig.logits_chunk_tokens={self.logits_chunk_tokens} must be >= 1 "
+                "(e.g. 1024)"
             )
         for logical, axes in self.rules:
             for axis in axes:

@@ -38,6 +38,7 @@ __all__ = [
     "log_sigmoid",
     "gather_log_probs",
     "entropy_from_logits",
+    "log_probs_and_entropy",
     "masked_sum",
     "masked_mean",
     "masked_var",
@@ -143,21 +144,36 @@ def log_sigmoid(x: Array) -> Array:
     return xp.minimum(x, xp.zeros_like(x)) - xp.log1p(xp.exp(-xp.abs(x)))
 
 
+def _check_ids(logits: Array, ids: Array, who: str) -> None:
+    if tuple(logits.shape[:-1]) != tuple(ids.shape):
+        raise ValueError(
+            f"{who}: logits has shape {tuple(logits.shape)} and ids {tuple(ids.shape)}; "
+            "need logits [..., V] and ids [...] with the same leading shape"
+        )
+
+
+def _take(logp: Array, ids: Array) -> Array:
+    xp = namespace(logp, ids)
+    # torch gathers with int64 only; jax takes any integer ids (int64 exists only with x64)
+    idx = ids if is_jax_array(ids) else xp.astype(ids, xp.int64)
+    return xp.take_along_axis(logp, idx[..., None], axis=-1)[..., 0]
+
+
+def _entropy(logp: Array) -> Array:
+    # Entries with p = 0 contribute 0, and no NaN to the gradient (both branches finite).
+    xp = namespace(logp)
+    p = xp.exp(logp)
+    return -xp.sum(p * xp.where(p > 0, logp, xp.zeros_like(logp)), axis=-1)
+
+
 def gather_log_probs(logits: Array, ids: Array, temperature: float = 1.0) -> Array:
     """Log-probabilities of ``ids`` under ``softmax(logits / temperature)``.
 
     ``logits`` [B, T, V], ``ids`` [B, T] integer -> [B, T]:
     ``out[b, t] = log_softmax(logits[b, t] / temperature)[ids[b, t]]``.
     """
-    if tuple(logits.shape[:-1]) != tuple(ids.shape):
-        raise ValueError(
-            f"gather_log_probs: logits has shape {tuple(logits.shape)} and ids {tuple(ids.shape)}; "
-            "need logits [..., V] and ids [...] with the same leading shape"
-        )
-    xp = namespace(logits, ids)
-    logp = log_softmax(logits / temperature, axis=-1)
-    idx = xp.astype(ids, xp.int64)[..., None]
-    return xp.take_along_axis(logp, idx, axis=-1)[..., 0]
+    _check_ids(logits, ids, "gather_log_probs")
+    return _take(log_softmax(logits / temperature, axis=-1), ids)
 
 
 def entropy_from_logits(logits: Array) -> Array:
@@ -167,11 +183,17 @@ def entropy_from_logits(logits: Array) -> Array:
     logits). Entries with ``p_v = 0`` (``-inf`` logits or underflow) contribute 0, and
     contribute no NaN to the gradient either (both branches of the ``where`` are finite).
     """
-    xp = namespace(logits)
+    return _entropy(log_softmax(logits, axis=-1))
+
+
+def log_probs_and_entropy(
+    logits: Array, ids: Array, entropy: bool = True
+) -> tuple[Array, Array | None]:
+    """``(gather_log_probs(logits, ids), entropy_from_logits(logits) or None)`` from one
+    ``log_softmax``: what a backend computes per chunk of tokens after its LM head."""
+    _check_ids(logits, ids, "log_probs_and_entropy")
     logp = log_softmax(logits, axis=-1)
-    p = xp.exp(logp)
-    safe_logp = xp.where(p > 0, logp, xp.zeros_like(logp))
-    return -xp.sum(p * safe_logp, axis=-1)
+    return _take(logp, ids), (_entropy(logp) if entropy else None)
 
 
 def _mask_as(mask: Array, x: Array) -> Array:

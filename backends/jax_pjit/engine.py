@@ -23,7 +23,6 @@ reward role also returns ``scores`` [B]: the head at each row's last real token.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +32,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from polyrl import tensor as pt
 from polyrl.backends.base import Bucket, LossContext, LossFn
 from polyrl.backends.jax_pjit import checkpoint, sharding
 from polyrl.backends.jax_pjit.bucketing import Padded, micro_rows, pad_batch
@@ -190,13 +188,17 @@ class JaxPjitEngine:
         out = {}
         if self.with_lm:
             # Only the ids the rollout can sample (ModelConfig.sampling_vocab_size).
-            logits = model.logits(h)[..., : self.model_cfg.sampling_vocab_size]
-            with warnings.catch_warnings():  # it asks for int64 indices; int32 are exact here
-                warnings.filterwarnings("ignore", message="Explicitly requested dtype int64")
-                lp = pt.gather_log_probs(logits, arrays["responses"], temperature)
+            lp, ent = model.token_scores(
+                h,
+                arrays["responses"],
+                temperature,
+                entropy=entropy,
+                vocab=self.model_cfg.sampling_vocab_size,
+                chunk_tokens=self.parallel.logits_chunk_tokens,
+            )
             out["log_probs"] = jnp.where(keep, lp, 0.0)
             if entropy:
-                out["entropy"] = jnp.where(keep, pt.entropy_from_logits(logits / temperature), 0.0)
+                out["entropy"] = jnp.where(keep, ent, 0.0)
         else:
             out["values"] = jnp.where(keep, model.values(h), 0.0)
             if self.model_cfg.role == "reward":

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from polyrl.tensor import log_probs_and_entropy
+
 __all__ = [
     "ARCHITECTURES",
     "TransformerConfig",
@@ -379,16 +381,53 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids, attention_mask, position_ids) -> jax.Array:
         return self.model(input_ids, attention_mask, position_ids)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [..., E] -> logits [..., V] (fp32 accumulation)."""
+    def head_kernel(self) -> jax.Array:
+        """The LM head as [E, V]: ``lm_head.kernel``, or the embedding transposed when tied."""
         if not self.with_lm_head:
             raise ValueError("this model was built without an LM head (a critic/reward model)")
-        w = (
-            self.lm_head.kernel[...]
-            if self.lm_head is not None
-            else self.model.embed_tokens.weight[...].T
-        )
-        return jnp.matmul(hidden, w, preferred_element_type=jnp.float32)
+        if self.lm_head is not None:
+            return self.lm_head.kernel[...]
+        return self.model.embed_tokens.weight[...].T
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., E] -> logits [..., V] (fp32 accumulation)."""
+        return jnp.matmul(hidden, self.head_kernel(), preferred_element_type=jnp.float32)
+
+    def token_scores(
+        self,
+        hidden: jax.Array,
+        ids: jax.Array,
+        temperature: jax.Array | float,
+        *,
+        entropy: bool,
+        vocab: int | None = None,
+        chunk_tokens: int = 1024,
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Log-probs of ``ids`` [B, T] (and entropy) under ``softmax(logits(hidden[B, T, E])
+        [..., :vocab] / temperature)``, fused with the LM head in chunks of about
+        ``chunk_tokens`` tokens (all rows x a slice of positions, so the batch axis keeps its
+        sharding): a ``lax.map`` over chunks whose body is rematerialised
+        (``jax.checkpoint``), so one chunk's fp32 logits exist at a time, in the forward and
+        in the backward pass. Returns ([B, T], [B, T] or None)."""
+        b, t, _ = hidden.shape
+        step = max(1, min(t, chunk_tokens // b))
+        pad = (-t) % step
+
+        def chunked(x):  # [B, T, ...] -> [T' / step, B, step, ...]
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            return jnp.moveaxis(x.reshape(b, -1, step, *x.shape[2:]), 1, 0)
+
+        @jax.checkpoint
+        def chunk(w, x):
+            logits = jnp.matmul(x[0], w, preferred_element_type=jnp.float32) / temperature
+            lp, ent = log_probs_and_entropy(logits, x[1], entropy)
+            return lp, ent if entropy else jnp.zeros_like(lp)
+
+        kernel = self.head_kernel()[:, :vocab]
+        xs = (chunked(hidden), chunked(ids.astype(jnp.int32)))
+        lp, ent = jax.lax.map(lambda x: chunk(kernel, x), xs)
+        unchunk = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, -1)[:, :t]  # noqa: E731
+        return unchunk(lp), unchunk(ent) if entropy else None
 
     def values(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> scalar head [...] (fp32)."""

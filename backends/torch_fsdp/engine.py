@@ -65,7 +65,7 @@ class TorchFSDPEngine:
             parallel, self.env, compute_dtype if model.trainable else torch.float32
         )
         self.tokenizer = models.load_tokenizer(model)
-        loaded = models.load_model(model, master)
+        loaded = models.load_model(model, master, parallel.logits_chunk_tokens)
         self.hf_config = loaded.hf_config
         self.model = sharding.shard_model(loaded.module, plan, loaded.layer_classes)
         if model.trainable:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from polyrl.backends.torch_fsdp import lm_head
 from polyrl.config import ModelConfig
-from polyrl.tensor import entropy_from_logits, gather_log_probs
 
 __all__ = [
     "ValueModel",
@@ -173,11 +173,15 @@ def _value_model(cfg: ModelConfig, dtype: torch.dtype) -> ValueModel:
     return model
 
 
-def load_model(cfg: ModelConfig, master_dtype: torch.dtype) -> LoadedModel:
+def load_model(
+    cfg: ModelConfig, master_dtype: torch.dtype, logits_chunk_tokens: int = 1024
+) -> LoadedModel:
     """Load ``cfg.path`` on the host in ``master_dtype`` for ``cfg.role``.
 
     Frozen roles pass their compute dtype; trainable roles fp32 master weights (FSDP's
-    mixed-precision policy casts to the compute dtype for forward/backward).
+    mixed-precision policy casts to the compute dtype for forward/backward). A causal
+    LM's head becomes a :class:`~polyrl.backends.torch_fsdp.lm_head.ChunkedLMHead` of
+    ``logits_chunk_tokens`` tokens per chunk.
     """
     from transformers import AutoModelForCausalLM
 
@@ -189,6 +193,7 @@ def load_model(cfg: ModelConfig, master_dtype: torch.dtype) -> LoadedModel:
         module = backbone = AutoModelForCausalLM.from_pretrained(
             cfg.path, dtype=master_dtype, attn_implementation=cfg.attn_implementation
         )
+        lm_head.install(module, logits_chunk_tokens)
     backbone.config.use_cache = False
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks (re-gathers the layer).
@@ -215,22 +220,24 @@ def policy_outputs(
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` [B, R] = log_softmax(logits / temperature) at the response tokens (how
     vLLM scores sampled tokens), ``entropy`` [B, R] of that same distribution; 0 where
-    ``response_mask`` is 0. Only the R logits that predict the response are computed.
-    ``vocab``: the distribution covers ids ``< vocab`` only (ModelConfig.sampling_vocab_size)."""
+    ``response_mask`` is 0. Only the positions that predict the response reach the head,
+    which scores them in chunks (``lm_head.ChunkedLMHead``): the fp32 [B, R, V] logits
+    never exist at once. ``vocab``: the distribution covers ids ``< vocab`` only
+    (ModelConfig.sampling_vocab_size)."""
     responses = inputs["responses"].long()
     R = responses.shape[1]
-    out = model(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        position_ids=inputs["position_ids"],
-        logits_to_keep=R + 1,
-        use_cache=False,
-    )
-    # The last R + 1 logits are positions P-1 .. L-1; the last one predicts nothing.
-    logits = out.logits[:, :-1, :vocab].float() / temperature
-    result = {"log_probs": _mask(gather_log_probs(logits, responses), inputs["response_mask"])}
+    # The last R + 1 positions are P-1 .. L-1; the head drops the last (it predicts nothing).
+    with model.get_output_embeddings().scoring(responses, temperature, entropy, vocab):
+        scores = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            position_ids=inputs["position_ids"],
+            logits_to_keep=R + 1,
+            use_cache=False,
+        ).logits
+    result = {"log_probs": _mask(scores[..., 0], inputs["response_mask"])}
     if entropy:
-        result["entropy"] = _mask(entropy_from_logits(logits), inputs["response_mask"])
+        result["entropy"] = _mask(scores[..., 1], inputs["response_mask"])
     return result
 
 

@@ -149,7 +149,7 @@ def _load_config(args: argparse.Namespace):
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
     try:
-        return parse_config(args.gin_file, args.gin_param)[0]
+        return parse_config(args.gin_file, args.gin_param, imports=args.imports)[0]
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
 
@@ -179,7 +179,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
     try:
-        final = train(args.gin_file, args.gin_param, resume=args.resume)
+        final = train(args.gin_file, args.gin_param, resume=args.resume, imports=args.imports)
     except (ConfigError, FileNotFoundError) as e:
         print(f"polyrl train: {e}", file=sys.stderr)
         return 1
@@ -221,7 +221,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/sweeps/tiny_grpo_lr.gin)")
     try:
-        results = sweep(args.gin_file, args.gin_param)
+        results = sweep(args.gin_file, args.gin_param, imports=args.imports)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"polyrl sweep: {e}", file=sys.stderr)
         return 1
@@ -244,7 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"polyrl {_version('polyrl')}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def import_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--import",
+            dest="imports",
+            action="append",
+            default=[],
+            metavar="MODULE",
+            help="import a user module (own rewards, tasks, losses) in the driver and every "
+            "worker; the current directory is importable (repeatable)",
+        )
+
     def gin_args(p: argparse.ArgumentParser) -> None:
+        import_arg(p)
         p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
         p.add_argument(
             "--gin_param",
@@ -276,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--tokenizer", help="local HF tokenizer dir: also count prompt tokens")
     p.add_argument("--max-prompt-tokens", type=int, help="with --tokenizer: longest allowed prompt")
+    import_arg(p)
     p.set_defaults(func=cmd_validate_dataset)
 
     p = sub.add_parser("doctor", help="versions, devices, and whether vLLM can start")
@@ -294,10 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from polyrl.user_code import UserCodeError, import_modules
+
     args = build_parser().parse_args(argv)
     try:
+        import_modules(getattr(args, "imports", ()))
         return args.func(args)
-    except UserError as e:
+    except (UserError, UserCodeError) as e:
         print(f"polyrl {args.command}: {e}", file=sys.stderr)
         return 2
 

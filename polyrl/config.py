@@ -236,6 +236,9 @@ class RunConfig:
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     sampling / rollout: ``polyrl.rollout`` SamplingSpec / RolloutConfig (rollout's
       model_path is filled from ``model_path`` when left empty).
+    imports: user modules (``pkg.mod`` names) imported in the driver and in every Ray
+      worker before anything runs, e.g. the module that registers an own reward or task
+      (``polyrl.user_code``); ``--import`` on the command line adds to them.
     """
 
     run_dir: str
@@ -284,6 +287,7 @@ class RunConfig:
     tensorboard: bool = True
     wandb_project: str | None = None
     ray_num_cpus: float | None = None
+    imports: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from polyrl.config import OptimConfig, ParallelConfig, RunConfig, SweepConfig
+from polyrl.user_code import import_modules, runtime_env
 
 __all__ = ["parse_config", "prepare", "train", "sweep", "GIN_ROOT"]
 
@@ -37,14 +38,19 @@ def _register() -> Any:
 
 
 def parse_config(
-    gin_files: Sequence[str], gin_params: Sequence[str] = (), root: str = "polyrl.RunConfig"
+    gin_files: Sequence[str],
+    gin_params: Sequence[str] = (),
+    root: str = "polyrl.RunConfig",
+    imports: Sequence[str] = (),
 ) -> tuple[Any, str]:
     """Bind gin files + ``--gin_param`` overrides and build the ``root`` configurable
     (the RunConfig; the SweepConfig for a sweep).
 
     gin file paths are taken as given, else relative to the repository root; ``include``
-    lines inside them resolve the same way.
+    lines inside them resolve the same way. ``imports`` (``--import``) are imported
+    before parsing and added to ``RunConfig.imports``, whose modules are imported too.
     """
+    import_modules(imports)
     gin = _register()
     gin.clear_config()
     gin.add_config_file_search_path(str(GIN_ROOT))
@@ -52,6 +58,9 @@ def parse_config(
     files = [str(_find_gin(f)) for f in gin_files]
     gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
     cfg = gin.get_configurable(root)()
+    if isinstance(cfg, RunConfig):
+        cfg = dataclasses.replace(cfg, imports=tuple(dict.fromkeys((*cfg.imports, *imports))))
+        import_modules(cfg.imports)
     return cfg, gin.operative_config_str()
 
 
@@ -115,7 +124,7 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
             num_cpus=cfg.ray_num_cpus,
             include_dashboard=False,
             log_to_driver=True,
-            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+            runtime_env=runtime_env(cfg.imports),
         )
     placement = Placement(cfg.pools, cfg.role_pools, role_workers(cfg, spec))
     pool = None
@@ -149,11 +158,12 @@ def train(
     gin_params: Sequence[str] = (),
     resume: bool = False,
     on_step: Any = None,
+    imports: Sequence[str] = (),
 ) -> dict:
     """``polyrl train``: parse, validate, write the operative config, run."""
     from polyrl.trainer import PreferenceTrainer, RLTrainer
 
-    cfg, operative = parse_config(gin_files, gin_params)
+    cfg, operative = parse_config(gin_files, gin_params, imports=imports)
     cfg, spec = prepare(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +179,14 @@ def train(
         trainer.shutdown()
 
 
-def _trial(params: dict, gin_files: Sequence[str], gin_params: Sequence[str], root: str) -> None:
+def _trial(
+    params: dict,
+    gin_files: Sequence[str],
+    gin_params: Sequence[str],
+    root: str,
+    imports: Sequence[str],
+    cwd: str,
+) -> None:
     """One Ray Tune trial: ``polyrl train`` with the trial's gin bindings, in its own
     process (gin bindings are per process, and a trial's workers must not be captured
     by the trial's placement group). It joins the sweep's Ray cluster as a new driver;
@@ -191,10 +208,11 @@ def _trial(params: dict, gin_files: Sequence[str], gin_params: Sequence[str], ro
     cmd = [sys.executable, "-m", "polyrl.cli", "train"]
     cmd += [a for f in gin_files for a in ("--gin_file", f)]
     cmd += [a for b in bindings for a in ("--gin_param", b)]
+    cmd += [a for m in imports for a in ("--import", m)]
     trial_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     log = (trial_dir / "train.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=GIN_ROOT.parent)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
     reported = 0
     while True:
         done = proc.poll() is not None
@@ -214,7 +232,9 @@ def _trial(params: dict, gin_files: Sequence[str], gin_params: Sequence[str], ro
         )
 
 
-def sweep(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> Any:
+def sweep(
+    gin_files: Sequence[str], gin_params: Sequence[str] = (), imports: Sequence[str] = ()
+) -> Any:
     """``polyrl sweep``: grid-search ``SweepConfig.grid`` with Ray Tune; returns the
     ResultGrid. Each trial parses the gin files itself (gin bindings are per process)
     and is checked by ``validate-config`` rules before Tune starts."""
@@ -225,13 +245,13 @@ def sweep(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> Any:
 
     # Tune runs trials in their own working directories: pass absolute gin paths.
     gin_files = [str(_find_gin(f)) for f in gin_files]
-    sweep_cfg, _ = parse_config(gin_files, gin_params, root="polyrl.SweepConfig")
+    sweep_cfg, _ = parse_config(gin_files, gin_params, root="polyrl.SweepConfig", imports=imports)
     if not sweep_cfg.grid:
         raise ValueError(
             "SweepConfig.grid is empty: bind e.g. "
             "polyrl.SweepConfig.grid = {'actor/polyrl.OptimConfig.lr': [1e-3, 3e-3]}"
         )
-    base, _ = parse_config(gin_files, gin_params)
+    base, _ = parse_config(gin_files, gin_params, imports=imports)
     root = Path(base.run_dir).resolve()
     for combo in _grid(sweep_cfg.grid):  # fail before any trial starts
         cfg, _ = parse_config(gin_files, [*gin_params, *(f"{k} = {v!r}" for k, v in combo.items())])
@@ -243,10 +263,15 @@ def sweep(gin_files: Sequence[str], gin_params: Sequence[str] = ()) -> Any:
         ray.init(
             num_cpus=num_cpus,
             include_dashboard=False,
-            runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}},
+            runtime_env=runtime_env(base.imports),
         )
     trainable = functools.partial(
-        _trial, gin_files=list(gin_files), gin_params=list(gin_params), root=str(root)
+        _trial,
+        gin_files=list(gin_files),
+        gin_params=list(gin_params),
+        root=str(root),
+        imports=list(base.imports),
+        cwd=os.getcwd(),
     )
     # The trial process only drives: its workers reserve the pool's resources themselves.
     trainable = tune.with_resources(trainable, {"cpu": 0.01})

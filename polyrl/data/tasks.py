@@ -25,6 +25,7 @@ from collections.abc import Callable
 __all__ = [
     "TASKS",
     "Task",
+    "register_task",
     "make_rows",
     "make_preference_rows",
     "corpus",
@@ -52,6 +53,24 @@ TASKS: dict[str, Task] = {
     "addition": Task("polyrl/addition", _addition, "2-digit addition, exact-match reward"),
     "copy": Task("polyrl/copy", _copy, "copy a 3-digit string, per-position partial credit"),
 }
+# The tokenizer's corpus: the built-in tasks only, so a user's task never changes it.
+_BUILTIN_TASKS = tuple(TASKS.values())
+
+
+def register_task(
+    name: str, data_source: str, make: Callable[[random.Random], tuple[str, str]], description: str
+) -> Task:
+    """Add a task that ``polyrl.RunConfig.task = name`` generates on the fly: ``make(rng)``
+    returns (user text, ground truth) and rows get ``data_source`` (register its reward
+    with ``polyrl.rewards.register_reward``). Call it from a module given to ``--import``
+    (docs/rewards.md). The tiny tokenizer knows only the built-in tasks' alphabet."""
+    task = Task(data_source, make, description)
+    if name in TASKS and TASKS[name] != task:
+        raise ValueError(
+            f"task {name!r} is already registered (data_source {TASKS[name].data_source!r})"
+        )
+    TASKS[name] = task
+    return task
 
 
 def corpus(samples_per_task: int = 200) -> list[str]:
@@ -60,7 +79,7 @@ def corpus(samples_per_task: int = 200) -> list[str]:
     template produces falls outside the vocabulary."""
     rng = random.Random("tokenizer-corpus")
     lines = ["0123456789 +-*=:", "system: user: assistant:"]
-    for task in TASKS.values():
+    for task in _BUILTIN_TASKS:
         for _ in range(samples_per_task):
             lines.extend(task.make(rng))
     return lines

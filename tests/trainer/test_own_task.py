@@ -1,0 +1,41 @@
+"""`polyrl train --import`: an own task and reward (experiments/own_task/min_digit.py)
+train from the user's directory, and the module is imported in every Ray worker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from polyrl.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Imports the example and leaves one file per process that imported it.
+PROBE = "import os\nimport min_digit  # noqa: F401\nopen(f'imported.{os.getpid()}', 'w').close()\n"
+
+
+def test_train_with_an_own_task_imports_it_in_driver_and_workers(tmp_path):
+    shutil.copy(ROOT / "experiments" / "own_task" / "min_digit.py", tmp_path)
+    (tmp_path / "probe.py").write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--import", "probe"]
+    cmd += ["--gin_file", "gin/experiments/tiny_grpo.gin"]
+    for binding in (
+        'polyrl.RunConfig.task = "min"',
+        "polyrl.RunConfig.total_steps = 3",
+        'polyrl.RunConfig.run_dir = "run"',  # relative: resolved in the user's directory
+        "polyrl.RunConfig.tensorboard = False",
+    ):
+        cmd += ["--gin_param", binding]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert len(rows) == 3
+    # min_digit_reward gives 0, 0.2 or 1 per response: a mean over 128 responses in [0, 1].
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    pids = {int(p.suffix[1:]) for p in tmp_path.glob("imported.*")}
+    # The driver, the actor, the reference and the rollout server each imported it.
+    assert len(pids) >= 4, pids

@@ -37,7 +37,7 @@ __all__ = ["Batch", "from_token_lists"]
 Index = int | slice | Sequence[int] | np.ndarray
 
 
-def _as_meta(name: str, values: Any) -> np.ndarray:
+def _as_meta(values: Any) -> np.ndarray:
     if isinstance(values, np.ndarray) and values.dtype == object:
         return values
     values = list(values)
@@ -57,7 +57,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         self.tensors = {k: np.asarray(v) for k, v in self.tensors.items()}
-        self.meta = {k: _as_meta(k, v) for k, v in self.meta.items()}
+        self.meta = {k: _as_meta(v) for k, v in self.meta.items()}
         self._check_lengths()
 
     # ------------------------------------------------------------------ checks
@@ -215,10 +215,9 @@ class Batch:
             dict(src.info),
         )
 
-    def pad_to_multiple(self, k: int) -> tuple[Batch, int]:
+    def pad_to_multiple(self, k: int) -> Batch:
         """Append copies of the last row so ``len`` is a multiple of ``k``.
 
-        Returns ``(padded, n_pad)``; :meth:`unpad` with ``n_pad`` restores the original.
         Padding rows get ``is_pad = 1`` in the int8 tensor column ``is_pad`` so a loss
         can mask them out.
         """
@@ -230,16 +229,7 @@ class Batch:
         is_pad = np.zeros(len(self) + n_pad, dtype=np.int8)
         is_pad[len(self) :] = 1
         idx = np.concatenate([np.arange(len(self)), np.full(n_pad, len(self) - 1)])
-        padded = self.take(idx).with_columns({"is_pad": is_pad})
-        return padded, n_pad
-
-    def unpad(self, n_pad: int) -> Batch:
-        """Drop the ``n_pad`` rows :meth:`pad_to_multiple` appended and its ``is_pad`` column."""
-        if n_pad < 0 or n_pad > len(self):
-            raise ValueError(f"Batch.unpad: n_pad={n_pad} outside [0, {len(self)}]")
-        out = self.take(slice(0, len(self) - n_pad))
-        out.tensors.pop("is_pad", None)
-        return out
+        return self.take(idx).with_columns({"is_pad": is_pad})
 
     def nbytes(self) -> int:
         return int(sum(v.nbytes for v in self.tensors.values()))

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 __all__ = ["PhaseTimer", "Tracker", "read_jsonl", "plot_run", "phase_summary"]
-
-log = logging.getLogger("polyrl")
 
 
 class PhaseTimer:

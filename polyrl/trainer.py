@@ -2,7 +2,7 @@
 
 One step, as in the algorithm box::
 
-    prompts -> generate (rollout pool) -> score (rewards) -> reference log-probs
+    prompts -> generate (rollout pool) -> reward -> reference log-probs
     -> old log-probs -> values (critic) -> advantages (algos, on the controller)
     -> actor updates over mini-batches x epochs (and critic) -> weight sync
 
@@ -159,7 +159,7 @@ class Loop(abc.ABC):
             order = (units[:, None] * unit + np.arange(unit)).reshape(-1)
             for start in range(0, len(batch), mini):
                 part = batch.take(order[start : start + mini])
-                part, n_pad = part.pad_to_multiple(group.dp_size)
+                part = part.pad_to_multiple(group.num_workers)
                 out = group.train_step(part, loss_fn, temperature=self.temperature, entropy=entropy)
                 for k, v in out.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
@@ -253,7 +253,7 @@ class RLTrainer(Loop):
         with phase("generate"):
             batch = self.collect(step)
         with phase("reward"):
-            batch = self.score(batch)
+            batch = self.reward(batch)
         if self.spec.dynamic_sampling:
             with phase("dynamic_sampling"):
                 batch, kept = self.filter_groups(batch, step)
@@ -322,7 +322,7 @@ class RLTrainer(Loop):
         batch = self.pool.generate(prompts, sampling, response_len=width)
         if self.spec.needs_greedy_baseline:
             greedy = dataclasses.replace(sampling, n=1, temperature=0.0)
-            base = self.score(self.pool.generate(prompts, greedy, response_len=width))
+            base = self.reward(self.pool.generate(prompts, greedy, response_len=width))
             scores = base["token_rewards"].sum(-1)
             batch = batch.with_columns({"baseline_scores": scores[batch["group_ids"]]})
         return batch.with_columns(step=step)
@@ -337,7 +337,7 @@ class RLTrainer(Loop):
         seen, kept = len(batch), []
         for extra in range(self.cfg.max_gen_batches):
             if extra:
-                more = self.score(
+                more = self.reward(
                     self.collect(
                         step, self.cfg.total_steps + step * self.cfg.max_gen_batches + extra
                     )
@@ -356,7 +356,7 @@ class RLTrainer(Loop):
             return batch.with_columns(step=step), 0.0
         return out.take(slice(0, want * n)).with_columns(step=step), len(out) / seen
 
-    def score(self, batch: Batch) -> Batch:
+    def reward(self, batch: Batch) -> Batch:
         """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x
         the reward model's score when there is one — placed on its last valid token."""
         texts = batch["response_text"]

@@ -19,13 +19,13 @@ Transports (:data:`TRANSPORTS`):
   server that Ray restarts is re-synced from them (:meth:`WeightSyncer.replay`).
 * ``"cuda_ipc"`` — colocated trainer and server on the same GPU: each bucket is
   packed into one flat device buffer whose CUDA IPC handle the workers open in place
-  (no copy off the GPU). Every trainer rank pushes to the servers on its own GPU.
+  (no copy off the GPU). Trainer rank 0 pushes (``EngineWorker.sync_weights``), so the
+  servers must share rank 0's GPU.
 * ``"nccl"`` — trainer and servers on separate GPUs: rank 0 of the trainer
   broadcasts each flat bucket to every server worker over a NCCL group set up by
   :meth:`WeightSyncer.init_nccl`.
 
-The GPU transports could not run where this was written (no GPU); they are covered
-by ``gpu``-marked tests only.
+The GPU transports are covered by ``gpu``-marked tests (run on a lent H200 pair).
 
 Buckets are streamed: the next bucket is packed while servers load the previous one,
 so besides retained buckets at most two are alive at a time.

@@ -145,11 +145,12 @@ class WorkerGroup:
             ) from None
 
     @property
-    def dp_size(self) -> int:
+    def num_workers(self) -> int:
+        """Ray workers of the role: the batch is split into one shard per worker."""
         return len(self.workers)
 
     def _shards(self, batch: Batch) -> list[Batch]:
-        return batch.split(self.dp_size) if self.dp_size > 1 else [batch]
+        return batch.split(self.num_workers) if self.num_workers > 1 else [batch]
 
     def forward(self, batch: Batch, **kwargs: Any) -> dict[str, np.ndarray]:
         import ray

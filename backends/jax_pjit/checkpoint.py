@@ -1,8 +1,9 @@
-"""orbax checkpoints of one JAX engine: parameters, optimizer state, step and RNG.
+"""orbax checkpoints of one JAX engine: parameters, optimizer state and step
+(the models have no dropout: there is no RNG state to keep).
 
 Layout of a checkpoint directory::
 
-    <dir>/state/       orbax StandardCheckpointer tree: {"params", "opt_state", "step", "rng"}
+    <dir>/state/       orbax StandardCheckpointer tree: {"params", "opt_state", "step"}
     <dir>/polyrl.json  step, architecture and mesh (for humans and sanity checks)
 
 Restoring takes an *abstract* target (``jax.ShapeDtypeStruct`` with shardings), so each

@@ -5,7 +5,7 @@ One engine holds one role's model on all devices of one host, arranged as the
 ``{nnx_path: jax.Array}`` (HF names, see ``weights.py``) sharded by the logical-axis
 rules; every step is a ``jax.jit`` with explicit in/out shardings (pjit semantics).
 
-``train_step`` pads the batch to bucketed shapes (``bucketing.py``), runs one jitted
+``train_step`` pads the batch to a few padded shapes (``shapes.py``), runs one jitted
 grad step per micro-batch that adds into a donated fp32 gradient buffer, then one
 jitted update: pre-clip global norm, torch-style clip (``max_norm / (norm + 1e-6)``),
 AdamW with torch.optim.AdamW's semantics (decoupled decay ``p -= lr * wd * p``, bias
@@ -34,8 +34,8 @@ from flax import nnx
 
 from polyrl.backends.base import Bucket, LossContext, LossFn
 from polyrl.backends.jax_pjit import checkpoint, sharding
-from polyrl.backends.jax_pjit.bucketing import Padded, micro_rows, pad_batch
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
+from polyrl.backends.jax_pjit.shapes import Padded, micro_rows, pad_batch
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -74,15 +74,13 @@ def _mask_pad_rows(batch: Batch) -> Batch:
 class JaxPjitEngine:
     """TrainEngine on a JAX device mesh (see module docstring).
 
-    min_bucket_len: smallest padded prompt/response length (lengths are padded to powers
+    min_padded_len: smallest padded prompt/response length (lengths are padded to powers
       of two >= this); devices: the devices of the mesh (default ``jax.devices()``);
-      seed: initial RNG (checkpointed and advanced once per optimizer step).
     ``compile_count``: number of jitted-function compilations so far (each is logged).
     """
 
-    def __init__(self, *, min_bucket_len: int = 16, devices: list | None = None, seed: int = 0):
-        self.min_bucket_len, self._devices = min_bucket_len, devices
-        self.rng = jax.random.PRNGKey(seed)
+    def __init__(self, *, min_padded_len: int = 16, devices: list | None = None):
+        self.min_padded_len, self._devices = min_padded_len, devices
         self.compile_count = 0
         self.step = 0
         self.opt_state = None
@@ -135,7 +133,6 @@ class JaxPjitEngine:
             )
         else:
             self.tx = None
-        self.rng = jax.device_put(self.rng, self._rep)
         log.info(
             "jax_pjit %s: %s on mesh %s, %d params",
             model.role,
@@ -207,9 +204,9 @@ class JaxPjitEngine:
         return out
 
     def _micro_batches(self, batch: Batch) -> tuple[Padded, list[dict[str, jax.Array]]]:
-        """Pad ``batch`` (bucketing.py) and cut it into device-put global micro-batches."""
+        """Pad ``batch`` (shapes.py) and cut it into device-put global micro-batches."""
         rows = micro_rows(len(batch), self.parallel.micro_batch_size, self.parallel.dp_size)
-        padded = pad_batch(batch, rows, self.min_bucket_len)
+        padded = pad_batch(batch, rows, self.min_padded_len)
         n = next(iter(padded.arrays.values())).shape[0]
         chunks = [
             {k: jax.device_put(v[i : i + rows], self._rows) for k, v in padded.arrays.items()}
@@ -329,7 +326,6 @@ class JaxPjitEngine:
         if not np.isfinite(float(norm)):
             log.warning("step %d: non-finite grad norm %s, update skipped", self.step, norm)
         self.step += 1
-        self.rng = jax.random.split(self.rng)[0]
         parts = jax.device_get(parts)
         out = {
             "loss": float(sum(np.float64(lo) for lo, _ in parts)),
@@ -351,7 +347,6 @@ class JaxPjitEngine:
         state = {
             "params": self.params,
             "step": jax.device_put(np.int32(self.step), self._rep),
-            "rng": self.rng,
         }
         if self.opt_state is not None:
             state["opt_state"] = self.opt_state
@@ -378,7 +373,7 @@ class JaxPjitEngine:
                 f"checkpoint {path} holds a {info['architecture']} but this engine runs "
                 f"{self.config.architecture}; load it into an engine built from the same model"
             )
-        self.params, self.rng = state["params"], state["rng"]
+        self.params = state["params"]
         self.opt_state = state.get("opt_state")
         self.step = int(state["step"])
 

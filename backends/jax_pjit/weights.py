@@ -6,9 +6,9 @@ rule: a linear layer's HF ``<module>.weight`` ([out, in]) is ``<module>.kernel``
 and layout. ``hf_name``/``nnx_path`` apply that table both ways.
 
 Loading reads safetensors with ``safetensors.numpy`` (no torch); export yields full,
-unsharded arrays under the names ``save_pretrained`` writes, in buckets, and
-:func:`to_torch` hands a bucket to torch through DLPack (zero-copy when both sit on the
-same device; torch is imported lazily, only there).
+unsharded arrays under the names ``save_pretrained`` writes, in weight buckets
+(``polyrl.weight_sync.to_torch`` then hands each array to torch through DLPack,
+zero-copy when both sit on the same device).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ __all__ = [
     "read_safetensors",
     "load_hf_params",
     "export_buckets",
-    "to_torch",
     "save_pretrained",
 ]
 
@@ -173,18 +172,6 @@ def export_buckets(
             yield hf_name(path), x.T if path.endswith(".kernel") else x
 
     yield from group_buckets(gathered(), bucket_bytes)
-
-
-def to_torch(bucket: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
-    """``[(name, torch.Tensor)]`` from ``[(name, jax.Array)]`` through DLPack.
-
-    Zero-copy when torch can address the JAX buffer's device (CPU<->CPU, same GPU); the
-    tensors then alias the JAX arrays, which must stay alive and unmodified while the
-    tensors are used (JAX arrays are immutable; do not donate them meanwhile).
-    """
-    import torch  # lazily: the JAX backend must not import torch at module level
-
-    return [(name, torch.from_dlpack(x)) for name, x in bucket]
 
 
 def save_pretrained(

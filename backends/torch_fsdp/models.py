@@ -21,7 +21,6 @@ token (the last position with ``attention_mask == 1``), as
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 
 import torch
@@ -40,7 +39,6 @@ __all__ = [
     "value_outputs",
 ]
 
-log = logging.getLogger(__name__)
 
 # Where known checkpoints keep a scalar head: HF sequence/token classification (also
 # verl's critic), OpenRLHF ("value_head"), TRL's AutoModelForCausalLMWithValueHead.

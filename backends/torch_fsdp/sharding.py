@@ -20,7 +20,6 @@ message rather than silently ignored.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from typing import Any
 
@@ -43,7 +42,6 @@ __all__ = [
     "all_reduce_sum",
 ]
 
-log = logging.getLogger(__name__)
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

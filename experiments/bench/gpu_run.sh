@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the lent GPU machine (see ../shared/gpu/README.md), after .gpu/remote/unpack.sh has
+# On a GPU machine set up as docs/install.md "GPU machine without network" says, after .gpu/remote/unpack.sh has
 # unpacked both bundle parts: the gpu-marked tests, the torch backend's tests on CUDA, and
 # GRPO step time on a random Qwen2.5-0.5B-shape model (gin/experiments/gpu_grpo_0p5b.gin).
 # Writes logs and metrics under $OUT. Usage: bash experiments/bench/gpu_run.sh [object_store|cuda_ipc] [tests]

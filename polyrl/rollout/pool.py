@@ -24,8 +24,7 @@ trainer must apply (``info["sampling_vocab_size"]``).
 
 Recovery: servers are Ray actors with ``max_restarts``. A shard whose server dies or
 reports stale weights is retried once on the next server, after the failed server has
-been waited for and re-synced (from the retained object-store buckets of the last
-push, or from ``resync_source``).
+been waited for and re-synced from the retained object-store buckets of the last push.
 """
 
 from __future__ import annotations
@@ -84,9 +83,6 @@ def apply_overlong_policy(
 class RolloutPool:
     """``config.num_servers`` :class:`RolloutServer` actors; call after ``ray.init``.
 
-    resync_source: optional callable returning fresh buckets of the current weights
-      (e.g. ``lambda: engine.export_weights(bucket_bytes)`` on the trainer), used to
-      re-sync a restarted server when the last push retained nothing (GPU transports).
     placement: server index -> Ray actor options (resources and scheduling strategy,
       e.g. ``polyrl.placement.Placement.options("rollout", i)``), replacing the
       resources derived from the config; how a server joins a colocated GPU pool.
@@ -96,7 +92,6 @@ class RolloutPool:
         self,
         config: RolloutConfig,
         *,
-        resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None,
         placement: Callable[[int], dict[str, Any]] | None = None,
     ):
         import ray
@@ -107,7 +102,6 @@ class RolloutPool:
                 "host e.g. ray.init(num_cpus=2, include_dashboard=False))"
             )
         self.config = config
-        self.resync_source = resync_source
         self.placement = placement
         self.version = 0
         self._retained: list | None = None
@@ -147,7 +141,7 @@ class RolloutPool:
                     f"or RolloutConfig.{key}, or start Ray with more {ray_key}s"
                 )
         actor = ray.remote(RolloutServer)
-        env = server_env(c, on_gpu=res["num_gpus"] > 0)
+        env = server_env(c)
         return [
             actor.options(
                 **(self.placement(i) if self.placement else res),
@@ -250,13 +244,6 @@ class RolloutPool:
             dropped=dropped,
         )
 
-    def score(
-        self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]]
-    ) -> list[np.ndarray]:
-        """Per pair, ``log_softmax(logits)`` (T=1, full vocabulary) of each response
-        token under the servers' current weights (``RolloutServer.score``)."""
-        return self._dispatch("score", list(zip(prompt_ids, response_ids)))
-
     # -------------------------------------------------------------- dispatch
     def _dispatch(self, method: str, items: list[Any], *args: Any) -> list[Any]:
         """Split ``items`` into contiguous shards, one per server, keep order; a failed
@@ -347,13 +334,11 @@ class RolloutPool:
         )
         if self._retained is not None:
             syncer.replay(self._retained, self.version)
-        elif self.resync_source is not None:
-            syncer.push(self.resync_source(), self.version)
         else:
             raise RuntimeError(
                 f"a rollout server came back at a weight version other than {self.version} and "
                 f"the pool has nothing to re-sync it from: push with transport='object_store' "
-                f"(retain=True) or pass RolloutPool(resync_source=...)"
+                f"(retain=True)"
             )
 
     def _get(self, ref: Any) -> Any:

@@ -36,7 +36,7 @@ class StaleWeightsError(RuntimeError):
     """A server's weights are not the version the caller expects (restarted or mid-update)."""
 
 
-def server_env(config: RolloutConfig, on_gpu: bool) -> dict[str, str]:
+def server_env(config: RolloutConfig) -> dict[str, str]:
     """Environment of a server process (Ray ``runtime_env``; also set before vLLM imports)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process_engine else "1"}
     env.update(dict(config.env))
@@ -87,7 +87,7 @@ class RolloutServer:
         self.config = config
         self.index = index
         self.on_gpu = torch.cuda.is_available()
-        for key, value in server_env(config, self.on_gpu).items():
+        for key, value in server_env(config).items():
             os.environ.setdefault(key, value)
         from vllm import LLM
 
@@ -171,29 +171,6 @@ class RolloutServer:
                 }
             )
         return results
-
-    def score(
-        self,
-        pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
-        expected_version: int | None = None,
-    ) -> list[np.ndarray]:
-        """Log-probs of given responses: per pair ``(prompt_ids, response_ids)`` a float32
-        ``[len(response)]`` array of ``log_softmax(logits)`` (temperature 1, full model
-        vocabulary: prompt log-probs skip the sampler) at each response token."""
-        from vllm import SamplingParams
-
-        self._check_version(expected_version)
-        prompts = [{"prompt_token_ids": [*map(int, p), *map(int, r)]} for p, r in pairs]
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        scores = []
-        for (p, _), out in zip(pairs, outputs):
-            ids = out.prompt_token_ids
-            entries = out.prompt_logprobs[len(p) :]  # entry k scores token k given tokens < k
-            scores.append(
-                np.array([e[t].logprob for t, e in zip(ids[len(p) :], entries)], dtype=np.float32)
-            )
-        return scores
 
     def _check_version(self, expected: int | None) -> None:
         if self.updating:

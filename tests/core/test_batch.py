@@ -78,15 +78,15 @@ def test_repeat_interleaves_and_adds_group_ids():
     assert again["group_ids"].tolist() == [0, 0, 1, 1]
 
 
-def test_pad_unpad_round_trip_marks_padding():
+def test_pad_to_multiple_marks_padding_and_keeps_rows():
     b = make(5)
-    padded, n_pad = b.pad_to_multiple(4)
-    assert (len(padded), n_pad) == (8, 3)
+    padded = b.pad_to_multiple(4)
+    assert len(padded) == 8
     assert padded["is_pad"].tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
-    back = padded.unpad(n_pad)
-    assert "is_pad" not in back
-    np.testing.assert_array_equal(back["x"], b["x"])
-    assert back["text"].tolist() == b["text"].tolist()
+    np.testing.assert_array_equal(padded["x"][:5], b["x"])
+    np.testing.assert_array_equal(padded["x"][5:], np.repeat(b["x"][4:5], 3, axis=0))
+    assert padded["text"].tolist()[:5] == b["text"].tolist()
+    assert len(b.pad_to_multiple(5)) == 5
 
 
 def test_concat_rejects_mismatched_columns_and_shapes():

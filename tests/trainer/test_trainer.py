@@ -106,7 +106,7 @@ def test_reference_log_probs_do_not_move_with_the_actor(ray_session, tmp_path):
     cfg, spec = prepare(cfg)
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:
-        probe = trainer.score(trainer.collect(0))
+        probe = trainer.reward(trainer.collect(0))
         ref_before = trainer.reference.forward(probe)["log_probs"]
         actor_before = trainer.actor.forward(probe)["log_probs"]
         trainer.run()
@@ -185,7 +185,7 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:
         batch = trainer.collect(0)
-        got = trainer.score(batch)["scores"]
+        got = trainer.reward(batch)["scores"]
     finally:
         trainer.shutdown()
     rule = np.array(
@@ -242,7 +242,7 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:
         trainer.run()
-        probe = trainer.score(trainer.collect(0))
+        probe = trainer.reward(trainer.collect(0))
         with pytest.raises(Exception, match="offloaded"):
             trainer.actor.forward(probe)
     finally:

@@ -73,8 +73,8 @@ def test_pad_rows_contribute_nothing(tiny_model_dir):
     """6 samples padded to 8 with Batch.pad_to_multiple (is_pad rows are copies of the
     last row, so they would change the loss if counted) = the 6 samples alone."""
     batch = random_batch(6, seed=2)
-    padded, n_pad = batch.pad_to_multiple(4)
-    assert n_pad == 2
+    padded = batch.pad_to_multiple(4)
+    assert len(padded) == 8 and int(padded["is_pad"].sum()) == 2
     m_pad, w_pad = (e := actor(tiny_model_dir, 3)).train_step(padded, nll_loss), full_weights(e)
     m_raw, w_raw = (e := actor(tiny_model_dir, 3)).train_step(batch, nll_loss), full_weights(e)
     assert m_pad["global_seqs"] == 6

@@ -1,4 +1,4 @@
-"""Shape bucketing: pad a Batch to a few shapes so jitted steps compile a bounded number
+"""Shape padding: pad a Batch to a few shapes so jitted steps compile a bounded number
 of times.
 
 ``jax.jit`` compiles once per input shape. RL batches vary in prompt length ``P`` and
@@ -21,13 +21,13 @@ import numpy as np
 
 from polyrl.batch import Batch
 
-__all__ = ["Padded", "bucket", "micro_rows", "pad_batch"]
+__all__ = ["Padded", "pow2_len", "micro_rows", "pad_batch"]
 
 SEQUENCE = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
 REQUIRED = (*SEQUENCE, "responses", "response_mask")
 
 
-def bucket(n: int, min_len: int) -> int:
+def pow2_len(n: int, min_len: int) -> int:
     """Smallest power of two >= max(n, min_len)."""
     n = max(int(n), int(min_len), 1)
     return 1 << (n - 1).bit_length()
@@ -38,7 +38,7 @@ def micro_rows(batch_size: int, micro_batch_size: int, dp: int) -> int:
     per-shard count rounded up to a power of two so small batches do not pad to a full
     micro-batch yet still compile a bounded number of shapes."""
     per_shard = -(-batch_size // dp)
-    return dp * min(micro_batch_size, bucket(per_shard, 1))
+    return dp * min(micro_batch_size, pow2_len(per_shard, 1))
 
 
 @dataclasses.dataclass
@@ -71,11 +71,11 @@ def _canonical(name: str, x: np.ndarray) -> np.ndarray:
 
 
 def pad_batch(batch: Batch, rows_multiple: int, min_len: int) -> Padded:
-    """Pad ``batch``'s tensors: P and R to buckets, B to a multiple of ``rows_multiple``."""
+    """Pad ``batch``'s tensors: P and R to powers of two, B to a multiple of ``rows_multiple``."""
     batch.require(*REQUIRED, who="the jax_pjit backend")
     b, r = batch["responses"].shape
     p = batch["input_ids"].shape[1] - r
-    pb, rb = bucket(p, min_len), bucket(r, min_len)
+    pb, rb = pow2_len(p, min_len), pow2_len(r, min_len)
     out: dict[str, np.ndarray] = {}
     for name, x in batch.tensors.items():
         x = _canonical(name, x)

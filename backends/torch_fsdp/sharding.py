@@ -99,16 +99,10 @@ def init_distributed() -> DistEnv:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
-    """What :func:`shard_model` needs: the mesh and ``fully_shard`` keyword arguments.
-
-    ``dp_rank``/``dp_size``: this rank's data shard; the batch a worker receives is
-    already its shard, the engine only needs the size for checks and metrics.
-    """
+    """What :func:`shard_model` needs: the mesh and ``fully_shard`` keyword arguments."""
 
     mesh: DeviceMesh
     fsdp_kwargs: dict[str, Any]
-    dp_rank: int
-    dp_size: int
 
 
 def _check_rules(parallel: ParallelConfig) -> None:
@@ -155,7 +149,7 @@ def build_plan(parallel: ParallelConfig, env: DistEnv, param_dtype: torch.dtype)
         )
     if parallel.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-    return ShardingPlan(mesh, kwargs, dp_rank=env.rank, dp_size=parallel.dp_size)
+    return ShardingPlan(mesh, kwargs)
 
 
 def _decoder_layers(model: nn.Module, layer_names: set[str]) -> list[nn.Module]:

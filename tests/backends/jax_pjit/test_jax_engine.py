@@ -104,7 +104,10 @@ def test_resume_is_exact(tiny_model_dir, tmp_path):
     for w, g in zip(want, got):
         assert g["lr"] == w["lr"] and g["loss"] == pytest.approx(w["loss"], abs=TOL_MESH)
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], abs=TOL_MESH)
-    np.testing.assert_array_equal(np.asarray(resumed.rng), np.asarray(run.rng))
+    for name, w in run.params.items():  # the next steps' weights equal the uninterrupted run's
+        np.testing.assert_allclose(
+            np.asarray(resumed.params[name]), np.asarray(w), atol=TOL_WEIGHTS
+        )
 
 
 def test_export_loads_in_transformers_with_the_same_log_probs(tiny_model_dir, tmp_path):

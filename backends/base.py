@@ -33,7 +33,18 @@ from typing import Any, Protocol, runtime_checkable
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 
-__all__ = ["LossContext", "LossFn", "TrainEngine", "ENGINES", "get_engine", "Bucket"]
+__all__ = [
+    "LossContext",
+    "LossFn",
+    "TrainEngine",
+    "ENGINES",
+    "Backend",
+    "ProcessModel",
+    "GroupSlot",
+    "get_backend",
+    "get_engine",
+    "Bucket",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,17 +111,114 @@ class TrainEngine(Protocol):
         """Undo :meth:`offload`."""
 
 
-# Registered backends: name -> "module:Class". The core picks a backend by name and
-# imports it lazily, so it never imports torch or jax itself.
-ENGINES: dict[str, str] = {
-    "torch_fsdp": "polyrl.backends.torch_fsdp.engine:TorchFSDPEngine",
-    "jax_pjit": "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
+@dataclasses.dataclass(frozen=True)
+class GroupSlot:
+    """One worker's place in its role's collective group.
+
+    rank / world: this worker among the role's workers; node / local_rank /
+    local_world: its node (in pool order), its index there and its node's worker count;
+    addr / port: where worker 0 listens for the group's rendezvous.
+    """
+
+    rank: int
+    world: int
+    node: int
+    local_rank: int
+    local_world: int
+    addr: str
+    port: int
+
+
+def _torch_group_env(slot: GroupSlot) -> dict[str, str]:
+    # torchrun's variables: backends/torch_fsdp/sharding.py init_distributed reads them.
+    return {
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(slot.world),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_world),
+        "MASTER_ADDR": slot.addr,
+        "MASTER_PORT": str(slot.port),
+    }
+
+
+def _jax_group_env(slot: GroupSlot) -> dict[str, str]:
+    # backends/jax_pjit/distributed.py joins jax.distributed from these (one process per host).
+    if slot.world == 1:
+        return {}
+    return {
+        "POLYRL_JAX_COORDINATOR": f"{slot.addr}:{slot.port}",
+        "POLYRL_JAX_NUM_PROCESSES": str(slot.world),
+        "POLYRL_JAX_PROCESS_ID": str(slot.rank),
+    }
+
+
+def _jax_host_env(local_devices: int, on_gpu: bool) -> dict[str, str]:
+    if on_gpu:
+        return {}
+    # On CPU a host worker gets its share of the mesh as host-platform devices.
+    return {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}",
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessModel:
+    """How one role of a backend spans devices and hosts (DESIGN.md "Process model").
+
+    worker_per: ``"device"``: one Ray worker per device, each a rank of a collective
+      group (torch.distributed); ``"host"``: one worker per host driving every local
+      device of the role's mesh, hosts joined into one multi-controller program
+      (jax.distributed).
+    collective: the library that forms the group (for messages and docs).
+    host_env: ``(local_devices, on_gpu) -> env`` a worker needs before its framework
+      is imported (e.g. JAX's host device count on CPU).
+    group_env: ``GroupSlot -> env`` with which a worker joins its role's group.
+    """
+
+    worker_per: str
+    collective: str
+    host_env: Callable[[int, bool], dict[str, str]]
+    group_env: Callable[[GroupSlot], dict[str, str]]
+
+    def num_workers(self, devices: int, hosts: int) -> int:
+        """Workers of a role whose mesh has ``devices`` devices over ``hosts`` hosts."""
+        return devices if self.worker_per == "device" else hosts
+
+    def devices_per_worker(self, devices: int, hosts: int) -> int:
+        return 1 if self.worker_per == "device" else devices // hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A registry entry: the engine class (``"module:Class"``, imported lazily, so the
+    core never imports torch or jax) and the backend's process model."""
+
+    engine: str
+    process: ProcessModel
+
+
+# Registered backends. The controller core reads a backend's process model from here
+# and never asks for a backend by name.
+ENGINES: dict[str, Backend] = {
+    "torch_fsdp": Backend(
+        "polyrl.backends.torch_fsdp.engine:TorchFSDPEngine",
+        ProcessModel("device", "torch.distributed", lambda devices, gpu: {}, _torch_group_env),
+    ),
+    "jax_pjit": Backend(
+        "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
+        ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env),
+    ),
 }
+
+
+def get_backend(name: str) -> Backend:
+    if name not in ENGINES:
+        raise ValueError(f"unknown backend {name!r}; registered backends: {sorted(ENGINES)}")
+    return ENGINES[name]
 
 
 def get_engine(name: str) -> type:
     """The engine class registered as ``name`` (imports its framework)."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown backend {name!r}; registered backends: {sorted(ENGINES)}")
-    module, _, cls = ENGINES[name].partition(":")
+    module, _, cls = get_backend(name).engine.partition(":")
     return getattr(importlib.import_module(module), cls)

@@ -109,6 +109,7 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
 
     from polyrl.data.loader import PairSource, PromptSource
     from polyrl.placement import Placement
+    from polyrl.roles import build_roles
     from polyrl.rollout import RolloutPool
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -120,13 +121,9 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
         else source.from_task(cfg.task, cfg.n_train_prompts, tokenizer, **kw)
     )
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=cfg.ray_num_cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            runtime_env=runtime_env(cfg.imports),
-        )
-    placement = Placement(cfg.pools, cfg.role_pools, role_workers(cfg, spec))
+        init_ray(cfg.ray_num_cpus, cfg.imports)
+    roles = build_roles(cfg, spec)
+    placement = Placement(cfg.pools, roles)
     pool = None
     if spec.objective == "rl":
         share = placement.shares["rollout"]
@@ -134,23 +131,26 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
             dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
             placement=lambda i: placement.options("rollout", i),
         )
-    return SimpleNamespace(tokenizer=tokenizer, prompts=prompts, pool=pool, placement=placement)
+    return SimpleNamespace(
+        tokenizer=tokenizer, prompts=prompts, pool=pool, placement=placement, roles=roles
+    )
 
 
-def role_workers(cfg: RunConfig, spec: Any) -> dict[str, int]:
-    """Role -> number of Ray workers it starts (rollout: servers)."""
-    from polyrl.workers import backend_workers
+def init_ray(num_cpus: float | None, imports: Sequence[str] = ()) -> None:
+    """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
+    --head``, or ``auto``: docs/scaling.md), else start a private local one of
+    ``num_cpus`` CPUs (never a cluster some other ``ray start`` left on the machine)."""
+    import ray
 
-    workers = {"actor": backend_workers(cfg.backend, cfg.actor_parallel)}
-    if spec.objective == "rl":
-        workers["rollout"] = cfg.rollout.num_servers
-    if spec.needs_reference:
-        workers["reference"] = backend_workers(cfg.backend, cfg.ref_parallel)
-    if spec.needs_critic:
-        workers["critic"] = backend_workers(cfg.backend, cfg.critic_parallel)
-    if cfg.reward_model_path and spec.objective == "rl":
-        workers["reward"] = backend_workers(cfg.backend, cfg.reward_parallel)
-    return workers
+    address = os.environ.get("RAY_ADDRESS", "local")
+    local = {"num_cpus": num_cpus} if address == "local" else {}
+    ray.init(
+        address=address,
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env=runtime_env(imports),
+        **local,
+    )
 
 
 def train(
@@ -258,13 +258,8 @@ def sweep(
         prepare(dataclasses.replace(cfg, run_dir=str(root / "validate")))
     if not ray.is_initialized():
         # Logical CPUs: each concurrent trial's pools, plus a sliver per trial driver.
-        pool_cpus = sum(float(r.get("CPU", 0)) for r in base.pools.values())
-        num_cpus = base.ray_num_cpus or pool_cpus * sweep_cfg.max_concurrent_trials + 1
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            runtime_env=runtime_env(base.imports),
-        )
+        pool_cpus = sum(float(r.get("CPU", 0)) * r.get("nodes", 1) for r in base.pools.values())
+        init_ray(base.ray_num_cpus or pool_cpus * sweep_cfg.max_concurrent_trials + 1, base.imports)
     trainable = functools.partial(
         _trial,
         gin_files=list(gin_files),

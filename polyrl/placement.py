@@ -1,24 +1,36 @@
 """Resource pools -> Ray placement groups, and each role's share of them.
 
-A pool is a named set of devices (``RunConfig.pools``: ``{"name": {"CPU": c, "GPU": g}}``).
-Roles mapped to the same pool (``RunConfig.role_pools``) are *colocated*: they take
-turns on the same devices, each worker asking for ``1/k`` of a GPU when ``k`` roles share
-it (so Ray packs them together), and the trainer offloads/sleeps the idle ones. Roles in
-different pools get disjoint devices: each GPU pool is one placement group with one
-bundle per GPU, reserved up front (STRICT_PACK on one node), so a role can never spill
-onto another pool's GPUs.
+A pool (``RunConfig.pools``, see ``polyrl.roles``) is a set of nodes, each giving the
+pool the same Ray resources (``CPU``, ``GPU``, custom ones). Roles mapped to the same
+pool (``RunConfig.role_pools``) are *colocated*: they take turns on the same devices,
+each worker asking for ``1/k`` of its devices when ``k`` roles share them (so Ray packs
+them together), and the trainer offloads/sleeps the idle ones. Roles in different pools
+get disjoint devices.
 
-On a CPU-only host the pool's CPUs are split evenly over the workers placed in it
+A pool with GPUs, more than one node or custom resources is one placement group with
+one bundle per node (the node's whole share), reserved up front: ``STRICT_PACK`` for one
+node, ``STRICT_SPREAD`` (one bundle per distinct node) for several; a role can never
+spill onto another pool's devices. A worker of node ``i`` is scheduled into bundle
+``i``. With several GPUs per node, polyrl maps devices itself: it asks Ray which GPUs a
+bundle holds and gives each worker ``CUDA_VISIBLE_DEVICES`` = its own ones (a torch rank
+one GPU, a JAX host worker every GPU of its share of the mesh, a rollout server its
+tensor-parallel GPUs), since Ray's fractional GPU accounting alone could put two ranks
+of one role on the same GPU.
+
+On CPU the pool's per-node CPUs are split evenly over the workers placed on a node
 (fractional CPUs: Ray only counts them, they do not pin cores).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["RoleShare", "plan_shares", "Placement"]
+from polyrl.roles import RoleSpec, pool_shape
+
+__all__ = ["RoleShare", "plan_shares", "fit_problems", "Placement"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,52 +43,105 @@ class RoleShare:
     colocated_with: tuple[str, ...]
 
 
-def plan_shares(
-    pools: Mapping[str, Mapping[str, float]],
-    role_pools: Mapping[str, str],
-    workers: Mapping[str, int],
-) -> dict[str, RoleShare]:
-    """Per-worker resources of every role in ``workers`` (role -> number of workers).
+def _gpu_request(devices: int, k: int) -> float:
+    # Ray takes fractions below one GPU or whole GPUs; the bundle reserves the node's
+    # GPUs for the pool either way, so rounding down only loosens Ray's bookkeeping.
+    share = devices / k
+    return share if share <= 1 else float(math.floor(share))
 
-    GPU pools: a worker gets ``1/k`` GPU (``k`` roles in the pool) and an equal part of
-    the pool's CPUs per GPU. CPU pools: the pool's CPUs divided by all its workers.
-    """
+
+def plan_shares(
+    pools: Mapping[str, Mapping[str, float]], roles: Mapping[str, RoleSpec]
+) -> dict[str, RoleShare]:
+    """Per-worker resources of every role: an equal part of a node's CPUs for each
+    worker placed on that node, and ``local_devices / k`` GPUs (``k`` roles in the pool)."""
     out = {}
-    for role in workers:
-        pool = role_pools[role]
-        members = sorted(r for r in workers if role_pools[r] == pool)
-        res = pools[pool]
-        gpus, cpus = float(res.get("GPU", 0)), float(res.get("CPU", 0))
-        if gpus:
-            share = RoleShare(pool, cpus / gpus / len(members), 1.0 / len(members), tuple(members))
-        else:
-            total = sum(workers[r] for r in members)
-            share = RoleShare(pool, cpus / total, 0.0, tuple(members))
-        out[role] = share
+    for name, role in roles.items():
+        members = sorted(r for r in roles if roles[r].pool == role.pool)
+        shape = pool_shape(pools[role.pool])
+        on_node = sum(roles[r].per_node for r in members)
+        gpus = _gpu_request(role.local_devices, len(members)) if shape.gpus else 0.0
+        out[name] = RoleShare(role.pool, shape.cpus / on_node, gpus, tuple(members))
     return out
 
 
+def _needs_group(res: Mapping[str, float]) -> bool:
+    shape = pool_shape(res)
+    custom = set(shape.per_node) - {"CPU", "GPU"}
+    return bool(shape.gpus or shape.nodes > 1 or custom)
+
+
+def fit_problems(
+    pools: Mapping[str, Mapping[str, float]], nodes: list[Mapping[str, float]]
+) -> list[str]:
+    """Pools that no set of distinct ``nodes`` (each a Ray node's total resources) can
+    hold: every pool needs ``nodes`` different nodes with its per-node resources."""
+    out = []
+    for name, res in pools.items():
+        shape = pool_shape(res)
+        fits = [n for n in nodes if all(n.get(k, 0) >= v for k, v in shape.per_node.items())]
+        if len(fits) < shape.nodes:
+            out.append(
+                f"RunConfig.pools[{name!r}] = {dict(res)} needs {shape.nodes} node(s) with "
+                f"{dict(shape.per_node)} each, but only {len(fits)} of the cluster's "
+                f"{len(nodes)} node(s) have that much (nodes: "
+                f"{[{k: v for k, v in n.items() if '.' not in k} for n in nodes]}); "
+                f"lower the pool's per-node resources or its 'nodes', or add nodes"
+            )
+    return out
+
+
+def _bundle_gpu_ids(pg: Any, n_bundles: int, gpus: float) -> list[list[str]]:
+    """The GPU ids each bundle of ``pg`` holds, asked of Ray by a probe task that takes
+    the whole bundle (before any worker is placed in it)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def probe() -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    refs = [
+        probe.options(
+            num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=i
+            ),
+        ).remote()
+        for i in range(n_bundles)
+    ]
+    return ray.get(refs)
+
+
 class Placement:
-    """Creates one Ray placement group per GPU pool and hands out actor options."""
+    """Creates the pools' Ray placement groups and hands out each worker's actor options."""
 
     def __init__(
         self,
         pools: Mapping[str, Mapping[str, float]],
-        role_pools: Mapping[str, str],
-        workers: Mapping[str, int],
+        roles: Mapping[str, RoleSpec],
         timeout_s: float = 120.0,
     ):
         import ray
         from ray.util.placement_group import placement_group
 
-        self.shares = plan_shares(pools, role_pools, workers)
+        self.roles = dict(roles)
+        self.shares = plan_shares(pools, self.roles)
+        used = {
+            name: res for name, res in pools.items() if any(r.pool == name for r in roles.values())
+        }
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        problems = fit_problems({k: v for k, v in used.items() if _needs_group(v)}, nodes)
+        if problems:
+            raise RuntimeError("cannot place the run's pools:\n  " + "\n  ".join(problems))
         self.groups: dict[str, Any] = {}
-        for name, res in pools.items():
-            gpus = int(res.get("GPU", 0))
-            if not gpus or not any(s.pool == name for s in self.shares.values()):
+        self.gpu_ids: dict[str, list[list[str]]] = {}
+        for name, res in used.items():
+            if not _needs_group(res):
                 continue
-            per_gpu_cpu = float(res.get("CPU", 0)) / gpus
-            pg = placement_group([{"GPU": 1.0, "CPU": per_gpu_cpu}] * gpus, strategy="STRICT_PACK")
+            shape = pool_shape(res)
+            strategy = "STRICT_PACK" if shape.nodes == 1 else "STRICT_SPREAD"
+            pg = placement_group([dict(shape.per_node)] * shape.nodes, strategy=strategy)
             if not pg.wait(timeout_seconds=timeout_s):
                 raise TimeoutError(
                     f"RunConfig.pools[{name!r}] = {dict(res)} could not be reserved within "
@@ -84,19 +149,33 @@ class Placement:
                     f"or free the devices"
                 )
             self.groups[name] = pg
+            if shape.gpus > 1:
+                self.gpu_ids[name] = _bundle_gpu_ids(pg, shape.nodes, shape.gpus)
 
     def options(self, role: str, rank: int = 0) -> dict[str, Any]:
-        """``ray.remote(...).options(**placement.options(role, rank))`` for one worker."""
-        share = self.shares[role]
+        """``ray.remote(...).options(**placement.options(role, rank))`` for one worker;
+        ``runtime_env`` carries the worker's GPUs when polyrl maps them."""
+        share, spec = self.shares[role], self.roles[role]
         opts: dict[str, Any] = {"num_cpus": share.num_cpus, "num_gpus": share.num_gpus}
         pg = self.groups.get(share.pool)
-        if pg is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        if pg is None:
+            return opts
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            bundles = len(pg.bundle_specs)
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=rank % bundles
-            )
+        node, local, _ = spec.slot(rank)
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=node
+        )
+        ids = self.gpu_ids.get(share.pool)
+        if ids:
+            n = spec.local_devices
+            mine = [ids[node][(local * n + i) % len(ids[node])] for i in range(n)]
+            opts["runtime_env"] = {
+                "env_vars": {
+                    "CUDA_VISIBLE_DEVICES": ",".join(mine),
+                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                }
+            }
         return opts
 
     def is_colocated(self, role: str) -> bool:

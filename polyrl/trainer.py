@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from polyrl.batch import Batch
-from polyrl.config import ModelConfig, RunConfig
+from polyrl.config import RunConfig
 from polyrl.metrics import PhaseTimer, Tracker, phase_summary, plot_run, read_jsonl
 from polyrl.rewards import get_reward_fn
-from polyrl.workers import RoleSpec, WorkerGroup
+from polyrl.workers import WorkerGroup
 
 __all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "latest_checkpoint"]
 
@@ -59,15 +59,14 @@ class Loop(abc.ABC):
         self.cfg, self.spec = cfg, spec
         self.tokenizer, self.prompts = components.tokenizer, components.prompts
         self.placement, self.pool = components.placement, components.pool
+        self.roles = components.roles
         # Score exactly the ids the rollout can sample (see ModelConfig.sampling_vocab_size).
         self.vocab = self.pool.sampling_vocab_size if self.pool is not None else None
         self.run_dir = Path(cfg.run_dir)
         self.timer = PhaseTimer()
         self.actor_loss = spec.make_actor_loss()
-        self.actor = self._group("actor", cfg.optim, cfg.actor_parallel)
-        self.reference = (
-            self._group("reference", None, cfg.ref_parallel) if spec.needs_reference else None
-        )
+        self.actor = self._group("actor")
+        self.reference = self._group("reference") if "reference" in self.roles else None
         self.critic = None
         self.turns = Turns(False)  # RLTrainer: colocated roles take turns on shared GPUs
         self.start_step = 0
@@ -96,18 +95,13 @@ class Loop(abc.ABC):
             if group is not None:
                 group.shutdown()
 
-    def _group(self, role: str, optim: Any, parallel: Any, path: str | None = None) -> WorkerGroup:
-        model = ModelConfig(
-            path=str(path or self.cfg.model_path),
-            role=role,
-            dtype=self.cfg.model_dtype,
-            gradient_checkpointing=self.cfg.gradient_checkpointing,
-            sampling_vocab_size=self.vocab if role in ("actor", "reference") else None,
-        )
-        return WorkerGroup(
-            RoleSpec(role, self.cfg.backend, model, optim, parallel),
-            lambda rank: self.placement.options(role, rank),
-        )
+    def _group(self, role: str) -> WorkerGroup:
+        """Start ``role`` from the run's role table (``polyrl.roles``)."""
+        spec = self.roles[role]
+        if role in ("actor", "reference"):
+            model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
+            spec = dataclasses.replace(spec, model=model)
+        return WorkerGroup(spec, lambda rank: self.placement.options(role, rank))
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -210,16 +204,8 @@ class RLTrainer(Loop):
         self.critic_loss = spec.make_critic_loss() if spec.needs_critic else None
         self.kl_ctrl = spec.make_kl_controller() if spec.kl_in_reward else None
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
-        self.critic = (
-            self._group("critic", cfg.critic_optim, cfg.critic_parallel)
-            if spec.needs_critic
-            else None
-        )
-        self.reward_model = (
-            self._group("reward", None, cfg.reward_parallel, cfg.reward_model_path)
-            if cfg.reward_model_path
-            else None
-        )
+        self.critic = self._group("critic") if "critic" in self.roles else None
+        self.reward_model = self._group("reward") if "reward" in self.roles else None
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
         self.turns = Turns(self._offloading(), self.pool)
 

@@ -120,13 +120,9 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"(same GPUs), but role_pools maps them to {cfg.role_pools.get('actor')!r} and "
             f"{cfg.role_pools.get('rollout')!r}; use 'nccl' or 'object_store', or colocate them"
         )
-    roles = [
-        "actor",
-        *(["rollout"] if spec.objective == "rl" else []),
-        *(r for r in ("reference", "critic") if r in spec.roles),
-        *(["reward"] if cfg.reward_model_path and spec.objective == "rl" else []),
-    ]
-    for role in roles:
+    from polyrl.roles import role_names
+
+    for role in role_names(cfg, spec):
         pool = cfg.role_pools.get(role)
         if pool is None:
             out.append(
@@ -138,30 +134,18 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
                 f"RunConfig.role_pools[{role!r}]={pool!r} is not a pool in RunConfig.pools "
                 f"({sorted(cfg.pools)})"
             )
-    for name, res in cfg.pools.items():
-        gpus = float(res.get("GPU", 0))
-        members = [r for r in roles if cfg.role_pools.get(r) == name]
-        parallel = {
-            "actor": cfg.actor_parallel,
-            "critic": cfg.critic_parallel,
-            "reference": cfg.ref_parallel,
-            "reward": cfg.reward_parallel,
-        }
-        for role in members:
-            if role in parallel and gpus and parallel[role].world_size > gpus:
-                out.append(
-                    f"{role}_parallel mesh {dict(parallel[role].mesh)} needs "
-                    f"{parallel[role].world_size} devices but pool {name!r} has {gpus:g} GPUs; "
-                    f"shrink the mesh or grow RunConfig.pools[{name!r}]['GPU']"
-                )
     return out
 
 
 def check_cluster(cfg: RunConfig) -> list[str]:
     """The machine and Ray environment: GPUs asked for exist, Ray address reachable."""
     out = []
+    address = os.environ.get("RAY_ADDRESS")
+    multi_node = any(int(r.get("nodes", 1)) > 1 for r in cfg.pools.values())
+    # On a cluster (RAY_ADDRESS, or pools over several nodes) the placement checks each
+    # pool against the nodes' resources when it starts; here only this machine's GPUs.
     want_gpus = sum(float(r.get("GPU", 0)) for r in cfg.pools.values())
-    if want_gpus:
+    if want_gpus and not address and not multi_node:
         try:
             import torch
 
@@ -173,7 +157,6 @@ def check_cluster(cfg: RunConfig) -> list[str]:
                 f"RunConfig.pools asks for {want_gpus:g} GPUs but this machine has {have}; set "
                 f"the pools' 'GPU' to 0 to run on CPU, or run on a GPU machine"
             )
-    address = os.environ.get("RAY_ADDRESS")
     if address and address not in ("auto", "local") and ":" not in address:
         out.append(
             f"RAY_ADDRESS={address!r} is not host:port, 'auto' or 'local'; unset it for a local cluster"
@@ -195,6 +178,10 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
     if spec.objective == "rl":
         problems += _rollout_problems(cfg)
     problems += _placement_problems(cfg, spec)
+    if cfg.backend in ENGINES:
+        from polyrl.roles import build_roles, role_problems
+
+        problems += role_problems(cfg, build_roles(cfg, spec))
     if cluster:
         problems += check_cluster(cfg)
     return problems

@@ -1,19 +1,21 @@
 """WorkerGroup: the Ray actors that host one role's TrainEngine.
 
-One actor per rank for the torch backend (each a torch.distributed rank, started from
-RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT), one actor for the JAX backend (a single
-controller over the mesh's devices; on CPU it gets that many host devices through
-XLA_FLAGS). Actors receive frozen config dataclasses resolved on the driver — never gin,
-whose bindings do not reach other processes.
+How many actors a role starts, what each drives and how they form a collective group
+is the backend's process model (``polyrl.backends.base.ENGINES[...].process``, read
+through the role table ``polyrl.roles``): torch starts one actor per device (each a
+torch.distributed rank), JAX one actor per host driving every local device of the
+role's mesh (hosts joined by jax.distributed). Worker 0 reports its node's address and
+a free port, and every worker joins the group from there. Actors receive frozen config
+dataclasses resolved on the driver — never gin, whose bindings do not reach other
+processes.
 
 Dispatch: ``forward`` and ``train_step`` split a Batch into one equal shard per
-data-parallel worker and gather the results (forward outputs concatenated in order;
-train_step metrics are already all-reduced by the engines, so rank 0's are returned).
+worker and gather the results (forward outputs concatenated in order; train_step
+metrics are already all-reduced by the engines, so worker 0's are returned).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -23,41 +25,39 @@ import numpy as np
 
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
+from polyrl.roles import RoleSpec
 
-__all__ = ["RoleSpec", "WorkerGroup", "EngineWorker", "backend_workers"]
-
-
-@dataclasses.dataclass(frozen=True)
-class RoleSpec:
-    """One role's engine: backend, model, optimizer (None = frozen) and parallelism."""
-
-    name: str
-    backend: str
-    model: ModelConfig
-    optim: OptimConfig | None
-    parallel: ParallelConfig
-
-    @property
-    def num_workers(self) -> int:
-        return backend_workers(self.backend, self.parallel)
-
-
-def backend_workers(backend: str, parallel: ParallelConfig) -> int:
-    """Ray workers a role starts: torch runs a process per device; a JAX controller
-    drives every device of its mesh from one process."""
-    return parallel.world_size if backend == "torch_fsdp" else 1
+__all__ = ["WorkerGroup", "EngineWorker"]
 
 
 class EngineWorker:
     """Hosts one TrainEngine inside a Ray actor (or in-process, for tests)."""
 
-    def __init__(self, backend: str, env: Mapping[str, str]):
+    def __init__(self, backend: str):
+        self.backend, self.rank, self.engine = backend, 0, None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port on it: where the role's group meets."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def start(
+        self,
+        rank: int,
+        env: Mapping[str, str],
+        model: ModelConfig,
+        optim: OptimConfig | None,
+        parallel: ParallelConfig,
+    ) -> bool:
+        """Join the role's group (``env`` from the process model) and build the engine."""
         os.environ.update(env)
         from polyrl.backends.base import get_engine  # imports the framework here, lazily
 
-        self.engine = get_engine(backend)()
-
-    def init(self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig) -> bool:
+        self.rank = rank
+        self.engine = get_engine(self.backend)()
         self.engine.init(model, optim, parallel)
         return True
 
@@ -68,11 +68,11 @@ class EngineWorker:
         return self.engine.train_step(batch, loss_fn, **kwargs)
 
     def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
-        """Export this rank's buckets; rank 0 pushes them to the rollout servers with
-        ``syncer`` (a ``polyrl.weight_sync.WeightSyncer``), the other ranks take part in
-        the gathers and drop their copies. Returns rank 0's SyncStats (else None)."""
+        """Export this worker's buckets; worker 0 pushes them to the rollout servers with
+        ``syncer`` (a ``polyrl.weight_sync.WeightSyncer``), the others take part in
+        the gathers and drop their copies. Returns worker 0's SyncStats (else None)."""
         buckets = self.engine.export_weights(bucket_bytes)
-        if os.environ.get("RANK", "0") != "0":
+        if self.rank != 0:
             for _ in buckets:
                 pass
             return None
@@ -84,18 +84,20 @@ class EngineWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return ray.get_runtime_context().get_node_id()
 
 
 class WorkerGroup:
-    """The Ray actors of one role. ``ray`` must be initialised by the caller.
+    """The Ray actors of one role (``spec`` from the role table). ``ray`` must be
+    initialised by the caller.
 
-    options: rank -> Ray actor options (resources, scheduling strategy), e.g.
-      ``polyrl.placement.Placement.options``; default half a CPU per worker.
+    options: rank -> Ray actor options (resources, scheduling strategy, a
+      ``runtime_env`` with the worker's devices), e.g. ``polyrl.placement.Placement.options``;
+      default half a CPU per worker. env: extra environment for every worker.
     """
 
     def __init__(
@@ -107,35 +109,33 @@ class WorkerGroup:
     ):
         import ray
 
+        from polyrl.backends.base import GroupSlot
+
         self.spec = spec
-        world = spec.num_workers
-        port = _free_port()
-        base_env = dict(env or {})
+        world, process = spec.num_workers, spec.process
         options = options or (lambda rank: {"num_cpus": 0.5})
-        if spec.backend == "jax_pjit" and not options(0).get("num_gpus"):
-            base_env.setdefault(
-                "XLA_FLAGS", f"--xla_force_host_platform_device_count={spec.parallel.world_size}"
-            )
-            base_env.setdefault("JAX_PLATFORMS", "cpu")
+        on_gpu = bool(options(0).get("num_gpus"))
+        base_env = {**process.host_env(spec.local_devices, on_gpu), **(env or {})}
         remote = ray.remote(EngineWorker)
         self.workers = []
         for rank in range(world):
-            rank_env = {
-                **base_env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
+            opts = dict(options(rank))
+            runtime = opts.pop("runtime_env", {})
+            rank_env = {**base_env, **runtime.get("env_vars", {})}
             self.workers.append(
-                remote.options(**options(rank), runtime_env={"env_vars": rank_env}).remote(
-                    spec.backend, rank_env
-                )
+                remote.options(**opts, runtime_env={"env_vars": rank_env}).remote(spec.backend)
             )
-        # Engines of a torch world initialise together (the process group needs every rank).
-        refs = [w.init.remote(spec.model, spec.optim, spec.parallel) for w in self.workers]
+        # The workers of a group initialise together (the group needs every member).
         try:
+            addr, port = ray.get(self.workers[0].rendezvous.remote(), timeout=ready_timeout_s)
+            refs = []
+            for rank, worker in enumerate(self.workers):
+                slot = GroupSlot(rank, world, *spec.slot(rank), addr, port)
+                refs.append(
+                    worker.start.remote(
+                        rank, process.group_env(slot), spec.model, spec.optim, spec.parallel
+                    )
+                )
             ray.get(refs, timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(

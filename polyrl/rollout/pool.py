@@ -142,15 +142,20 @@ class RolloutPool:
                 )
         actor = ray.remote(RolloutServer)
         env = server_env(c)
-        return [
-            actor.options(
-                **(self.placement(i) if self.placement else res),
-                max_restarts=c.max_restarts,
-                max_task_retries=0,
-                runtime_env={"env_vars": env},
-            ).remote(c, i)
-            for i in range(c.num_servers)
-        ]
+        servers = []
+        for i in range(c.num_servers):
+            opts = dict(self.placement(i) if self.placement else res)
+            # The placement may add the server's own devices (CUDA_VISIBLE_DEVICES).
+            env_i = {**env, **opts.pop("runtime_env", {}).get("env_vars", {})}
+            servers.append(
+                actor.options(
+                    **opts,
+                    max_restarts=c.max_restarts,
+                    max_task_retries=0,
+                    runtime_env={"env_vars": env_i},
+                ).remote(c, i)
+            )
+        return servers
 
     def _wait_ready(self) -> list[dict[str, Any]]:
         import ray

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from polyrl.metrics import Tracker, phase_summary, plot_run, read_jsonl
-from polyrl.placement import plan_shares
+from polyrl.placement import fit_problems, plan_shares
+from polyrl.roles import RoleSpec
 
 
 def test_tracker_resume_drops_steps_after_the_checkpoint(tmp_path):
@@ -48,10 +49,14 @@ def test_plot_has_a_panel_per_logged_curve(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def _role(pool: str, workers: int, hosts: int = 1, devices: int = 1) -> RoleSpec:
+    return RoleSpec("r", pool, num_workers=workers, hosts=hosts, local_devices=devices)
+
+
 def test_colocated_gpu_pool_shares_each_gpu():
     pools = {"train": {"GPU": 4, "CPU": 16}, "gen": {"GPU": 4, "CPU": 16}}
-    role_pools = {"actor": "train", "reference": "train", "rollout": "gen"}
-    shares = plan_shares(pools, role_pools, {"actor": 4, "reference": 4, "rollout": 4})
+    roles = {"actor": _role("train", 4), "reference": _role("train", 4), "rollout": _role("gen", 4)}
+    shares = plan_shares(pools, roles)
     # Two roles on each of the train pool's GPUs: half a GPU and 16/4/2 = 2 CPUs per worker.
     assert (shares["actor"].num_gpus, shares["actor"].num_cpus) == (0.5, 2.0)
     assert shares["actor"].colocated_with == ("actor", "reference")
@@ -62,10 +67,39 @@ def test_colocated_gpu_pool_shares_each_gpu():
 def test_cpu_pool_is_split_over_all_its_workers():
     shares = plan_shares(
         {"shared": {"CPU": 2}},
-        {"actor": "shared", "reference": "shared", "rollout": "shared"},
-        {"actor": 2, "reference": 1, "rollout": 1},
+        {
+            "actor": _role("shared", 2),
+            "reference": _role("shared", 1),
+            "rollout": _role("shared", 1),
+        },
     )
     assert {r: s.num_cpus for r, s in shares.items()} == pytest.approx(
         {"actor": 0.5, "reference": 0.5, "rollout": 0.5}
     )
     assert all(s.num_gpus == 0 for s in shares.values())
+
+
+def test_jax_host_worker_asks_for_its_share_of_every_local_gpu():
+    # One JAX worker drives both GPUs of a node shared with the rollout: 2/2 = 1 GPU of
+    # Ray bookkeeping (the placement maps both GPUs to it); on a pool of its own it
+    # takes both.
+    pools = {"gpu": {"GPU": 2, "CPU": 8}}
+    roles = {"actor": _role("gpu", 1, devices=2), "rollout": _role("gpu", 2)}
+    shares = plan_shares(pools, roles)
+    assert shares["actor"].num_gpus == 1.0 and shares["rollout"].num_gpus == 0.5
+    assert plan_shares(pools, {"actor": _role("gpu", 1, devices=2)})["actor"].num_gpus == 2.0
+
+
+def test_multi_node_pool_splits_cpus_per_node():
+    # Per-node CPUs (4) over the workers on one node: actor 2 ranks on each of 2 nodes.
+    pools = {"train": {"CPU": 4, "nodes": 2, "trainer": 1}}
+    shares = plan_shares(pools, {"actor": _role("train", 4, hosts=2)})
+    assert shares["actor"].num_cpus == 2.0
+
+
+def test_placement_refuses_pools_the_nodes_cannot_hold():
+    nodes = [{"CPU": 4.0, "trainer": 1.0}, {"CPU": 4.0}, {"CPU": 1.0, "trainer": 1.0}]
+    pools = {"train": {"CPU": 2, "nodes": 2, "trainer": 1}}
+    (msg,) = fit_problems(pools, nodes)
+    assert "needs 2 node(s)" in msg and "only 1 of the cluster's 3" in msg
+    assert fit_problems({"train": {"CPU": 1, "nodes": 2, "trainer": 1}}, nodes) == []

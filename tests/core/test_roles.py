@@ -1,0 +1,92 @@
+"""The role table (polyrl.roles): built once from RunConfig + AlgorithmSpec; each
+backend's registry entry decides its process layout; validation names the binding."""
+
+import pytest
+
+from polyrl.algos import get_algorithm
+from polyrl.launch import parse_config
+from polyrl.roles import build_roles, role_problems
+from polyrl.validate import check_run
+
+GRPO = "gin/experiments/tiny_grpo.gin"
+
+
+def _cfg(tmp_path, *params, backend="torch_fsdp"):
+    cfg, _ = parse_config(
+        [GRPO],
+        [
+            f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}",
+            f"polyrl.RunConfig.backend = {backend!r}",
+            *params,
+        ],
+    )
+    return cfg, get_algorithm(cfg.algorithm).replace(**dict(cfg.algo_overrides))
+
+
+TWO_NODES = [
+    "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'nodes': 2, 'trainer': 1}, 'gen': {'CPU': 1}}",
+    "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'gen', 'rollout': 'gen'}",
+]
+
+
+@pytest.mark.parametrize(
+    ("backend", "workers", "devices"),
+    [("torch_fsdp", 4, 1), ("jax_pjit", 2, 2)],  # torch: a rank per device; JAX: per host
+)
+def test_process_model_comes_from_the_backend_entry(tmp_path, backend, workers, devices):
+    cfg, spec = _cfg(
+        tmp_path,
+        *TWO_NODES,
+        "actor/polyrl.ParallelConfig.mesh = {'data': 2, 'fsdp': 2}",
+        backend=backend,
+    )
+    roles = build_roles(cfg, spec)
+    assert list(roles) == ["actor", "rollout", "reference"]  # GRPO with a KL loss
+    actor = roles["actor"]
+    assert (actor.num_workers, actor.hosts, actor.local_devices) == (workers, 2, devices)
+    # Node-major: the first half of the workers on the pool's first node.
+    assert [actor.slot(r)[0] for r in range(workers)] == [0] * (workers // 2) + [1] * (workers // 2)
+    assert roles["reference"].hosts == 1 and roles["rollout"].backend is None
+    assert role_problems(cfg, roles) == []
+
+
+def test_tensor_group_across_nodes_is_refused(tmp_path):
+    cfg, spec = _cfg(
+        tmp_path, *TWO_NODES, "actor/polyrl.ParallelConfig.mesh = {'data': 1, 'tensor': 2}"
+    )
+    (msg,) = role_problems(cfg, build_roles(cfg, spec))
+    assert "actor_parallel mesh" in msg and "tensor-parallel group of 2" in msg
+    assert "inside a node" in msg
+
+
+def test_fsdp_across_nodes_asks_for_hsdp(tmp_path):
+    cfg, spec = _cfg(tmp_path, *TWO_NODES, "actor/polyrl.ParallelConfig.mesh = {'fsdp': 2}")
+    (msg,) = role_problems(cfg, build_roles(cfg, spec))
+    assert "HSDP" in msg and "set data=2" in msg
+
+
+def test_per_node_gpus_are_checked_not_only_the_total(tmp_path):
+    # 4 GPUs in total, but 2 per node: a JAX host worker over 4 devices cannot fit.
+    cfg, spec = _cfg(
+        tmp_path,
+        "polyrl.RunConfig.pools = {'train': {'CPU': 4, 'GPU': 2, 'nodes': 2}, 'gen': {'CPU': 1}}",
+        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'gen', 'rollout': 'gen'}",
+        "actor/polyrl.ParallelConfig.mesh = {'data': 1, 'fsdp': 4}",
+    )
+    problems = role_problems(cfg, build_roles(cfg, spec))
+    assert any("HSDP" in p for p in problems)
+    cfg, spec = _cfg(
+        tmp_path,
+        "polyrl.RunConfig.pools = {'train': {'CPU': 4, 'GPU': 2}, 'gen': {'CPU': 1}}",
+        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'gen', 'rollout': 'gen'}",
+        "actor/polyrl.ParallelConfig.mesh = {'data': 1, 'fsdp': 4}",
+        backend="jax_pjit",
+    )
+    (msg,) = role_problems(cfg, build_roles(cfg, spec))
+    assert "puts 4 devices on each of its 1 node(s)" in msg and "2 GPUs per node" in msg
+
+
+def test_uneven_split_over_nodes_names_the_pool(tmp_path):
+    cfg, spec = _cfg(tmp_path, *TWO_NODES, "actor/polyrl.ParallelConfig.mesh = {'data': 3}")
+    problems = check_run(cfg, spec, cluster=False)
+    assert any("3 workers do not split evenly" in p and "['nodes']=2" in p for p in problems)

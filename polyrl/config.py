@@ -239,6 +239,12 @@ class RunConfig:
     imports: user modules (``pkg.mod`` names) imported in the driver and in every Ray
       worker before anything runs, e.g. the module that registers an own reward or task
       (``polyrl.user_code``); ``--import`` on the command line adds to them.
+    reward_workers / reward_timeout_s: rule rewards run in this many Ray reward workers
+      (``polyrl.rewards.workers``; 0: in the driver), each call checked and stopped after
+      ``reward_timeout_s`` seconds (None: no limit).
+    user_cpus: logical CPUs left free for the user's own Ray tasks and actors (a remote
+      verifier, a sandbox) when polyrl starts Ray itself: Ray gets the pools' CPUs plus
+      these. A task that waits for resources longer than a minute is reported.
     """
 
     run_dir: str
@@ -288,6 +294,9 @@ class RunConfig:
     wandb_project: str | None = None
     ray_num_cpus: float | None = None
     imports: tuple[str, ...] = ()
+    reward_workers: int = 2
+    reward_timeout_s: float | None = 60.0
+    user_cpus: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

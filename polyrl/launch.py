@@ -121,7 +121,10 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
         else source.from_task(cfg.task, cfg.n_train_prompts, tokenizer, **kw)
     )
     if not ray.is_initialized():
-        init_ray(cfg.ray_num_cpus, cfg.imports)
+        # A local start gets the pools' CPUs plus RunConfig.user_cpus for the user's own tasks.
+        pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
+        init_ray(cfg.ray_num_cpus or pool_cpus + cfg.user_cpus, cfg.imports)
+
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles)
     pool = None
@@ -172,10 +175,14 @@ def train(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
     )
     loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
+    from polyrl.health import watch_pending
+
     trainer = loop(cfg, spec, _components(cfg, spec))
+    pending = watch_pending(cfg.user_cpus)
     try:
         return trainer.run(resume=resume, on_step=on_step)
     finally:
+        pending.set()
         trainer.shutdown()
 
 

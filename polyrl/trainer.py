@@ -29,7 +29,7 @@ import numpy as np
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
 from polyrl.metrics import PhaseTimer, Tracker, phase_summary, plot_run, read_jsonl
-from polyrl.rewards import get_reward_fn
+from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.workers import WorkerGroup
 
 __all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "latest_checkpoint"]
@@ -206,6 +206,7 @@ class RLTrainer(Loop):
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
         self.critic = self._group("critic") if "critic" in self.roles else None
         self.reward_model = self._group("reward") if "reward" in self.roles else None
+        self.rewards = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
         self.turns = Turns(self._offloading(), self.pool)
 
@@ -231,6 +232,7 @@ class RLTrainer(Loop):
         super().shutdown()
         if self.reward_model is not None:
             self.reward_model.shutdown()
+        self.rewards.shutdown()
         self.pool.shutdown()
 
     def step(self, step: int) -> dict[str, float]:
@@ -345,19 +347,18 @@ class RLTrainer(Loop):
     def reward(self, batch: Batch) -> Batch:
         """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x
         the reward model's score when there is one — placed on its last valid token."""
-        texts = batch["response_text"]
-        scores = np.array(
-            [
-                get_reward_fn(src)(text, gt, extra)
-                for text, gt, src, extra in zip(
-                    texts, batch["ground_truth"], batch["data_source"], batch["extra_info"]
-                )
-            ],
-            dtype=np.float32,
+        scores = self.rewards.score(
+            batch["response_text"], batch["ground_truth"], batch["data_source"], batch["extra_info"]
         )
         if self.reward_model is not None:
             with self.turns.resident(self.reward_model):
                 rm_scores = self.reward_model.forward(batch)["scores"].astype(np.float32)
+            if rm_scores.shape != scores.shape or not np.isfinite(rm_scores).all():
+                raise RewardError(
+                    f"reward model {self.cfg.reward_model_path} returned scores of shape "
+                    f"{rm_scores.shape} ({np.isfinite(rm_scores).sum()} finite) for "
+                    f"{len(scores)} responses"
+                )
             scores = scores + self.cfg.reward_model_coef * rm_scores
         mask = batch["response_mask"]
         token_rewards = np.zeros_like(mask, dtype=np.float32)

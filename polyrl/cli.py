@@ -64,6 +64,38 @@ def _check_vllm(timeout_tokens: int = 4) -> str:
         )
 
 
+def _doctor_cluster() -> bool:
+    """GPU topology, and the Ray cluster's nodes when RAY_ADDRESS names one."""
+    from polyrl.cluster import connect, gpu_topology, ray_nodes
+    from polyrl.validate import ConfigError
+
+    topology = gpu_topology()
+    print(f"  gpu topology  {topology[0]}")
+    for line in topology[1:]:
+        print(f"                {line}")
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        print("  ray cluster   none (RAY_ADDRESS not set; runs start a local Ray)")
+        return True
+    try:
+        connect(address)
+    except ConfigError as e:
+        print(f"  ray cluster   FAILED: {e.problems[0]}")
+        return False
+    import ray
+
+    try:
+        nodes = ray_nodes()
+        print(f"  ray cluster   {address}: {len(nodes)} node(s)")
+        for n in nodes:
+            res = {k: v for k, v in n["resources"].items() if not k.startswith("node:")}
+            shown = ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()))
+            print(f"                {n['ip']} ({n['id'][:8]}): {shown}")
+    finally:
+        ray.shutdown()
+    return True
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     print("polyrl doctor")
     print(f"  python        {sys.version.split()[0]} ({sys.executable})")
@@ -88,6 +120,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except Exception as e:
         ok = False
         print(f"  jax devices   FAILED: {type(e).__name__}: {e}")
+    ok = _doctor_cluster() and ok
     if args.skip_vllm:
         print("  vllm          start not checked (--skip-vllm)")
     else:
@@ -100,10 +133,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _print_problems(what: str, problems: list[str]) -> None:
+    print(f"INVALID {what}: {len(problems)} problem(s)", file=sys.stderr)
+    for problem in problems:
+        print(f"  ERROR {problem}", file=sys.stderr)
+
+
 def cmd_validate_dataset(args: argparse.Namespace) -> int:
     from polyrl.data.schema import DatasetError, validate_file
 
     tokenizer = None
+    if args.max_prompt_tokens is not None and not args.tokenizer:
+        raise UserError(
+            f"--max-prompt-tokens {args.max_prompt_tokens} needs --tokenizer (a local model or "
+            f"tokenizer directory) to count prompt tokens"
+        )
     if args.tokenizer:
         if not Path(args.tokenizer, "tokenizer_config.json").exists():
             raise UserError(
@@ -113,12 +157,14 @@ def cmd_validate_dataset(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    kind = None if args.kind == "auto" else args.kind
     try:
-        report = validate_file(args.path, tokenizer, args.max_prompt_tokens)
-    except (DatasetError, FileNotFoundError, ValueError) as e:
-        print(f"INVALID {e}", file=sys.stderr)
+        report = validate_file(args.path, tokenizer, args.max_prompt_tokens, kind, args.overlong)
+    except DatasetError as e:
+        _print_problems(f"{args.path} ({e.n_rows} rows)", e.problems)
         return 1
     print(f"OK {args.path}: {report.summary()}")
+    print(report.table())
     return 0
 
 
@@ -155,20 +201,28 @@ def _load_config(args: argparse.Namespace):
 
 
 def cmd_validate_config(args: argparse.Namespace) -> int:
-    from polyrl.launch import prepare
-    from polyrl.validate import ConfigError
+    from polyrl.validate import ConfigError, preflight
 
-    cfg = _load_config(args)
+    what = ", ".join(args.gin_file)
     try:
-        cfg, spec = prepare(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"INVALID {e}", file=sys.stderr)
+        cfg, spec, warnings, arithmetic = preflight(_load_config(args))
+        if args.mode == "cluster":
+            from polyrl.cluster import check_cluster
+
+            lines, cluster_warnings = check_cluster(cfg, spec)
+            arithmetic, warnings = arithmetic + lines, warnings + cluster_warnings
+    except ConfigError as e:
+        _print_problems(what, e.problems)
         return 1
     print(
-        f"OK {', '.join(args.gin_file)}: {spec.name} on {cfg.backend}; roles: actor, rollout, "
+        f"OK {what}: {spec.name} on {cfg.backend}; roles: actor, rollout, "
         f"{', '.join(spec.roles)}; {cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
         f"n={cfg.sampling.n}; model {cfg.model_path}"
     )
+    for line in arithmetic:
+        print(f"  {line}")
+    for warning in warnings:
+        print(f"  WARNING {warning}")
     return 0
 
 
@@ -180,7 +234,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
     try:
         final = train(args.gin_file, args.gin_param, resume=args.resume, imports=args.imports)
-    except (ConfigError, FileNotFoundError) as e:
+    except ConfigError as e:
+        _print_problems(", ".join(args.gin_file), e.problems)
+        return 1
+    except FileNotFoundError as e:
         print(f"polyrl train: {e}", file=sys.stderr)
         return 1
     shown = [
@@ -273,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("validate-config", help="check a gin experiment before touching any device")
     gin_args(p)
+    p.add_argument(
+        "--mode",
+        choices=("local", "cluster"),
+        default="local",
+        help="cluster: also connect to RAY_ADDRESS and check every node (resources, versions, env)",
+    )
     p.set_defaults(func=cmd_validate_config)
     p = sub.add_parser("sweep", help="grid-search gin bindings with Ray Tune (SweepConfig)")
     gin_args(p)
@@ -289,6 +352,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="local HF tokenizer dir: also count prompt tokens")
     p.add_argument("--max-prompt-tokens", type=int, help="with --tokenizer: longest allowed prompt")
     import_arg(p)
+    p.add_argument(
+        "--kind",
+        choices=("auto", "rl", "preference"),
+        default="auto",
+        help="schema: rl (prompt, ground_truth, data_source) or preference (prompt, chosen, "
+        "rejected); auto: preference when any row has chosen/rejected",
+    )
+    p.add_argument(
+        "--overlong",
+        choices=("error", "drop", "truncate_left"),
+        default="error",
+        help="with --max-prompt-tokens: longer prompts are errors, or counted as dropped/truncated",
+    )
     p.set_defaults(func=cmd_validate_dataset)
 
     p = sub.add_parser("doctor", help="versions, devices, and whether vLLM can start")

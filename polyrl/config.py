@@ -39,9 +39,25 @@ ROLES = ("actor", "critic", "reference", "reward")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def closest(name: object, choices: object) -> str | None:
+    """The valid name nearest to a misspelled ``name`` (difflib), or None."""
+    import difflib
+
+    found = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def did_you_mean(name: object, choices: object) -> str:
+    """ "; did you mean 'x'?" when a valid name is close to ``name``, else ""."""
+    guess = closest(name, choices)
+    return f"; did you mean {guess!r}?" if guess else ""
+
+
 def _choice(owner: str, field: str, value: object, choices: tuple) -> None:
     if value not in choices:
-        raise ValueError(f"{owner}.{field}={value!r} is not one of {list(choices)}")
+        raise ValueError(
+            f"{owner}.{field}={value!r} is not one of {list(choices)}{did_you_mean(value, choices)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +177,8 @@ class ParallelConfig:
         unknown = set(self.mesh) - set(MESH_AXES)
         if unknown:
             raise ValueError(
-                f"ParallelConfig.mesh has unknown axes {sorted(unknown)}; valid axes: {list(MESH_AXES)}"
+                f"ParallelConfig.mesh has unknown axes {sorted(unknown)}; valid axes: "
+                f"{list(MESH_AXES)}{did_you_mean(min(unknown), MESH_AXES)}"
             )
         mesh = {axis: int(self.mesh.get(axis, 1)) for axis in MESH_AXES}
         bad = {k: v for k, v in mesh.items() if v < 1}
@@ -182,7 +199,7 @@ class ParallelConfig:
                 if axis not in MESH_AXES:
                     raise ValueError(
                         f"ParallelConfig.rules maps {logical!r} to unknown mesh axis {axis!r}; "
-                        f"valid axes: {list(MESH_AXES)}"
+                        f"valid axes: {list(MESH_AXES)}{did_you_mean(axis, MESH_AXES)}"
                     )
 
     @property

@@ -51,17 +51,15 @@ def parse_config(
     before parsing and added to ``RunConfig.imports``, whose modules are imported too.
     """
     import_modules(imports)
-    gin = _register()
-    gin.clear_config()
-    gin.add_config_file_search_path(str(GIN_ROOT))
-    gin.add_config_file_search_path(str(GIN_ROOT.parent))
-    files = [str(_find_gin(f)) for f in gin_files]
-    gin.parse_config_files_and_bindings(files, list(gin_params), finalize_config=False)
-    cfg = gin.get_configurable(root)()
+    from polyrl.bindings import bind
+
+    _register()
+    search = [GIN_ROOT, GIN_ROOT.parent]
+    cfg, operative = bind([_find_gin(f) for f in gin_files], gin_params, root, search)
     if isinstance(cfg, RunConfig):
         cfg = dataclasses.replace(cfg, imports=tuple(dict.fromkeys((*cfg.imports, *imports))))
         import_modules(cfg.imports)
-    return cfg, gin.operative_config_str()
+    return cfg, operative
 
 
 def _find_gin(name: str) -> Path:
@@ -73,33 +71,13 @@ def _find_gin(name: str) -> Path:
 
 
 def prepare(cfg: RunConfig) -> tuple[RunConfig, Any]:
-    """Fill defaults that need the file system (the tiny model), validate, and build
-    the controller-side parts: tokenizer, prompts, Ray, rollout pool."""
-    from polyrl.algos import get_algorithm
-    from polyrl.validate import check_run, raise_if_problems
+    """Fill defaults that need the file system (the tiny model) and run every
+    validate-config check (``polyrl.validate.preflight``); print its warnings."""
+    from polyrl.validate import preflight
 
-    spec = get_algorithm(cfg.algorithm).replace(**dict(cfg.algo_overrides))
-    model_path = cfg.model_path
-    if model_path is None:
-        from polyrl.data.tiny import ensure_tiny_model
-
-        model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
-    elif not Path(model_path, "config.json").exists():
-        raise FileNotFoundError(
-            f"RunConfig.model_path={model_path!r} has no config.json; pass a "
-            f"local Hugging Face model directory"
-        )
-    if (
-        cfg.reward_model_path is not None
-        and not Path(cfg.reward_model_path, "config.json").exists()
-    ):
-        raise FileNotFoundError(
-            f"RunConfig.reward_model_path={cfg.reward_model_path!r} has no config.json; "
-            f"pass a local sequence-classification model directory"
-        )
-    rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
-    cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
-    raise_if_problems(check_run(cfg, spec))
+    cfg, spec, warnings, _ = preflight(cfg)
+    for warning in warnings:
+        print(f"[polyrl] warning: {warning}", flush=True)
     return cfg, spec
 
 
@@ -113,7 +91,11 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     from polyrl.rollout import RolloutPool
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    kw = {"seed": cfg.seed, "max_prompt_tokens": cfg.rollout.prompt_limit}
+    kw = {
+        "seed": cfg.seed,
+        "max_prompt_tokens": cfg.rollout.prompt_limit,
+        "overlong": cfg.rollout.overlong_prompt,
+    }
     source = PromptSource if spec.objective == "rl" else PairSource
     prompts = (
         source.from_files(cfg.train_files, tokenizer, **kw)

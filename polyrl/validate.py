@@ -8,12 +8,13 @@ gin binding to change, its value and the fix. ``polyrl validate-config`` prints 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
-from polyrl.config import RunConfig
+from polyrl.config import RunConfig, closest
 
-__all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems"]
+__all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems", "closest"]
 
 
 class ConfigError(ValueError):
@@ -29,6 +30,40 @@ def raise_if_problems(problems: list[str]) -> None:
         raise ConfigError(problems)
 
 
+def _largest_divisor(total: int, at_most: int) -> int:
+    return max(d for d in range(1, max(1, min(total, at_most)) + 1) if total % d == 0)
+
+
+def _dp_fix(mini: int, n: int, dp: int) -> int:
+    """The smallest mini_batch_prompts >= ``mini`` whose samples split over ``dp`` shards."""
+    step = dp // math.gcd(n, dp)
+    return -(-mini // step) * step
+
+
+def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None) -> list[str]:
+    """The batch arithmetic of one run, as lines of arithmetic (validate-config prints it)."""
+    n = cfg.sampling.n if spec.objective == "rl" else 2
+    unit = "samples" if spec.objective == "rl" else "rows (chosen + rejected)"
+    minis = cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1)
+    par = cfg.actor_parallel
+    per_rank = cfg.mini_batch_prompts * n // max(par.dp_size, 1)
+    lines = [
+        f"step: prompts_per_step {cfg.prompts_per_step} x n {n} = {cfg.prompts_per_step * n} {unit}",
+        f"optimizer: {cfg.prompts_per_step} / mini_batch_prompts {cfg.mini_batch_prompts} = "
+        f"{minis} mini-batch(es) x epochs {cfg.epochs} = {minis * cfg.epochs} updates a step, "
+        f"{minis * cfg.epochs * cfg.total_steps} in {cfg.total_steps} steps",
+        f"actor: {cfg.mini_batch_prompts * n} {unit} / dp {par.dp_size} = {per_rank} per rank "
+        f"= {-(-per_rank // par.micro_batch_size)} micro-batch(es) of <= {par.micro_batch_size}",
+    ]
+    if dataset_rows is not None:
+        used = cfg.total_steps * cfg.prompts_per_step
+        lines.append(
+            f"data: total_steps {cfg.total_steps} x prompts_per_step {cfg.prompts_per_step} = "
+            f"{used} prompts over {dataset_rows} rows = {used / max(dataset_rows, 1):.2f} passes"
+        )
+    return lines
+
+
 def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
     out = []
     # A preference step trains on 2 rows (chosen, rejected) per prompt.
@@ -37,7 +72,10 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
         out.append(
             f"RunConfig.prompts_per_step={cfg.prompts_per_step} is not a multiple of "
             f"RunConfig.mini_batch_prompts={cfg.mini_batch_prompts}: every optimizer step must "
-            f"see the same number of prompts; make prompts_per_step a multiple of mini_batch_prompts"
+            f"see the same number of prompts; set prompts_per_step = "
+            f"{-(-cfg.prompts_per_step // cfg.mini_batch_prompts) * cfg.mini_batch_prompts} "
+            f"({-(-cfg.prompts_per_step // cfg.mini_batch_prompts)} mini-batches) or "
+            f"mini_batch_prompts = {_largest_divisor(cfg.prompts_per_step, cfg.mini_batch_prompts)}"
         )
     if cfg.mini_batch_prompts > cfg.prompts_per_step:
         out.append(
@@ -58,7 +96,8 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
                 f"RunConfig.mini_batch_prompts={cfg.mini_batch_prompts} x SamplingSpec.n={n} = "
                 f"{samples} samples per optimizer step do not split over the {role}'s "
                 f"{par.dp_size} data-parallel shards ({role}_parallel mesh {dict(par.mesh)}); "
-                f"make it a multiple of {par.dp_size}"
+                f"{samples} % {par.dp_size} = {samples % par.dp_size}: set "
+                f"RunConfig.mini_batch_prompts = {_dp_fix(cfg.mini_batch_prompts, n, par.dp_size)}"
             )
     if spec.needs_groups and n < 2:
         out.append(
@@ -185,3 +224,233 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
     if cluster:
         problems += check_cluster(cfg)
     return problems
+
+
+# ---------------------------------------------------------------- role isolation
+def _spec(cfg: RunConfig, problems: list[str]) -> Any:
+    from polyrl.algos import algorithm_names, get_algorithm
+    from polyrl.config import did_you_mean
+
+    if cfg.algorithm not in algorithm_names():
+        problems.append(
+            f"RunConfig.algorithm={cfg.algorithm!r} is not a registered algorithm; choose one of "
+            f"{algorithm_names()}{did_you_mean(cfg.algorithm, algorithm_names())}"
+        )
+        return None
+    spec = get_algorithm(cfg.algorithm)
+    import dataclasses
+
+    fields = [f.name for f in dataclasses.fields(spec)]
+    unknown = [k for k in cfg.algo_overrides if k not in fields]
+    for key in unknown:
+        problems.append(
+            f"RunConfig.algo_overrides[{key!r}]: AlgorithmSpec has no field {key!r}"
+            f"{did_you_mean(key, fields) or f'; valid: {sorted(fields)}'}"
+        )
+    if unknown:
+        return None
+    try:
+        return spec.replace(**dict(cfg.algo_overrides))
+    except (ValueError, TypeError) as e:
+        problems.append(f"RunConfig.algo_overrides={dict(cfg.algo_overrides)}: {e}")
+        return None
+
+
+def role_problems(cfg: RunConfig, spec: Any) -> list[str]:
+    """Pitfall 1: a KL term needs the reference; a reward model needs a score head."""
+    out = []
+    over = cfg.algo_overrides
+    for coef, switch in (("kl_loss_coef", "use_kl_loss"), ("kl_coef", "kl_in_reward")):
+        if coef in over and over[coef] and not getattr(spec, switch):
+            out.append(
+                f"RunConfig.algo_overrides sets {coef}={over[coef]!r} but {spec.name!r} has "
+                f"{switch}=False, so no reference model is built and the KL term is never "
+                f"applied; add {switch!r}: True to algo_overrides or remove {coef!r}"
+            )
+    if cfg.reward_model_path and spec.objective == "rl":
+        head = score_head(cfg.reward_model_path)
+        if head is not None:
+            out.append(
+                f"RunConfig.reward_model_path={cfg.reward_model_path!r} {head}: the reward "
+                f"role reads one score per sequence; pass a checkpoint saved by "
+                f"AutoModelForSequenceClassification (num_labels=1)"
+            )
+    return out
+
+
+def score_head(path: str) -> str | None:
+    """Why the checkpoint at ``path`` has no usable score head (None: it has one)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    config = json.loads(Path(path, "config.json").read_text())
+    archs = config.get("architectures") or []
+    if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
+        labels = config.get("num_labels", len(config.get("id2label") or {}) or 1)
+        return None if labels == 1 else f"has num_labels={labels} (one score is needed)"
+    for file in Path(path).glob("*.safetensors"):
+        with file.open("rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        if any(
+            k.endswith(("score.weight", "value_head.weight", "v_head.summary.weight"))
+            for k in header
+        ):
+            return None
+    return f"is a {'/'.join(archs) or 'model'} checkpoint with no score head (config.json architectures)"
+
+
+def reference_moved(
+    before: Any, after: Any, role: str = "reference", tol: float = 1e-4
+) -> str | None:
+    """Run-time role isolation: the frozen ``role``'s log-probs of one batch, before and
+    after the first actor update. A warning when they moved (shared weights). The same
+    workers score the same batch deterministically; ``tol`` allows for GPU kernels whose
+    reductions are not bitwise reproducible."""
+    import numpy as np
+
+    diff = float(np.max(np.abs(np.asarray(before, np.float64) - np.asarray(after, np.float64))))
+    if diff <= tol:
+        return None
+    return (
+        f"WARNING: the {role} role's log-probs moved by up to {diff:.3g} after the first actor "
+        f"update (tolerance {tol:g}): the {role} is not a frozen, separate copy; check that it "
+        f"is built from RunConfig.model_path in its own workers and never receives the actor's "
+        f"weights"
+    )
+
+
+# ---------------------------------------------------------------- placement by hand
+_DEVICE_KEYS = ("devices", "device_ids", "gpu_ids", "gpus", "cuda_visible_devices")
+
+
+def device_problems(cfg: RunConfig) -> list[str]:
+    """Pitfall 3: device ids chosen by hand, and rollout tensor-parallel groups."""
+    out = []
+    reason = (
+        "Ray assigns each worker its GPUs and sets CUDA_VISIBLE_DEVICES per worker; ids set "
+        "by hand bypass its accounting, so roles land on the same GPU or none"
+    )
+    env = dict(cfg.rollout.env) if cfg.rollout is not None else {}
+    if "CUDA_VISIBLE_DEVICES" in env:
+        out.append(
+            f"RolloutConfig.env sets CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}: "
+            f"{reason}; remove it and size RunConfig.pools instead"
+        )
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None and os.environ.get("RAY_ADDRESS"):
+        out.append(
+            f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} is set on the driver "
+            f"while RAY_ADDRESS names a cluster: it has no effect on the cluster's nodes and "
+            f"{reason}; unset it"
+        )
+    for name, res in cfg.pools.items():
+        for key in res:
+            if key.lower() in _DEVICE_KEYS:
+                out.append(
+                    f"RunConfig.pools[{name!r}][{key!r}]={res[key]!r}: device ids cannot be "
+                    f"chosen by hand ({reason}); give the pool a count, e.g. {{'GPU': 2}}"
+                )
+    if cfg.rollout is not None and cfg.role_pools.get("rollout") in cfg.pools:
+        pool = cfg.role_pools["rollout"]
+        gpus = int(float(cfg.pools[pool].get("GPU", 0)))
+        tp, servers = cfg.rollout.tensor_parallel_size, cfg.rollout.num_servers
+        if gpus and gpus % tp:
+            divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
+            out.append(
+                f"RolloutConfig.tensor_parallel_size={tp} does not divide pool {pool!r} "
+                f"({gpus} GPUs): {gpus} % {tp} = {gpus % tp} GPUs would idle; use one of {divisors}"
+            )
+        elif gpus and servers * tp > gpus:
+            out.append(
+                f"RolloutConfig.num_servers={servers} x tensor_parallel_size={tp} = "
+                f"{servers * tp} GPUs, but pool {pool!r} has {gpus}; set num_servers = {gpus // tp}"
+            )
+    return out
+
+
+# ---------------------------------------------------------------- datasets
+def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[str], list[str], int]:
+    """Pitfall 4: the configured data files exist, parse and pass validate-dataset for the
+    algorithm's schema; the overlong policy acts before the limit rejects anything; the
+    data covers a step. Returns (problems, warnings, rows that train)."""
+    from polyrl.data.schema import DatasetError, validate_rows
+    from polyrl.data.schema import load_rows as load
+
+    kind = "rl" if spec.objective == "rl" else "preference"
+    overlong = cfg.rollout.overlong_prompt if cfg.rollout is not None else "error"
+    limit = cfg.rollout.prompt_limit if cfg.rollout is not None else None
+    problems, warnings, rows = [], [], 0
+    files = {"RunConfig.train_files": tuple(cfg.train_files)}
+    for name in ("val_files", "eval_files"):
+        if getattr(cfg, name, None):
+            files[f"RunConfig.{name}"] = tuple(getattr(cfg, name))
+    for binding, paths in files.items():
+        for path in paths:
+            try:
+                data, lines = load(path)
+                report = validate_rows(data, path, tokenizer, limit, kind, lines, overlong)
+            except DatasetError as e:
+                problems += [f"{binding}: {path}: {p}" for p in e.problems]
+                continue
+            if report.over_limit:
+                verb = "dropped" if overlong == "drop" else "truncated"
+                warnings.append(
+                    f"{binding}: {path}: {report.over_limit} of {report.n_rows} prompts are over "
+                    f"the prompt limit ({limit} tokens) and will be {verb} "
+                    f"(RolloutConfig.overlong_prompt={overlong!r})"
+                )
+            if binding == "RunConfig.train_files":
+                rows += len(report.kept) if report.kept is not None else report.n_rows
+    if not cfg.train_files:
+        rows = cfg.n_train_prompts
+    if not problems and rows < cfg.prompts_per_step:
+        where = "RunConfig.train_files" if cfg.train_files else "RunConfig.n_train_prompts"
+        problems.append(
+            f"RunConfig.prompts_per_step={cfg.prompts_per_step} exceeds the {rows} training rows "
+            f"({where}): a step cannot be filled; set prompts_per_step <= {rows} or add data"
+        )
+    return problems, warnings, rows
+
+
+def preflight(cfg: RunConfig) -> tuple[RunConfig, Any, list[str], list[str]]:
+    """Every check before anything starts: (filled config, algorithm spec, warnings,
+    the batch arithmetic lines). ConfigError lists every problem."""
+    import dataclasses
+    from pathlib import Path
+
+    problems: list[str] = []
+    spec = _spec(cfg, problems)
+    model_path = cfg.model_path
+    if model_path is None:
+        from polyrl.data.tiny import ensure_tiny_model
+
+        model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
+    elif not Path(model_path, "config.json").exists():
+        problems.append(
+            f"RunConfig.model_path={model_path!r} has no config.json; pass a local Hugging Face "
+            f"model directory"
+        )
+    if (
+        cfg.reward_model_path is not None
+        and not Path(cfg.reward_model_path, "config.json").exists()
+    ):
+        problems.append(
+            f"RunConfig.reward_model_path={cfg.reward_model_path!r} has no config.json; pass a "
+            f"local sequence-classification model directory"
+        )
+    raise_if_problems(problems)
+    rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
+    cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
+    problems = check_run(cfg, spec) + role_problems(cfg, spec) + device_problems(cfg)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            problems
+            + [f"RunConfig.model_path={model_path!r}: its tokenizer cannot be loaded ({e})"]
+        ) from None
+    data_problems, warnings, rows = dataset_problems(cfg, spec, tokenizer)
+    raise_if_problems(problems + data_problems)
+    return cfg, spec, warnings, batch_arithmetic(cfg, spec, rows)

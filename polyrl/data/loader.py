@@ -37,9 +37,16 @@ class PromptSource:
         seed: int = 0,
         max_prompt_tokens: int | None = None,
         source: str = "<rows>",
+        overlong: str = "error",
     ):
-        self.report = validate_rows(rows, source, tokenizer, max_prompt_tokens, self.kind)
-        self.rows = list(rows)
+        # overlong (RolloutConfig.overlong_prompt): "error" rejects prompts over
+        # max_prompt_tokens, "drop" leaves them out here, "truncate_left" keeps them for
+        # the rollout pool to cut.
+        self.report = validate_rows(
+            rows, source, tokenizer, max_prompt_tokens, self.kind, overlong=overlong
+        )
+        kept = self.report.kept
+        self.rows = list(rows) if kept is None else [rows[i] for i in kept]
         self.prompt_ids = encode_prompts(tokenizer, self.rows)
         self.seed = seed
 

@@ -13,23 +13,33 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.data.formats import read_dataset, row_schema
+from polyrl.data.formats import from_verl, read_dataset, row_schema
 from polyrl.data.prompts import encode_prompt
 from polyrl.rewards import REWARDS
 
-__all__ = ["DatasetError", "DatasetReport", "validate_rows", "validate_file", "ROLES"]
+__all__ = [
+    "DatasetError",
+    "DatasetReport",
+    "validate_rows",
+    "validate_file",
+    "load_rows",
+    "ROLES",
+    "KINDS",
+]
 
 ROLES = ("system", "user", "assistant")
 REQUIRED = ("prompt", "ground_truth", "data_source")
 # Preference (DPO) rows: the prompt and two assistant responses, the first preferred.
 PREFERENCE_REQUIRED = ("prompt", "chosen", "rejected")
+KINDS = {"rl": REQUIRED, "preference": PREFERENCE_REQUIRED}
+OVERLONG = ("error", "truncate_left", "drop")
 
 
 class DatasetError(ValueError):
     """A dataset does not follow the RL schema; ``problems`` lists every finding."""
 
     def __init__(self, source: str, problems: list[str], n_rows: int):
-        self.problems = problems
+        self.problems, self.n_rows = problems, n_rows
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         super().__init__(
@@ -43,6 +53,10 @@ class DatasetReport:
     data_sources: dict[str, int]
     max_prompt_chars: int
     max_prompt_tokens: int | None = None
+    kind: str = "rl"
+    over_limit: int = 0  # rows over max_prompt_tokens (dropped or truncated by the policy)
+    overlong: str = "error"
+    kept: tuple[int, ...] | None = None  # with overlong="drop": the rows that stay
     schema: str = "polyrl"  # "verl": ground truth read from reward_model.ground_truth
 
     def summary(self) -> str:
@@ -55,54 +69,93 @@ class DatasetReport:
         schema = ", verl schema" if self.schema == "verl" else ""
         return f"{self.n_rows} rows ({sources}){tokens}{schema}"
 
-
-def _row_problems(i: int, row: Any, required: tuple[str, ...] = REQUIRED) -> list[str]:
-    """Every problem of row ``i``; ``data_source`` must have a reward only when required."""
-    if not isinstance(row, Mapping):
-        return [
-            f"row {i}: expected an object with fields {list(required)}, got {type(row).__name__}"
+    def table(self) -> str:
+        """The summary table ``polyrl validate-dataset`` prints."""
+        verb = {"drop": "dropped", "truncate_left": "truncated"}.get(self.overlong)
+        rows = [
+            ("schema", f"{self.kind} ({self.schema} fields)"),
+            ("rows", str(self.n_rows)),
+            *((f"  data_source {k}", str(v)) for k, v in sorted(self.data_sources.items())),
+            ("longest prompt (chars)", str(self.max_prompt_chars)),
+            (
+                "longest prompt (tokens)",
+                "- (no --tokenizer)"
+                if self.max_prompt_tokens is None
+                else str(self.max_prompt_tokens),
+            ),
         ]
+        if verb:
+            rows.append((f"rows {verb} (over the token limit)", str(self.over_limit)))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _label(i: int, lines: Sequence[int] | None) -> str:
+    return f"row {i} (line {lines[i]})" if lines else f"row {i}"
+
+
+def _prompt_problems(at: str, prompt: Any) -> list[str]:
+    if not isinstance(prompt, Sequence) or isinstance(prompt, str) or not prompt:
+        return [
+            f"{at}: field 'prompt' must be a non-empty list of chat messages "
+            f"[{{'role': 'user', 'content': ...}}], got {prompt!r:.80}"
+        ]
+    out = []
+    roles = []
+    for j, msg in enumerate(prompt):
+        role = msg.get("role") if isinstance(msg, Mapping) else None
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        roles.append(role)
+        if role not in ROLES:
+            out.append(f"{at}: prompt[{j}].role={role!r} is not one of {list(ROLES)}")
+        if not isinstance(content, str) or not content:
+            out.append(f"{at}: prompt[{j}].content must be a non-empty string, got {content!r:.80}")
+    if all(r == "system" for r in roles):
+        out.append(f"{at}: prompt has only system message(s); add a user turn the model answers")
+    elif roles[-1] == "assistant":
+        out.append(
+            f"{at}: prompt ends on an assistant turn (prompt[{len(roles) - 1}]); the response "
+            f"would continue it: end the prompt on a user turn"
+        )
+    return out
+
+
+def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> list[str]:
+    """Every problem of one row (``at`` names it); ``data_source`` must have a reward only
+    when required."""
+    if not isinstance(row, Mapping):
+        return [f"{at}: expected an object with fields {list(required)}, got {type(row).__name__}"]
     problems = [
-        f"row {i}: missing field {name!r} (required fields: {list(required)})"
+        f"{at}: missing field {name!r} (required fields: {list(required)})"
         + (" or verl's 'reward_model': {'ground_truth': ...}" if name == "ground_truth" else "")
         for name in required
         if name not in row
     ]
-    prompt = row.get("prompt")
     if "prompt" in row:
-        if not isinstance(prompt, Sequence) or isinstance(prompt, str) or not prompt:
-            problems.append(
-                f"row {i}: field 'prompt' must be a non-empty list of chat messages "
-                f"[{{'role': 'user', 'content': ...}}], got {prompt!r:.80}"
-            )
-        else:
-            for j, msg in enumerate(prompt):
-                role = msg.get("role") if isinstance(msg, Mapping) else None
-                content = msg.get("content") if isinstance(msg, Mapping) else None
-                if role not in ROLES:
-                    problems.append(
-                        f"row {i}: prompt[{j}].role={role!r} is not one of {list(ROLES)}"
-                    )
-                if not isinstance(content, str) or not content:
-                    problems.append(
-                        f"row {i}: prompt[{j}].content must be a non-empty string, got {content!r:.80}"
-                    )
+        problems += _prompt_problems(at, row["prompt"])
     for name in ("ground_truth", "data_source", "chosen", "rejected"):
         if name in row and not isinstance(row[name], str):
             problems.append(
-                f"row {i}: field {name!r} must be a string, got {type(row[name]).__name__} {row[name]!r:.80}"
+                f"{at}: field {name!r} must be a string, got {type(row[name]).__name__} "
+                f"{row[name]!r:.80}"
             )
+        elif name in row and name in ("chosen", "rejected") and not row[name].strip():
+            problems.append(f"{at}: field {name!r} is empty; give the response text")
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if isinstance(chosen, str) and chosen.strip() and chosen == rejected:
+        problems.append(
+            f"{at}: 'chosen' and 'rejected' are the same text {chosen!r:.60}; the pair teaches "
+            f"nothing: drop the row or fix one side"
+        )
     source = row.get("data_source")
     if "data_source" in required and isinstance(source, str) and source not in REWARDS:
         problems.append(
-            f"row {i}: data_source={source!r} has no reward function; registered sources: "
+            f"{at}: data_source={source!r} has no reward function; registered sources: "
             f"{sorted(REWARDS)} (register one with polyrl.rewards.register_reward)"
         )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
-        problems.append(
-            f"row {i}: field 'extra_info' must be an object or absent, got {extra!r:.80}"
-        )
+        problems.append(f"{at}: field 'extra_info' must be an object or absent, got {extra!r:.80}")
     return problems
 
 
@@ -112,31 +165,58 @@ def validate_rows(
     tokenizer: Any = None,
     max_prompt_tokens: int | None = None,
     kind: str = "rl",
+    lines: Sequence[int] | None = None,
+    overlong: str = "error",
 ) -> DatasetReport:
     """Check every row; raise :class:`DatasetError` listing all problems.
 
     kind: "rl" (prompt, ground_truth, data_source) or "preference" (prompt, chosen,
-    rejected; data_source optional).
+    rejected — both non-empty and different; data_source optional).
+    lines: the file line of each row (jsonl), named in every problem.
 
     With a ``tokenizer`` (transformers), prompts are rendered with its chat template and
-    counted; rows over ``max_prompt_tokens`` are problems (name the row and length).
+    counted. Rows over ``max_prompt_tokens`` (which needs the tokenizer) are problems
+    when ``overlong="error"``; with "drop" or "truncate_left" they are counted in the
+    report (``over_limit``; ``kept`` lists the rows a drop keeps).
     """
-    kinds = {"rl": REQUIRED, "preference": PREFERENCE_REQUIRED}
-    if kind not in kinds:
-        raise ValueError(f"validate_rows: kind={kind!r} is not one of {sorted(kinds)}")
+    if kind not in KINDS:
+        raise ValueError(f"validate_rows: kind={kind!r} is not one of {sorted(KINDS)}")
+    if overlong not in OVERLONG:
+        raise ValueError(f"validate_rows: overlong={overlong!r} is not one of {list(OVERLONG)}")
+    if max_prompt_tokens is not None and tokenizer is None:
+        raise DatasetError(
+            source,
+            [
+                f"max_prompt_tokens={max_prompt_tokens} needs a tokenizer to count prompt tokens; "
+                f"pass --tokenizer <model dir>"
+            ],
+            len(rows),
+        )
     if not rows:
         raise DatasetError(source, ["the dataset has no rows"], 0)
-    problems = [p for i, row in enumerate(rows) for p in _row_problems(i, row, kinds[kind])]
-    longest_tokens = None
+    problems = [
+        p for i, row in enumerate(rows) for p in _row_problems(_label(i, lines), row, KINDS[kind])
+    ]
+    longest_tokens, over, kept = None, [], None
     if tokenizer is not None and not problems:
-        longest_tokens = 0
-        for i, row in enumerate(rows):
-            n = len(encode_prompt(tokenizer, row["prompt"]))
-            longest_tokens = max(longest_tokens, n)
-            if max_prompt_tokens is not None and n > max_prompt_tokens:
+        lengths = [len(encode_prompt(tokenizer, row["prompt"])) for row in rows]
+        longest_tokens = max(lengths)
+        if max_prompt_tokens is not None:
+            over = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
+        if overlong == "error":
+            problems += [
+                f"{_label(i, lines)}: prompt is {lengths[i]} tokens, over max_prompt_tokens="
+                f"{max_prompt_tokens} (raise the limit, set RolloutConfig.overlong_prompt to "
+                f"'drop' or 'truncate_left', or shorten the row)"
+                for i in over
+            ]
+        elif overlong == "drop":
+            kept = tuple(i for i in range(len(rows)) if i not in set(over))
+            if not kept:
                 problems.append(
-                    f"row {i}: prompt is {n} tokens, over max_prompt_tokens={max_prompt_tokens} "
-                    f"(raise the limit or drop/shorten the row)"
+                    f"every row's prompt is over max_prompt_tokens={max_prompt_tokens} "
+                    f"(shortest {min(lengths)} tokens): overlong_prompt='drop' leaves no data; "
+                    f"raise the limit"
                 )
     if problems:
         raise DatasetError(source, problems, len(rows))
@@ -145,8 +225,74 @@ def validate_rows(
         data_sources=dict(collections.Counter(r.get("data_source", "<none>") for r in rows)),
         max_prompt_chars=max(sum(len(m["content"]) for m in r["prompt"]) for r in rows),
         max_prompt_tokens=longest_tokens,
+        kind=kind,
+        over_limit=len(over),
+        overlong=overlong,
+        kept=kept,
         schema=row_schema(rows[0]),
     )
+
+
+def _jsonl_rows(path: Path) -> tuple[list[Any], list[int]]:
+    """Rows of a jsonl file and their line numbers; every bad line named."""
+    import json
+
+    rows, lines, problems = [], [], []
+    data = path.read_bytes()
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            problems.append(
+                f"line {number}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                f"re-encode the file as UTF-8"
+            )
+            continue
+        if not text.strip():
+            continue
+        try:
+            rows.append(from_verl(json.loads(text)))
+            lines.append(number)
+        except json.JSONDecodeError as e:
+            problems.append(
+                f"line {number}: invalid JSON ({e.msg} at column {e.colno}); each line must be "
+                f"one JSON object"
+            )
+    if problems:
+        raise DatasetError(str(path), problems, len(rows) + len(problems))
+    return rows, lines
+
+
+def load_rows(path: str | Path) -> tuple[list[Any], list[int] | None]:
+    """Read a dataset (file, shard directory, HF folder: polyrl.data.formats) for
+    validation: ``(rows, line of each row)`` (lines: a jsonl file only). A missing,
+    unreadable, non-UTF-8 or unparsable file is a :class:`DatasetError` naming it (and
+    the line). The file is only read, never modified."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(str(path), [f"file {str(path)!r} does not exist"], 0)
+    try:
+        if path.suffix == ".jsonl" and path.is_file():
+            return _jsonl_rows(path)
+        return read_dataset(path), None
+    except PermissionError as e:
+        raise DatasetError(
+            str(path),
+            [f"file {str(path)!r} is not readable ({e.strerror}); fix its permissions"],
+            0,
+        ) from None
+    except DatasetError:
+        raise
+    except Exception as e:  # pyarrow and friends: a corrupt file, named
+        raise DatasetError(
+            str(path), [f"file {str(path)!r} cannot be parsed: {type(e).__name__}: {e}"], 0
+        ) from None
+
+
+def detect_kind(rows: Sequence[Any]) -> str:
+    """ "preference" when any row carries ``chosen`` or ``rejected``, else "rl"."""
+    pairs = any(isinstance(r, Mapping) and ("chosen" in r or "rejected" in r) for r in rows)
+    return "preference" if pairs else "rl"
 
 
 def validate_file(
@@ -154,13 +300,12 @@ def validate_file(
     tokenizer: Any = None,
     max_prompt_tokens: int | None = None,
     kind: str | None = None,
+    overlong: str = "error",
 ) -> DatasetReport:
     """Read a dataset (a file, a shard directory or a Hugging Face folder; see
-    polyrl.data.formats) and :func:`validate_rows` it. ``kind``
-    None: "preference" if the first row has ``chosen``, else "rl"."""
-    rows = read_dataset(path)
-    if kind is None:
-        kind = (
-            "preference" if rows and isinstance(rows[0], Mapping) and "chosen" in rows[0] else "rl"
-        )
-    return validate_rows(rows, str(path), tokenizer, max_prompt_tokens, kind)
+    polyrl.data.formats) and :func:`validate_rows` it. ``kind`` None: "preference" if
+    any row has ``chosen``/``rejected``, else "rl"."""
+    rows, lines = load_rows(path)
+    return validate_rows(
+        rows, str(path), tokenizer, max_prompt_tokens, kind or detect_kind(rows), lines, overlong
+    )

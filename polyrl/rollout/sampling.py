@@ -28,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from polyrl.config import did_you_mean
+
 __all__ = ["SamplingSpec", "RolloutConfig", "OVERLONG_POLICIES", "derive_seed"]
 
 OVERLONG_POLICIES = ("error", "truncate_left", "drop")
@@ -136,7 +138,7 @@ class RolloutConfig:
     env: extra environment variables for the server processes (``runtime_env``).
     """
 
-    model_path: str
+    model_path: str | None
     num_servers: int = 1
     tensor_parallel_size: int = 1
     dtype: str = "auto"
@@ -161,7 +163,7 @@ class RolloutConfig:
         if self.overlong_prompt not in OVERLONG_POLICIES:
             raise ValueError(
                 f"RolloutConfig.overlong_prompt={self.overlong_prompt!r} is not one of "
-                f"{list(OVERLONG_POLICIES)}"
+                f"{list(OVERLONG_POLICIES)}{did_you_mean(self.overlong_prompt, OVERLONG_POLICIES)}"
             )
         if self.num_servers < 1 or self.tensor_parallel_size < 1:
             raise ValueError(

@@ -99,7 +99,7 @@ def test_validate_dataset_ok_and_invalid(tmp_path, capsys):
     bad.write_text("\n".join(json.dumps(r) for r in bad_rows))
     assert main(["validate-dataset", str(bad)]) == 1
     err = capsys.readouterr().err
-    assert "row 2: data_source='mystery' has no reward function" in err
+    assert "row 2 (line 3): data_source='mystery' has no reward function" in err
     assert main(["validate-dataset", str(tmp_path / "missing.parquet")]) == 1
     assert "does not exist" in capsys.readouterr().err
 

@@ -163,6 +163,15 @@ def cmd_validate_dataset(args: argparse.Namespace) -> int:
     except DatasetError as e:
         _print_problems(f"{args.path} ({e.n_rows} rows)", e.problems)
         return 1
+    if report.kept == ():
+        _print_problems(
+            args.path,
+            [
+                f"every prompt is over --max-prompt-tokens {args.max_prompt_tokens}: --overlong drop "
+                f"leaves no rows; raise the limit"
+            ],
+        )
+        return 1
     print(f"OK {args.path}: {report.summary()}")
     print(report.table())
     return 0

@@ -1,6 +1,7 @@
 """The entry points' gin layer: gin files -> a frozen, validated RunConfig -> a run.
 
-This is the only module that imports gin (DESIGN.md "Configuration"). The bound
+This module and polyrl/bindings.py (which names every binding problem) are the only ones
+that import gin (DESIGN.md "Configuration"). The bound
 dataclasses — never gin — travel to the Ray workers.
 
 gin names (see gin/base.gin): ``RunConfig`` (the root), ``OptimConfig`` (scopes

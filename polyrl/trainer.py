@@ -90,6 +90,17 @@ class Loop(abc.ABC):
             return 1.0
         return float(self.cfg.sampling.temperature) or 1.0
 
+    def check_reference(self, batch: Batch, kwargs: dict[str, Any]) -> None:
+        """Role isolation at run time (docs/validation.md): after the first actor update,
+        the reference scores the same batch again; a warning names it if it moved."""
+        from polyrl.validate import reference_moved
+
+        with self.turns.resident(self.reference):
+            after = self.reference.forward(batch, **kwargs)["log_probs"]
+        warning = reference_moved(batch["ref_log_probs"], after)
+        if warning:
+            print(f"[polyrl] {warning}", flush=True)
+
     def shutdown(self) -> None:
         for group in (self.actor, self.reference, self.critic):
             if group is not None:
@@ -277,6 +288,8 @@ class RLTrainer(Loop):
                     self.spec.needs_entropy,
                     self.mini_rows,
                 )
+            if self.reference is not None and step == self.start_step:
+                self.check_reference(batch, {"temperature": self.temperature})
             if self.critic is not None:
                 with phase("update_critic"), turns.resident(self.critic):
                     metrics |= self.update(
@@ -482,6 +495,8 @@ class PreferenceTrainer(Loop):
                 mini=2 * self.cfg.mini_batch_prompts,
                 unit=2,
             )
+        if step == self.start_step:
+            self.check_reference(batch, {})
         lengths = batch["response_mask"].sum(-1)
         metrics |= {"response/length_mean": float(lengths.mean())}
         return metrics | self.timer.metrics() | {"time/step": time.perf_counter() - t0}

@@ -379,7 +379,7 @@ def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[st
     kind = "rl" if spec.objective == "rl" else "preference"
     overlong = cfg.rollout.overlong_prompt if cfg.rollout is not None else "error"
     limit = cfg.rollout.prompt_limit if cfg.rollout is not None else None
-    problems, warnings, rows = [], [], 0
+    problems, warnings, rows, dropped = [], [], 0, 0
     files = {"RunConfig.train_files": tuple(cfg.train_files)}
     for name in ("val_files", "eval_files"):
         if getattr(cfg, name, None):
@@ -400,14 +400,18 @@ def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[st
                     f"(RolloutConfig.overlong_prompt={overlong!r})"
                 )
             if binding == "RunConfig.train_files":
-                rows += len(report.kept) if report.kept is not None else report.n_rows
+                rows += report.n_rows
+                dropped += report.over_limit if report.kept is not None else 0
     if not cfg.train_files:
         rows = cfg.n_train_prompts
+    rows -= dropped
     if not problems and rows < cfg.prompts_per_step:
         where = "RunConfig.train_files" if cfg.train_files else "RunConfig.n_train_prompts"
+        after = f" left after overlong_prompt='drop' removed {dropped}" if dropped else ""
         problems.append(
-            f"RunConfig.prompts_per_step={cfg.prompts_per_step} exceeds the {rows} training rows "
-            f"({where}): a step cannot be filled; set prompts_per_step <= {rows} or add data"
+            f"RunConfig.prompts_per_step={cfg.prompts_per_step} exceeds the {rows} training "
+            f"rows{after} ({where}): a step cannot be filled; set prompts_per_step <= {rows}, "
+            f"add data{' or raise RolloutConfig.max_prompt_len' if dropped else ''}"
         )
     return problems, warnings, rows
 

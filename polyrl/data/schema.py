@@ -212,12 +212,6 @@ def validate_rows(
             ]
         elif overlong == "drop":
             kept = tuple(i for i in range(len(rows)) if i not in set(over))
-            if not kept:
-                problems.append(
-                    f"every row's prompt is over max_prompt_tokens={max_prompt_tokens} "
-                    f"(shortest {min(lengths)} tokens): overlong_prompt='drop' leaves no data; "
-                    f"raise the limit"
-                )
     if problems:
         raise DatasetError(source, problems, len(rows))
     return DatasetReport(

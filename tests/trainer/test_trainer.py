@@ -97,8 +97,10 @@ def test_dpo_raises_the_margin(ray_session, tmp_path):
     assert rows[-1]["actor/rewards/accuracies"] > 0.8
 
 
-def test_reference_log_probs_do_not_move_with_the_actor(ray_session, tmp_path):
-    """Isolation: the reference is its own frozen engine, not the actor's object."""
+def test_reference_log_probs_do_not_move_with_the_actor(ray_session, tmp_path, capsys):
+    """Isolation: the reference is its own frozen engine, not the actor's object; the
+    run-time check after the first update stays quiet, and speaks up when the reference
+    is (wrongly) the actor's own workers."""
     from polyrl.launch import _components, prepare
     from polyrl.trainer import RLTrainer
 
@@ -113,6 +115,11 @@ def test_reference_log_probs_do_not_move_with_the_actor(ray_session, tmp_path):
         np.testing.assert_array_equal(trainer.reference.forward(probe)["log_probs"], ref_before)
         moved = np.abs(trainer.actor.forward(probe)["log_probs"] - actor_before).max()
         assert moved > 1e-3, "the actor did not change, so the check above proves nothing"
+        assert "log-probs moved" not in capsys.readouterr().out
+        trainer.reference, trainer.start_step = trainer.actor, 2  # a shared "reference"
+        trainer.step(2)
+        out = capsys.readouterr().out
+        assert "WARNING: the reference role's log-probs moved by up to" in out, out
     finally:
         trainer.shutdown()
 

@@ -1,0 +1,255 @@
+"""validate-config's corpus of wrong configs: each one gets a named error (the binding,
+the value and the fix), never a traceback, and each pitfall's fix passes.
+
+Every case runs ``polyrl validate-config`` in-process: an exception escaping ``main``
+fails the test, so "no traceback" is checked by every case.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from polyrl.cli import main
+from polyrl.data.formats import write_dataset
+from polyrl.data.tasks import make_preference_rows, make_rows
+
+GRPO = "gin/experiments/tiny_grpo.gin"
+DPO = "gin/experiments/tiny_dpo.gin"
+GPU_POOLS = (
+    "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'GPU': 2}, 'gen': {'CPU': 1, 'GPU': 4}}",
+    "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'train', "
+    "'rollout': 'gen', 'reward': 'train', 'critic': 'train'}",
+)
+
+# (id, base gin file, bindings, expected text of the error). {data}, {model}, {gin} are
+# filled in by the fixture below.
+CASES = [
+    # gin itself
+    ("misspelled-configurable", GRPO, ["polyrl.RunConfg.total_steps = 3"],
+     "no configurable named 'polyrl.RunConfg'; did you mean 'polyrl.RunConfig'?"),
+    ("misspelled-parameter", GRPO, ["polyrl.RunConfig.total_step = 3"],
+     "polyrl.RunConfig has no parameter 'total_step'; did you mean 'total_steps'?"),
+    ("unknown-scoped-parameter", GRPO, ["actor/polyrl.OptimConfig.learning_rate = 0.1"],
+     "actor/polyrl.OptimConfig.learning_rate (--gin_param"),
+    ("lr-as-string", GRPO, ["actor/polyrl.OptimConfig.lr = '3e-3'"],
+     "actor/polyrl.OptimConfig.lr = '3e-3' (--gin_param \"actor/polyrl.OptimConfig.lr = '3e-3'\") "
+     "is str, expected a number; write it without quotes: actor/polyrl.OptimConfig.lr = 0.003"),
+    ("steps-as-string", GRPO, ["polyrl.RunConfig.total_steps = 'ten'"],
+     "polyrl.RunConfig.total_steps = 'ten'"),
+    ("files-as-string", GRPO, ["polyrl.RunConfig.train_files = 'a.parquet'"],
+     "is str, expected a list"),
+    ("bool-as-string", GRPO, ["polyrl.RunConfig.tensorboard = 'yes'"],
+     "expected True/False"),
+    ("syntax-error-param", GRPO, ["polyrl.RunConfig.total_steps = = 3"],
+     "gin syntax error in --gin_param 'polyrl.RunConfig.total_steps = = 3' line 1"),
+    ("syntax-error-file", "{gin}/unclosed.gin", [],
+     "unclosed.gin: EOF in multi-line statement"),
+    ("syntax-error-no-equals", "{gin}/noequals.gin", [],
+     "noequals.gin line 2: Couldn't parse statement"),
+    ("missing-include", "{gin}/badinclude.gin", [],
+     "include 'gin/algos/grpoo.gin' not found"),
+    ("missing-required", "{gin}/norundir.gin", [],
+     "polyrl.RunConfig.run_dir is REQUIRED and not bound"),
+    ("micro-batch-zero", GRPO, ["actor/polyrl.ParallelConfig.micro_batch_size = 0"],
+     "actor/polyrl.ParallelConfig: ParallelConfig.micro_batch_size=0 must be >= 1"),
+    ("unknown-mesh-axis", GRPO, ["actor/polyrl.ParallelConfig.mesh = {'dat': 1}"],
+     "unknown axes ['dat']; valid axes: ['data', 'fsdp', 'tensor']; did you mean 'data'?"),
+    ("unknown-overlong-policy", GRPO, ["polyrl.RolloutConfig.overlong_prompt = 'dorp'"],
+     "RolloutConfig.overlong_prompt='dorp' is not one of ['error', 'truncate_left', 'drop']; "
+     "did you mean 'drop'?"),
+    ("misspelled-scope", GRPO, ["actr/polyrl.OptimConfig.lr = 0.1"],
+     "actr/polyrl.OptimConfig.lr = 0.1 (--gin_param 'actr/polyrl.OptimConfig.lr = 0.1') is "
+     "never used: nothing builds polyrl.OptimConfig in scope 'actr'; did you mean scope 'actor'?"),
+    ("unused-scope", GRPO, ["policy/polyrl.ParallelConfig.micro_batch_size = 4"],
+     "is never used: nothing builds polyrl.ParallelConfig in scope 'policy'"),
+    ("unknown-algorithm", GRPO, ["polyrl.RunConfig.algorithm = 'grop'"],
+     "RunConfig.algorithm='grop' is not a registered algorithm"),
+    ("unknown-override", GRPO, ["polyrl.RunConfig.algo_overrides = {'kl_los_coef': 0.1}"],
+     "RunConfig.algo_overrides['kl_los_coef']: AlgorithmSpec has no field 'kl_los_coef'; "
+     "did you mean 'kl_loss_coef'?"),
+    ("bad-override-value", GRPO, ["polyrl.RunConfig.algo_overrides = {'agg': 'tokenmean'}"],
+     "RunConfig.algo_overrides={'agg': 'tokenmean'}"),
+    ("schedule-typo", GRPO, ["actor/polyrl.OptimConfig.schedule = 'cosin'"],
+     "OptimConfig.schedule='cosin' is not one of ['constant', 'cosine']; did you mean 'cosine'?"),
+    ("top-p-zero", GRPO, ["polyrl.SamplingSpec.top_p = 0.0"],
+     "SamplingSpec.top_p=0.0 must be in (0, 1]"),
+    ("dtype-typo", GRPO, ["polyrl.RunConfig.model_dtype = 'bf16'"],
+     "RunConfig.model_dtype='bf16' is not one of"),
+    ("backend-typo", GRPO, ["polyrl.RunConfig.backend = 'pytorch'"],
+     "RunConfig.backend='pytorch' is not a registered backend"),
+    # pitfall 2: batch arithmetic
+    ("prompts-not-multiple", GRPO, ["polyrl.RunConfig.prompts_per_step = 12"],
+     "RunConfig.prompts_per_step=12 is not a multiple of RunConfig.mini_batch_prompts=8: every "
+     "optimizer step must see the same number of prompts; set prompts_per_step = 16 (2 "
+     "mini-batches) or mini_batch_prompts = 6"),
+    ("mini-over-prompts", GRPO, ["polyrl.RunConfig.mini_batch_prompts = 32"],
+     "RunConfig.mini_batch_prompts=32 exceeds RunConfig.prompts_per_step=16"),
+    ("grpo-one-sample", GRPO, ["polyrl.SamplingSpec.n = 1"],
+     "SamplingSpec.n=1: algorithm 'grpo' compares samples of the same prompt"),
+    ("dp-split", GRPO, ["actor/polyrl.ParallelConfig.mesh = {'data': 3}",
+                        "polyrl.RunConfig.mini_batch_prompts = 4",
+                        "polyrl.SamplingSpec.n = 2"],
+     "RunConfig.mini_batch_prompts=4 x SamplingSpec.n=2 = 8 samples per optimizer step do not "
+     "split over the actor's 3 data-parallel shards"),
+    ("dpo-odd-micro-batch", DPO, ["actor/polyrl.ParallelConfig.micro_batch_size = 3"],
+     "actor/ParallelConfig.micro_batch_size=3 is odd"),
+    ("zero-epochs", GRPO, ["polyrl.RunConfig.epochs = 0"],
+     "RunConfig.epochs=0 and RunConfig.total_steps=80 must be >= 1"),
+    ("cosine-too-short", GRPO, ["actor/polyrl.OptimConfig.schedule = 'cosine'",
+                                "actor/polyrl.OptimConfig.total_steps = 10"],
+     "OptimConfig.total_steps=10 is fewer than the run's optimizer steps"),
+    ("model-len-too-short", GRPO, ["polyrl.RolloutConfig.max_model_len = 34",
+                                   "polyrl.SamplingSpec.max_tokens = 8"],
+     "RolloutConfig.max_model_len=34 is shorter than the prompt limit (32)"),
+    ("truncated-sampling", GRPO, ["polyrl.SamplingSpec.top_p = 0.9"],
+     "SamplingSpec.top_p=0.9 / top_k=0: truncated sampling"),
+    # pitfall 1: role isolation
+    ("kl-without-reference", GRPO,
+     ["polyrl.RunConfig.algo_overrides = {'use_kl_loss': False, 'kl_loss_coef': 0.01}"],
+     "RunConfig.algo_overrides sets kl_loss_coef=0.01 but 'grpo' has use_kl_loss=False, so no "
+     "reference model is built"),
+    ("kl-reward-without-reference", GRPO, ["polyrl.RunConfig.algo_overrides = {'kl_coef': 0.05}"],
+     "sets kl_coef=0.05 but 'grpo' has kl_in_reward=False"),
+    ("reward-model-is-causal-lm", GRPO, ["polyrl.RunConfig.reward_model_path = '{model}'"],
+     "checkpoint with no score head"),
+    ("reward-model-missing", GRPO, ["polyrl.RunConfig.reward_model_path = '{data}/nope'"],
+     "/nope' has no config.json"),
+    ("model-missing", GRPO, ["polyrl.RunConfig.model_path = '{data}/nope'"],
+     "RunConfig.model_path='{data}/nope' has no config.json"),
+    # pitfall 3: placement
+    ("cuda-ipc-across-pools", GRPO, [*GPU_POOLS, "polyrl.RunConfig.weight_transport = 'cuda_ipc'"],
+     "RunConfig.weight_transport='cuda_ipc' needs the actor and rollout in the same pool"),
+    ("transport-typo", GRPO, ["polyrl.RunConfig.weight_transport = 'nccll'"],
+     "RunConfig.weight_transport='nccll' is not one of"),
+    ("role-in-missing-pool", GRPO, ["polyrl.RunConfig.role_pools = {'actor': 'shared', "
+                                    "'reference': 'shared', 'rollout': 'gen'}"],
+     "RunConfig.role_pools['rollout']='gen' is not a pool in RunConfig.pools"),
+    ("mesh-over-pool", GRPO, [*GPU_POOLS, "actor/polyrl.ParallelConfig.mesh = {'fsdp': 4}"],
+     "actor_parallel mesh {'data': 1, 'fsdp': 4, 'tensor': 1} needs 4 devices but pool 'train' "
+     "has 2 GPUs"),
+    ("tp-not-dividing-pool", GRPO, [*GPU_POOLS, "polyrl.RolloutConfig.tensor_parallel_size = 3"],
+     "RolloutConfig.tensor_parallel_size=3 does not divide pool 'gen' (4 GPUs): 4 % 3 = 1 GPUs "
+     "would idle; use one of [1, 2, 4]"),
+    ("servers-over-pool", GRPO, [*GPU_POOLS, "polyrl.RolloutConfig.tensor_parallel_size = 2",
+                                 "polyrl.RolloutConfig.num_servers = 3"],
+     "RolloutConfig.num_servers=3 x tensor_parallel_size=2 = 6 GPUs, but pool 'gen' has 4; "
+     "set num_servers = 2"),
+    ("gpus-not-on-machine", GRPO, list(GPU_POOLS),
+     "RunConfig.pools asks for 6 GPUs but this machine has 0"),
+    ("cuda-visible-devices-by-hand", GRPO,
+     ["polyrl.RolloutConfig.env = (('CUDA_VISIBLE_DEVICES', '0,1'),)"],
+     "RolloutConfig.env sets CUDA_VISIBLE_DEVICES='0,1': Ray assigns each worker its GPUs"),
+    ("device-ids-in-pool", GRPO,
+     ["polyrl.RunConfig.pools = {'shared': {'CPU': 2, 'GPU': 0, 'device_ids': 1}}"],
+     "RunConfig.pools['shared']['device_ids']=1: device ids cannot be chosen by hand"),
+    # pitfall 4: datasets
+    ("train-file-missing", GRPO, ["polyrl.RunConfig.train_files = ['{data}/missing.parquet']"],
+     "RunConfig.train_files: {data}/missing.parquet: file '{data}/missing.parquet' does not exist"),
+    ("unregistered-data-source", GRPO, ["polyrl.RunConfig.train_files = ['{data}/mystery.parquet']"],
+     "row 0: data_source='mystery/task' has no reward function"),
+    ("dataset-smaller-than-step", GRPO, ["polyrl.RunConfig.train_files = ['{data}/eight.parquet']"],
+     "RunConfig.prompts_per_step=16 exceeds the 8 training rows (RunConfig.train_files)"),
+    ("task-smaller-than-step", GRPO, ["polyrl.RunConfig.n_train_prompts = 10"],
+     "RunConfig.prompts_per_step=16 exceeds the 10 training rows (RunConfig.n_train_prompts)"),
+    ("dpo-on-rl-file", DPO, ["polyrl.RunConfig.train_files = ['{data}/copy.parquet']"],
+     "row 0: missing field 'chosen'"),
+    ("long-prompts-error", GRPO, ["polyrl.RunConfig.train_files = ['{data}/long.parquet']"],
+     "(raise the limit, set RolloutConfig.overlong_prompt to 'drop' or 'truncate_left'"),
+    ("drop-leaves-nothing", GRPO, ["polyrl.RunConfig.train_files = ['{data}/long.parquet']",
+                                   "polyrl.RolloutConfig.overlong_prompt = 'drop'",
+                                   "polyrl.RunConfig.prompts_per_step = 8",
+                                   "polyrl.RunConfig.mini_batch_prompts = 8"],
+     "RunConfig.prompts_per_step=8 exceeds the 0 training rows left after overlong_prompt='drop' "
+     "removed 32 (RunConfig.train_files)"),
+    ("broken-jsonl", GRPO, ["polyrl.RunConfig.train_files = ['{data}/broken.jsonl']"],
+     "broken.jsonl: line 3: invalid JSON"),
+]  # fmt: skip
+
+GIN_FILES = {
+    "unclosed.gin": "include 'gin/experiments/tiny_grpo.gin'\npolyrl.RunConfig.total_steps = (3\n",
+    "noequals.gin": "include 'gin/experiments/tiny_grpo.gin'\npolyrl.RunConfig.total_steps 3\n",
+    "badinclude.gin": "include 'gin/base.gin'\ninclude 'gin/algos/grpoo.gin'\n",
+    "norundir.gin": "include 'gin/base.gin'\ninclude 'gin/backends/torch_fsdp.gin'\n"
+    "include 'gin/algos/grpo.gin'\n",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, tiny_model_dir):
+    """Data files and gin files the cases name; every case shares one tiny model."""
+    data = tmp_path_factory.mktemp("data")
+    write_dataset(make_rows("copy", 64), data / "copy.parquet")
+    write_dataset(make_rows("copy", 8), data / "eight.parquet")
+    mystery = make_rows("copy", 32)
+    mystery[0]["data_source"] = "mystery/task"
+    write_dataset(mystery, data / "mystery.parquet")
+    long = make_rows("copy", 32)
+    for row in long:
+        row["prompt"][0]["content"] = "copy " + "1234567890" * 6
+    write_dataset(long, data / "long.parquet")
+    lines = [json.dumps(r) for r in make_rows("copy", 32)]
+    lines[2] = lines[2][:-5]
+    (data / "broken.jsonl").write_text("\n".join(lines) + "\n")
+    gin = tmp_path_factory.mktemp("gin")
+    for name, text in GIN_FILES.items():
+        (gin / name).write_text(text)
+    write_dataset(make_preference_rows("copy", 64), data / "pairs.parquet")
+    return {"data": str(data), "gin": str(gin), "model": str(tiny_model_dir)}
+
+
+def _fill(text: str, corpus: dict) -> str:
+    for key, value in corpus.items():
+        text = text.replace("{" + key + "}", value)
+    return text
+
+
+def _run(corpus, gin_file, bindings, capsys):
+    fill = lambda s: _fill(s, corpus)  # noqa: E731
+    argv = ["validate-config", "--gin_file", fill(gin_file)]
+    if gin_file != "{gin}/norundir.gin":
+        argv += ["--gin_param", f"polyrl.RunConfig.model_path = {corpus['model']!r}"]
+        argv += ["--gin_param", f"polyrl.RunConfig.run_dir = '{corpus['data']}/run'"]
+    for b in bindings:
+        argv += ["--gin_param", fill(b)]
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_config_gets_a_named_error(case, corpus, capsys):
+    _, gin_file, bindings, expected = case
+    code, out, err = _run(corpus, gin_file, bindings, capsys)
+    assert code == 1, out + err
+    assert _fill(expected, corpus) in err, err
+    assert err.startswith("INVALID") and "Traceback" not in err
+
+
+# Each pitfall's failing config and its fix: the fix passes and prints what it promised.
+FIXES = [
+    ("role isolation", GRPO,
+     ["polyrl.RunConfig.algo_overrides = {'use_kl_loss': True, 'kl_loss_coef': 0.01}"],
+     "roles: actor, rollout, reference, reward"),
+    ("batch arithmetic", GRPO, ["polyrl.RunConfig.prompts_per_step = 16"],
+     "optimizer: 16 / mini_batch_prompts 8 = 2 mini-batch(es) x epochs 1 = 2 updates a step"),
+    ("placement", GRPO, ["polyrl.RolloutConfig.tensor_parallel_size = 1"],
+     "actor: 64 samples / dp 1 = 64 per rank = 1 micro-batch(es) of <= 64"),
+    ("datasets: drop", GRPO, ["polyrl.RunConfig.train_files = ['{data}/copy.parquet', "
+                              "'{data}/long.parquet']",
+                              "polyrl.RolloutConfig.overlong_prompt = 'drop'"],
+     "WARNING RunConfig.train_files: {data}/long.parquet: 32 of 32 prompts are over the prompt "
+     "limit (32 tokens) and will be dropped"),
+    ("datasets: preference file for DPO", DPO,
+     ["polyrl.RunConfig.train_files = ['{data}/pairs.parquet']"],
+     "data: total_steps 20 x prompts_per_step 32 = 640 prompts over 64 rows = 10.00 passes"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fix", FIXES, ids=[f[0] for f in FIXES])
+def test_each_pitfall_fix_passes(fix, corpus, capsys):
+    _, gin_file, bindings, expected = fix
+    code, out, err = _run(corpus, gin_file, bindings, capsys)
+    assert code == 0, err
+    assert out.startswith("OK ") and _fill(expected, corpus) in out, out

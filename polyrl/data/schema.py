@@ -125,6 +125,8 @@ def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> li
     when required."""
     if not isinstance(row, Mapping):
         return [f"{at}: expected an object with fields {list(required)}, got {type(row).__name__}"]
+    # A parquet column missing in some rows reads as null: the same as absent.
+    row = {k: v for k, v in row.items() if v is not None}
     problems = [
         f"{at}: missing field {name!r} (required fields: {list(required)})"
         + (" or verl's 'reward_model': {'ground_truth': ...}" if name == "ground_truth" else "")

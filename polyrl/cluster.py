@@ -173,20 +173,24 @@ def _resource_problems(cfg: Any, nodes: list[dict[str, Any]]) -> list[str]:
     for n in nodes:
         for k, v in n["resources"].items():
             total[k] = total.get(k, 0.0) + v
+    from polyrl.roles import pool_shape
+
     for name, res in cfg.pools.items():
-        asked = {k: float(v) for k, v in res.items() if float(v) > 0}
-        fits = any(all(n["resources"].get(k, 0) >= v for k, v in asked.items()) for n in nodes)
-        if asked.get("GPU") and not fits:  # one STRICT_PACK placement group: on one node
+        shape = pool_shape(res)
+        asked = dict(shape.per_node)
+        fits = [n for n in nodes if all(n["resources"].get(k, 0) >= v for k, v in asked.items())]
+        if asked.get("GPU") and len(fits) < shape.nodes:  # a bundle of it on each of its nodes
             out.append(
-                f"RunConfig.pools[{name!r}]={dict(res)} must fit on one node (its GPUs form "
-                f"one placement group) but no node has that much; nodes: {shown}. Split the "
-                f"pool or shrink it"
+                f"RunConfig.pools[{name!r}]={dict(res)} needs {shape.nodes} node(s) with "
+                f"{_fmt(asked)} each (its GPUs of one node form one placement-group bundle) "
+                f"but {len(fits)} node(s) have that much; nodes: {shown}. Shrink the pool per "
+                f"node or lower its 'nodes'"
             )
         for k, v in asked.items():
-            if total.get(k, 0.0) < v:
+            if total.get(k, 0.0) < v * shape.nodes:
                 out.append(
-                    f"RunConfig.pools[{name!r}] asks for {k}={v:g} but the cluster has "
-                    f"{total.get(k, 0.0):g} in all; nodes: {shown}"
+                    f"RunConfig.pools[{name!r}] asks for {k}={v:g} x {shape.nodes} node(s) but "
+                    f"the cluster has {total.get(k, 0.0):g} in all; nodes: {shown}"
                 )
     per_node = max((n["resources"].get("GPU", 0) for n in nodes), default=0)
     tp = cfg.rollout.tensor_parallel_size if cfg.rollout is not None else 1

@@ -220,7 +220,10 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
     if cfg.backend in ENGINES:
         from polyrl.roles import build_roles, role_problems
 
-        problems += role_problems(cfg, build_roles(cfg, spec))
+        try:
+            problems += role_problems(cfg, build_roles(cfg, spec))
+        except ValueError as e:  # a field the roles are built from, already named
+            problems += [str(e)] if str(e) not in " ".join(problems) else []
     if cluster:
         problems += check_cluster(cfg)
     return problems
@@ -256,7 +259,7 @@ def _spec(cfg: RunConfig, problems: list[str]) -> Any:
         return None
 
 
-def role_problems(cfg: RunConfig, spec: Any) -> list[str]:
+def isolation_problems(cfg: RunConfig, spec: Any) -> list[str]:
     """Pitfall 1: a KL term needs the reference; a reward model needs a score head."""
     out = []
     over = cfg.algo_overrides
@@ -351,19 +354,24 @@ def device_problems(cfg: RunConfig) -> list[str]:
                     f"chosen by hand ({reason}); give the pool a count, e.g. {{'GPU': 2}}"
                 )
     if cfg.rollout is not None and cfg.role_pools.get("rollout") in cfg.pools:
+        from polyrl.roles import pool_shape
+
         pool = cfg.role_pools["rollout"]
-        gpus = int(float(cfg.pools[pool].get("GPU", 0)))
+        shape = pool_shape(cfg.pools[pool])
+        gpus, total = int(shape.gpus), int(shape.gpus) * shape.nodes
         tp, servers = cfg.rollout.tensor_parallel_size, cfg.rollout.num_servers
         if gpus and gpus % tp:
             divisors = [d for d in range(1, gpus + 1) if gpus % d == 0]
             out.append(
                 f"RolloutConfig.tensor_parallel_size={tp} does not divide pool {pool!r} "
-                f"({gpus} GPUs): {gpus} % {tp} = {gpus % tp} GPUs would idle; use one of {divisors}"
+                f"({gpus} GPUs per node): {gpus} % {tp} = {gpus % tp} GPUs would idle and a "
+                f"group cannot leave its node; use one of {divisors}"
             )
-        elif gpus and servers * tp > gpus:
+        elif gpus and servers * tp > total:
             out.append(
                 f"RolloutConfig.num_servers={servers} x tensor_parallel_size={tp} = "
-                f"{servers * tp} GPUs, but pool {pool!r} has {gpus}; set num_servers = {gpus // tp}"
+                f"{servers * tp} GPUs, but pool {pool!r} has {total}; set num_servers = "
+                f"{total // tp}"
             )
     return out
 
@@ -445,7 +453,7 @@ def preflight(cfg: RunConfig) -> tuple[RunConfig, Any, list[str], list[str]]:
     raise_if_problems(problems)
     rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
     cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
-    problems = check_run(cfg, spec) + role_problems(cfg, spec) + device_problems(cfg)
+    problems = check_run(cfg, spec) + isolation_problems(cfg, spec) + device_problems(cfg)
     from transformers import AutoTokenizer
 
     try:

@@ -127,11 +127,11 @@ CASES = [
                                     "'reference': 'shared', 'rollout': 'gen'}"],
      "RunConfig.role_pools['rollout']='gen' is not a pool in RunConfig.pools"),
     ("mesh-over-pool", GRPO, [*GPU_POOLS, "actor/polyrl.ParallelConfig.mesh = {'fsdp': 4}"],
-     "actor_parallel mesh {'data': 1, 'fsdp': 4, 'tensor': 1} needs 4 devices but pool 'train' "
-     "has 2 GPUs"),
+     "actor_parallel mesh {'data': 1, 'fsdp': 4, 'tensor': 1} puts 4 devices on each of its 1 "
+     "node(s) but pool 'train' has 2 GPUs per node"),
     ("tp-not-dividing-pool", GRPO, [*GPU_POOLS, "polyrl.RolloutConfig.tensor_parallel_size = 3"],
-     "RolloutConfig.tensor_parallel_size=3 does not divide pool 'gen' (4 GPUs): 4 % 3 = 1 GPUs "
-     "would idle; use one of [1, 2, 4]"),
+     "RolloutConfig.tensor_parallel_size=3 does not divide pool 'gen' (4 GPUs per node): 4 % 3 = "
+     "1 GPUs would idle and a group cannot leave its node; use one of [1, 2, 4]"),
     ("servers-over-pool", GRPO, [*GPU_POOLS, "polyrl.RolloutConfig.tensor_parallel_size = 2",
                                  "polyrl.RolloutConfig.num_servers = 3"],
      "RolloutConfig.num_servers=3 x tensor_parallel_size=2 = 6 GPUs, but pool 'gen' has 4; "

@@ -251,7 +251,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 1
     shown = [
         f"{k} {final[k]:.4g}"
-        for k in ("reward/mean", "actor/rewards/margins", "actor/rewards/accuracies")
+        for k in (
+            "reward/mean",
+            "val/reward/mean",
+            "actor/rewards/margins",
+            "actor/rewards/accuracies",
+        )
         if k in final
     ]
     print(f"[polyrl] done: last step {', '.join(shown)}")
@@ -259,7 +264,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from polyrl.metrics import PLOTTED, phase_summary, plot_run, read_jsonl
+    from polyrl.metrics import PLOTTED, latest_metrics, phase_summary, plot_run, read_jsonl
     from polyrl.trainer import COMPUTE_PHASES
 
     path = Path(args.run_dir, "metrics.jsonl")
@@ -270,8 +275,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     rows = read_jsonl(path)
     if not rows:
         raise UserError(f"{path} is empty: the run logged no step yet")
-    first, last = rows[0], rows[-1]
-    print(f"run {args.run_dir}: {len(rows)} steps")
+    first, last = rows[0], latest_metrics(rows)
+    print(f"run {args.run_dir}: {sum('time/step' in r for r in rows)} steps")
     for key, _ in PLOTTED:
         if key in last:
             print(f"  {key:<24} first {first.get(key, float('nan')):9.4f}  last {last[key]:9.4f}")

@@ -237,6 +237,12 @@ class RunConfig:
       folders, in polyrl's or verl's schema (polyrl.data.formats); empty -> ``task`` rows
       generated on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec
       fields.
+    val_files / n_val_prompts / eval_every / val_sampling: validation during training
+      (polyrl.evaluation, docs/training.md): every ``eval_every`` steps (0: off), and once
+      before the first step and after the last, the held-out prompts of ``val_files``
+      (without files: ``n_val_prompts`` ``task`` rows of the test split) are sampled with
+      ``val_sampling`` (a SamplingSpec; None: greedy, one sample) and scored by the
+      training rewards; ``val/...`` metrics go to every tracker.
     max_gen_batches: with DAPO's dynamic sampling, how many prompt batches a step may
       generate to find ``prompts_per_step`` groups whose rewards differ.
     reward_model_path: a sequence-classification checkpoint (one score, e.g. saved by
@@ -272,6 +278,10 @@ class RunConfig:
     train_files: tuple[str, ...] = ()
     task: str = "copy"
     n_train_prompts: int = 1024
+    val_files: tuple[str, ...] = ()
+    n_val_prompts: int = 0
+    eval_every: int = 0
+    val_sampling: object = None
     total_steps: int = 20
     prompts_per_step: int = 16
     mini_batch_prompts: int = 16

@@ -87,6 +87,7 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     from transformers import AutoTokenizer
 
     from polyrl.data.loader import PairSource, PromptSource
+    from polyrl.evaluation import validation_prompts
     from polyrl.placement import Placement
     from polyrl.roles import build_roles
     from polyrl.rollout import RolloutPool
@@ -103,6 +104,7 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
         if cfg.train_files
         else source.from_task(cfg.task, cfg.n_train_prompts, tokenizer, **kw)
     )
+    val_prompts = validation_prompts(cfg, tokenizer, **kw) if spec.objective == "rl" else None
     if not ray.is_initialized():
         # A local start gets the pools' CPUs plus RunConfig.user_cpus for the user's own tasks.
         pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
@@ -118,7 +120,12 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
             placement=lambda i: placement.options("rollout", i),
         )
     return SimpleNamespace(
-        tokenizer=tokenizer, prompts=prompts, pool=pool, placement=placement, roles=roles
+        tokenizer=tokenizer,
+        prompts=prompts,
+        val_prompts=val_prompts,
+        pool=pool,
+        placement=placement,
+        roles=roles,
     )
 
 
@@ -203,13 +210,14 @@ def _trial(
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     log = (trial_dir / "train.log").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
-    reported = 0
+    reported, latest = 0, {}
     while True:
         done = proc.poll() is not None
         path = trial_dir / "metrics.jsonl"
         rows = read_jsonl(path) if path.exists() else []
-        for row in rows[reported:]:
-            tune.report(row)
+        for row in rows[reported:]:  # the latest value of every metric (val/ is sparse)
+            latest |= row
+            tune.report(dict(latest))
         reported = len(rows)
         if done:
             break

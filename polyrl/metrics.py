@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PhaseTimer", "Tracker", "read_jsonl", "plot_run", "phase_summary"]
+__all__ = ["PhaseTimer", "Tracker", "read_jsonl", "latest_metrics", "plot_run", "phase_summary"]
 
 
 class PhaseTimer:
@@ -102,9 +102,19 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def latest_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The latest logged value of every metric (validation metrics are logged only every
+    ``eval_every`` steps, the final weights' on a line of their own)."""
+    out: dict[str, Any] = {}
+    for row in rows:
+        out |= row
+    return out
+
+
 # Panels of the end-of-run plot, in order; those a run did not log are left out.
 PLOTTED = (
     ("reward/mean", "mean reward"),
+    ("val/reward/mean", "validation reward"),
     ("actor/rewards/margins", "DPO reward margin"),
     ("actor/kl_loss", "KL (actor loss term)"),
     ("kl_in_reward/kl", "KL (in reward)"),
@@ -160,7 +170,9 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
             if k.startswith("time/"):
                 totals[k[5:]] = totals.get(k[5:], 0.0) + v
     step_total = totals.pop("step", sum(totals.values()))
-    lines = [f"phase times over {len(rows)} steps ({step_total:.1f} s):"]
+    validate = totals.pop("validate", None)  # runs between steps, outside time/step
+    steps = sum("time/step" in r for r in rows)
+    lines = [f"phase times over {steps} steps ({step_total:.1f} s):"]
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<16} {t:8.2f} s  {100 * t / max(step_total, 1e-9):5.1f}%")
     compute = sum(t for k, t in totals.items() if k in compute_phases)
@@ -169,4 +181,10 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
         f"  framework overhead (step time - {'/'.join(compute_phases)}): {overhead:.2f} s "
         f"({100 * overhead / max(step_total, 1e-9):.1f}%)"
     )
+    if validate is not None:
+        runs = sum("time/validate" in r for r in rows)
+        lines.append(
+            f"  validation: {runs} runs, {validate:.2f} s between steps "
+            f"(+{100 * validate / max(step_total, 1e-9):.1f}% wall time)"
+        )
     return "\n".join(lines)

@@ -28,7 +28,14 @@ import numpy as np
 
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
-from polyrl.metrics import PhaseTimer, Tracker, phase_summary, plot_run, read_jsonl
+from polyrl.metrics import (
+    PhaseTimer,
+    Tracker,
+    latest_metrics,
+    phase_summary,
+    plot_run,
+    read_jsonl,
+)
 from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.workers import WorkerGroup
 
@@ -69,6 +76,7 @@ class Loop(abc.ABC):
         self.reference = self._group("reference") if "reference" in self.roles else None
         self.critic = None
         self.turns = Turns(False)  # RLTrainer: colocated roles take turns on shared GPUs
+        self.evaluator = None  # RLTrainer with validation data: polyrl.evaluation
         self.start_step = 0
 
     @abc.abstractmethod
@@ -128,21 +136,25 @@ class Loop(abc.ABC):
             self.cfg.wandb_project,
             resume_step=self.start_step if resume else None,
         )
+        evaluator = self.evaluator
         try:
             for step in range(self.start_step, self.cfg.total_steps):
-                metrics = self.step(step)
+                val = evaluator.evaluate(step) if evaluator and evaluator.due(step) else {}
+                metrics = val | self.step(step)
                 tracker.log(step, metrics)
                 print(_progress(step, self.cfg.total_steps, metrics), flush=True)
                 if on_step is not None:
                     on_step(step, metrics)
                 if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0:
                     self._save(step + 1)
+            if evaluator and self.start_step < self.cfg.total_steps:  # the final weights
+                tracker.log(self.cfg.total_steps, evaluator.evaluate(self.cfg.total_steps))
         finally:
             tracker.close()
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
         plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "summary.png")
         print(phase_summary(rows, COMPUTE_PHASES), flush=True)
-        return rows[-1] if rows else {}
+        return latest_metrics(rows)
 
     def update(
         self,
@@ -220,6 +232,12 @@ class RLTrainer(Loop):
         self.rewards = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
         self.turns = Turns(self._offloading(), self.pool)
+        if components.val_prompts is not None:
+            from polyrl.evaluation import Evaluator
+
+            self.evaluator = Evaluator(
+                cfg, components.val_prompts, self.tokenizer, self.pool.generate, self.reward
+            )
 
     def _offloading(self) -> bool:
         """RunConfig.offload_colocated, or by default: the actor shares GPUs with others."""

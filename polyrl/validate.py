@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from polyrl.config import RunConfig, closest
+from polyrl.evaluation import check_validation
 
 __all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems", "closest"]
 
@@ -214,6 +215,7 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
             f"{sorted(ENGINES)} (include gin/backends/<name>.gin)"
         )
     problems += _batch_problems(cfg, spec)
+    problems += check_validation(cfg)
     if spec.objective == "rl":
         problems += _rollout_problems(cfg)
     problems += _placement_problems(cfg, spec)

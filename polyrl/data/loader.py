@@ -56,9 +56,12 @@ class PromptSource:
         return cls(rows, tokenizer, source=", ".join(files), **kw)
 
     @classmethod
-    def from_task(cls, task: str, n: int, tokenizer: Any, **kw: Any) -> PromptSource:
+    def from_task(
+        cls, task: str, n: int, tokenizer: Any, split: str = "train", **kw: Any
+    ) -> PromptSource:
         make = make_preference_rows if cls.kind == "preference" else make_rows
-        return cls(make(task, n, seed=kw.get("seed", 0)), tokenizer, source=f"task {task}", **kw)
+        rows = make(task, n, seed=kw.get("seed", 0), split=split)
+        return cls(rows, tokenizer, source=f"task {task} ({split})", **kw)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,7 +79,10 @@ class PromptSource:
         return order[pos * size : (pos + 1) * size]
 
     def batch(self, k: int, size: int) -> Batch:
-        idx = self.indices(k, size)
+        return self.take(self.indices(k, size))
+
+    def take(self, idx: np.ndarray) -> Batch:
+        """The rows at ``idx`` (e.g. ``np.arange(len(source))``: all, in file order)."""
         rows = [self.rows[i] for i in idx]
         return Batch(
             {"prompt_index": idx.astype(np.int64)},

@@ -1,0 +1,98 @@
+"""Validation during training (polyrl.evaluation) on the tiny model: real vLLM, real Ray.
+
+The run with validation must log val/ metrics at the configured steps and take exactly
+the training steps of the run without it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from polyrl.launch import parse_config, train
+from polyrl.metrics import read_jsonl
+from polyrl.validate import check_run
+
+GRPO = "gin/experiments/tiny_grpo.gin"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _run(run_dir: Path, *extra: str) -> list[dict]:
+    train(
+        [GRPO],
+        [
+            f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
+            "polyrl.RunConfig.total_steps = 3",
+            "polyrl.RunConfig.tensorboard = False",
+            *extra,
+        ],
+    )
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def _training(row: dict) -> dict:
+    # time/* and sync/seconds are wall-clock readings, different in any two runs.
+    skip = ("val/", "time/", "sync/seconds")
+    return {k: v for k, v in row.items() if not k.startswith(skip)}
+
+
+def test_validation_logs_val_metrics_and_leaves_training_unchanged(local_ray, tmp_path):
+    plain = _run(tmp_path / "plain")
+    val = _run(
+        tmp_path / "val",
+        "polyrl.RunConfig.eval_every = 2",
+        "polyrl.RunConfig.n_val_prompts = 12",
+        "val/polyrl.SamplingSpec.n = 4",
+        "val/polyrl.SamplingSpec.temperature = 1.0",
+    )
+    # before step 0, before step 2 (every 2), and the final weights as step 3
+    assert [r["step"] for r in val] == [0, 1, 2, 3]
+    has_val = [r["step"] for r in val if "val/reward/mean" in r]
+    assert has_val == [0, 2, 3]
+    final = val[-1]
+    assert "time/step" not in final and "reward/mean" not in final
+    for key in ("val/polyrl/copy/pass@1", "val/polyrl/copy/pass@2", "val/polyrl/copy/pass@4"):
+        assert key in val[0] and key in final
+    assert 0.0 <= final["val/polyrl/copy/pass@1"] <= final["val/polyrl/copy/pass@4"] <= 1.0
+    assert final["val/polyrl/copy/reward/mean@4"] == pytest.approx(final["val/reward/mean"])
+    # Same seeds, same data order, same weights: the training numbers are identical
+    # (fp32 CPU kernels in one Ray session are deterministic; no tolerance needed).
+    assert [_training(r) for r in val[:3]] == [_training(r) for r in plain]
+
+    samples = [json.loads(x) for x in (tmp_path / "val" / "val_samples" / "step_3.jsonl").open()]
+    assert len(samples) == 8
+    assert samples[0]["data_source"] == "polyrl/copy" and samples[0]["prompt"].count("copy")
+    assert (tmp_path / "val" / "val_samples" / "step_0.jsonl").exists()
+    assert not (tmp_path / "plain" / "val_samples").exists()
+
+
+def test_validation_config_problems_name_the_binding(tmp_path):
+    from polyrl.algos import get_algorithm
+
+    run = f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"
+    cfg, _ = parse_config([GRPO], [run, "polyrl.RunConfig.eval_every = 5"])
+    problems = check_run(cfg, get_algorithm("grpo"), cluster=False)
+    assert any("RunConfig.eval_every=5 but there is no validation data" in p for p in problems)
+    cfg, _ = parse_config(
+        [GRPO],
+        [
+            run,
+            "polyrl.RunConfig.eval_every = 5",
+            "polyrl.RunConfig.n_val_prompts = 8",
+            "val/polyrl.SamplingSpec.n = 4",
+        ],
+    )
+    problems = check_run(cfg, get_algorithm("grpo"), cluster=False)
+    assert any("val/SamplingSpec.n=4 with temperature 0" in p for p in problems), problems

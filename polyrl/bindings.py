@@ -226,6 +226,11 @@ def _call_problem(error: Exception, label: str) -> str:
     scope = re.search(r"in scope '([^']+)'", str(error))
     head = lines[0] if lines else type(error).__name__
     missing = re.search(r"missing \d+ required positional argument", head)
+    if missing and scope and "configurable 'macro'" in str(error):  # %NAME never bound
+        return (
+            f"gin macro {scope.group(1)} is not bound (REQUIRED by the gin file's header); "
+            f"pass --gin_param '{scope.group(1)} = ...'"
+        )
     if missing:
         args = re.findall(r"'(\w+)'", head)
         return (

@@ -15,6 +15,7 @@ from polyrl.metrics import read_jsonl
 from polyrl.validate import check_run
 
 GRPO = "gin/experiments/tiny_grpo.gin"
+GRPO_VAL = "gin/experiments/tiny_grpo_val.gin"  # the demo: GRPO + validation
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,9 @@ def local_ray():
         ray.shutdown()
 
 
-def _run(run_dir: Path, *extra: str) -> list[dict]:
+def _run(gin_file: str, run_dir: Path, *extra: str) -> list[dict]:
     train(
-        [GRPO],
+        [gin_file],
         [
             f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
             "polyrl.RunConfig.total_steps = 3",
@@ -49,8 +50,9 @@ def _training(row: dict) -> dict:
 
 
 def test_validation_logs_val_metrics_and_leaves_training_unchanged(local_ray, tmp_path):
-    plain = _run(tmp_path / "plain")
+    plain = _run(GRPO, tmp_path / "plain")
     val = _run(
+        GRPO_VAL,
         tmp_path / "val",
         "polyrl.RunConfig.eval_every = 2",
         "polyrl.RunConfig.n_val_prompts = 12",

@@ -157,6 +157,11 @@ class ParallelConfig:
     micro_batch_size: samples per forward/backward pass on one data-parallel shard;
       gradients are accumulated over micro-batches with global normalisers, so it changes
       speed and memory, never the update.
+    max_tokens_per_micro_batch: a token budget instead of a fixed row count: rows sorted
+      by length fill each micro-batch while ``rows x (longest prompt + longest response)``
+      stays within it (``polyrl.micro_batch``), so short rows travel in large
+      micro-batches and long ones in small ones. None: ``micro_batch_size`` rows each.
+      Like ``micro_batch_size``, it changes speed and memory, never the update.
     cpu_offload: keep parameters/optimizer state in host memory between uses.
     logits_chunk_tokens: response tokens whose logits the LM head computes at once.
       Log-probs and entropy are computed chunk by chunk (each chunk's logits recomputed
@@ -172,6 +177,7 @@ class ParallelConfig:
     micro_batch_size: int = 8
     cpu_offload: bool = False
     logits_chunk_tokens: int = 1024
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.mesh) - set(MESH_AXES)
@@ -188,6 +194,11 @@ class ParallelConfig:
         if self.micro_batch_size < 1:
             raise ValueError(
                 f"ParallelConfig.micro_batch_size={self.micro_batch_size} must be >= 1"
+            )
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(
+                f"ParallelConfig.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} "
+                "must be >= 1 (e.g. 16384), or None for micro_batch_size rows per micro-batch"
             )
         if self.logits_chunk_tokens < 1:
             raise ValueError(

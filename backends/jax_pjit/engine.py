@@ -32,10 +32,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from polyrl import micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn
 from polyrl.backends.jax_pjit import checkpoint, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
-from polyrl.backends.jax_pjit.shapes import Padded, micro_rows, pad_batch
+from polyrl.backends.jax_pjit.shapes import micro_rows, pad_batch
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -203,16 +204,30 @@ class JaxPjitEngine:
                 out["scores"] = model.values(hidden[jnp.arange(ids.shape[0]), last])
         return out
 
-    def _micro_batches(self, batch: Batch) -> tuple[Padded, list[dict[str, jax.Array]]]:
-        """Pad ``batch`` (shapes.py) and cut it into device-put global micro-batches."""
-        rows = micro_rows(len(batch), self.parallel.micro_batch_size, self.parallel.dp_size)
-        padded = pad_batch(batch, rows, self.min_padded_len)
-        n = next(iter(padded.arrays.values())).shape[0]
-        chunks = [
-            {k: jax.device_put(v[i : i + rows], self._rows) for k, v in padded.arrays.items()}
-            for i in range(0, n, rows)
-        ]
-        return padded, chunks
+    def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, dict[str, jax.Array]]]:
+        """(row indices, padded device-put global micro-batch) pairs. Fixed
+        ``micro_batch_size``: the whole batch padded once (shapes.py) and cut into equal
+        micro-batches (one shape); token budget (``max_tokens_per_micro_batch`` per data
+        shard): ``polyrl.micro_batch``'s groups, each trimmed and padded to its own shape."""
+        par = self.parallel
+        put = lambda arrays: {k: jax.device_put(v, self._rows) for k, v in arrays.items()}  # noqa: E731
+        if par.max_tokens_per_micro_batch is None:
+            rows = micro_rows(len(batch), par.micro_batch_size, par.dp_size)
+            padded = pad_batch(batch, rows, self.min_padded_len).arrays
+            return [
+                (
+                    np.arange(i, min(i + rows, len(batch))),
+                    put({k: v[i : i + rows] for k, v in padded.items()}),
+                )
+                for i in range(0, len(batch), rows)
+            ]
+        budget = par.max_tokens_per_micro_batch * par.dp_size
+        out = []
+        for idx in micro_batch.plan(batch, par.micro_batch_size, budget):
+            trimmed = micro_batch.trim(batch.take(idx))
+            rows = micro_rows(len(idx), len(idx), par.dp_size)
+            out.append((idx, put(pad_batch(trimmed, rows, self.min_padded_len).arrays)))
+        return out
 
     def forward(
         self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
@@ -224,16 +239,11 @@ class JaxPjitEngine:
             out_shardings=self._rows,
         )
         self._check_loaded()
-        padded, chunks = self._micro_batches(batch)
         temp = jnp.float32(temperature)
-        outs = [jax.device_get(fn(self.params, c, temp)) for c in chunks]
-        b, r = padded.batch_size, padded.response_len
-        return {
-            k: np.concatenate([o[k] for o in outs])[:b, :r]
-            if outs[0][k].ndim == 2
-            else np.concatenate([o[k] for o in outs])[:b]
-            for k in outs[0]
-        }
+        parts = [
+            (idx, jax.device_get(fn(self.params, c, temp))) for idx, c in self._micro_batches(batch)
+        ]
+        return micro_batch.scatter(parts, *batch["responses"].shape)
 
     # ----------------------------------------------------------------- training
     def _grad_step(self, loss_fn: LossFn, entropy: bool):
@@ -307,7 +317,7 @@ class JaxPjitEngine:
         counts = np.array([mask.sum(), (mask.sum(axis=1) > 0).sum()], np.float32)
         if counts[0] == 0:
             raise ValueError("train_step: response_mask sums to 0 (no response token to train on)")
-        _, chunks = self._micro_batches(batch)
+        chunks = [chunk for _, chunk in self._micro_batches(batch)]
         step = self._grad_step(loss_fn, entropy)
         zeros = self._jit(
             "zero_grads",

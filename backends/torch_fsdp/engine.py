@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from polyrl import micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn
 from polyrl.backends.torch_fsdp import checkpoint, models, sharding, weights
 from polyrl.batch import Batch
@@ -109,6 +110,17 @@ class TorchFSDPEngine:
         out[self.env.rank] = value
         return out
 
+    def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, Batch]]:
+        """(row indices, micro-batch with all-padding columns trimmed) pairs: fixed
+        ``micro_batch_size`` rows or the token budget (``polyrl.micro_batch``). Every rank
+        runs the same number (each micro-batch is a collective)."""
+        par = self.parallel
+        groups = micro_batch.plan(batch, par.micro_batch_size, par.max_tokens_per_micro_batch)
+        count = int(sharding.all_reduce_sum(self._rank_onehot(len(groups))).max())
+        return [
+            (idx, micro_batch.trim(batch.take(idx))) for idx in micro_batch.split_to(groups, count)
+        ]
+
     def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Numeric columns as torch tensors on this rank's device (ids as int64)."""
         out = {}
@@ -143,11 +155,11 @@ class TorchFSDPEngine:
         self._check_usable("forward")
         self._check_batch(batch, who="TorchFSDPEngine.forward")
         self.model.eval()
-        parts: dict[str, list[np.ndarray]] = {}
-        for mb in batch.select(*MODEL_COLUMNS).chunks(self.parallel.micro_batch_size):
-            for key, value in self._outputs(self._to_device(mb), temperature, entropy).items():
-                parts.setdefault(key, []).append(value.float().cpu().numpy())
-        return {key: np.concatenate(chunks) for key, chunks in parts.items()}
+        parts = []
+        for idx, mb in self._micro_batches(batch.select(*MODEL_COLUMNS)):
+            outputs = self._outputs(self._to_device(mb), temperature, entropy)
+            parts.append((idx, {k: v.float().cpu().numpy() for k, v in outputs.items()}))
+        return micro_batch.scatter(parts, *batch["responses"].shape)
 
     # ------------------------------------------------------------ train_step
     def _loss_context(self, mask: np.ndarray, temperature: float) -> LossContext:
@@ -181,7 +193,7 @@ class TorchFSDPEngine:
         ctx = self._loss_context(mask, temperature)
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        for mb in batch.chunks(self.parallel.micro_batch_size):
+        for _, mb in self._micro_batches(batch):
             inputs = self._to_device(mb)
             loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
             loss.backward()

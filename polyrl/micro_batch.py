@@ -105,11 +105,12 @@ def scatter(
     out: dict[str, np.ndarray] = {}
     for idx, values in parts:
         for name, value in values.items():
-            value = np.asarray(value, np.float32)[: len(idx), :response_len]
+            value = np.asarray(value, np.float32)[: len(idx)]
             full = out.setdefault(
                 name, np.zeros((batch_size, response_len)[: value.ndim], np.float32)
             )
             if value.ndim == 2:
+                value = value[:, :response_len]
                 full[idx, : value.shape[1]] = value
             else:
                 full[idx] = value

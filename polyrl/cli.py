@@ -242,7 +242,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
     try:
-        final = train(args.gin_file, args.gin_param, resume=args.resume, imports=args.imports)
+        final = train(
+            args.gin_file,
+            args.gin_param,
+            resume=args.resume,
+            imports=args.imports,
+            debug=args.debug,
+        )
     except ConfigError as e:
         _print_problems(", ".join(args.gin_file), e.problems)
         return 1
@@ -282,6 +288,12 @@ def cmd_report(args: argparse.Namespace) -> int:
             print(f"  {key:<24} first {first.get(key, float('nan')):9.4f}  last {last[key]:9.4f}")
     print(phase_summary(rows, COMPUTE_PHASES))
     print(f"plot: {plot_run(path, Path(args.run_dir, 'summary.png'))}")
+    for name, what in (
+        ("timeline.json", "open in https://ui.perfetto.dev"),
+        ("rollouts.jsonl", ""),
+    ):
+        if Path(args.run_dir, name).exists():
+            print(f"{name.split('.')[0]}: {Path(args.run_dir, name)} {what}".rstrip())
     return 0
 
 
@@ -340,6 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     gin_args(p)
     p.add_argument(
         "--resume", action="store_true", help="continue from the run dir's latest checkpoint"
+    )
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="Ray's distributed debugger in every role, the dashboard on (docs/debugging.md)",
     )
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("validate-config", help="check a gin experiment before touching any device")

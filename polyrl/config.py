@@ -279,6 +279,12 @@ class RunConfig:
     user_cpus: logical CPUs left free for the user's own Ray tasks and actors (a remote
       verifier, a sandbox) when polyrl starts Ray itself: Ray gets the pools' CPUs plus
       these. A task that waits for resources longer than a minute is reported.
+    dump_every / dump_samples: every ``dump_every`` steps (0: never), write
+      ``dump_samples`` decoded samples to ``<run_dir>/rollouts.jsonl`` (``polyrl.dumps``).
+    timeline: write each phase of each role as spans to ``<run_dir>/timeline.json``
+      (Chrome/Perfetto trace, ``polyrl.timeline``).
+    debug: ``polyrl.debug.DebugConfig`` (breakpoints inside remote roles); filled from the
+      ``polyrl.DebugConfig`` bindings, turned on by ``polyrl train --debug``.
     """
 
     run_dir: str
@@ -335,6 +341,10 @@ class RunConfig:
     reward_workers: int = 2
     reward_timeout_s: float | None = 60.0
     user_cpus: float = 1.0
+    dump_every: int = 10
+    dump_samples: int = 4
+    timeline: bool = True
+    debug: object = None
 
 
 @dataclasses.dataclass(frozen=True)

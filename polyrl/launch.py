@@ -30,9 +30,18 @@ GIN_ROOT = Path(__file__).resolve().parents[1] / "gin"
 
 def _register() -> Any:
     import gin
+    from polyrl.debug import DebugConfig
     from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
-    for cls in (RunConfig, OptimConfig, ParallelConfig, SamplingSpec, RolloutConfig, SweepConfig):
+    for cls in (
+        RunConfig,
+        OptimConfig,
+        ParallelConfig,
+        SamplingSpec,
+        RolloutConfig,
+        SweepConfig,
+        DebugConfig,
+    ):
         with contextlib.suppress(ValueError):  # already registered in this process
             gin.external_configurable(cls, module="polyrl")
     return gin
@@ -60,6 +69,10 @@ def parse_config(
     if isinstance(cfg, RunConfig):
         cfg = dataclasses.replace(cfg, imports=tuple(dict.fromkeys((*cfg.imports, *imports))))
         import_modules(cfg.imports)
+        if cfg.debug is None:  # polyrl.DebugConfig bindings, without a RunConfig.debug line
+            import gin
+
+            cfg = dataclasses.replace(cfg, debug=gin.get_configurable("polyrl.DebugConfig")())
     return cfg, operative
 
 
@@ -87,6 +100,7 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     from transformers import AutoTokenizer
 
     from polyrl.data.loader import PairSource, PromptSource
+    from polyrl.debug import DebugSession
     from polyrl.evaluation import validation_prompts
     from polyrl.placement import Placement
     from polyrl.roles import build_roles
@@ -108,8 +122,8 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     if not ray.is_initialized():
         # A local start gets the pools' CPUs plus RunConfig.user_cpus for the user's own tasks.
         pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
-        init_ray(cfg.ray_num_cpus or pool_cpus + cfg.user_cpus, cfg.imports)
-
+        init_ray(cfg.ray_num_cpus or pool_cpus + cfg.user_cpus, cfg.imports, cfg.debug)
+    debug = DebugSession.start(cfg.debug)
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles)
     pool = None
@@ -126,10 +140,11 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
         pool=pool,
         placement=placement,
         roles=roles,
+        debug=debug,
     )
 
 
-def init_ray(num_cpus: float | None, imports: Sequence[str] = ()) -> None:
+def init_ray(num_cpus: float | None, imports: Sequence[str] = (), debug: Any = None) -> None:
     """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
     --head``, or ``auto``: docs/scaling.md), else start a private local one of
     ``num_cpus`` CPUs (never a cluster some other ``ray start`` left on the machine)."""
@@ -137,11 +152,16 @@ def init_ray(num_cpus: float | None, imports: Sequence[str] = ()) -> None:
 
     address = os.environ.get("RAY_ADDRESS", "local")
     local = {"num_cpus": num_cpus} if address == "local" else {}
+    env = runtime_env(imports)
+    if debug is not None and debug.enabled:  # docs/debugging.md
+        env["env_vars"].update(debug.env())
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log point's line, each step
+        local |= {"dashboard_host": debug.host} if address == "local" else {}
     ray.init(
         address=address,
-        include_dashboard=False,
+        include_dashboard=bool(debug and debug.enabled),
         log_to_driver=True,
-        runtime_env=runtime_env(imports),
+        runtime_env=env,
         **local,
     )
 
@@ -152,12 +172,15 @@ def train(
     resume: bool = False,
     on_step: Any = None,
     imports: Sequence[str] = (),
+    debug: bool = False,
 ) -> dict:
-    """``polyrl train``: parse, validate, write the operative config, run."""
+    """``polyrl train``: parse, validate, write the operative config, run. ``debug``
+    (``--debug``): Ray's distributed debugger in every role (docs/debugging.md)."""
+    from polyrl.debug import for_debugging
     from polyrl.trainer import PreferenceTrainer, RLTrainer
 
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
-    cfg, spec = prepare(cfg)
+    cfg, spec = prepare(for_debugging(cfg, debug))
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "operative_config.gin").write_text(operative)
@@ -167,13 +190,16 @@ def train(
     loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
     from polyrl.health import watch_pending
 
-    trainer = loop(cfg, spec, _components(cfg, spec))
+    components = _components(cfg, spec)
+    trainer = loop(cfg, spec, components)
     pending = watch_pending(cfg.user_cpus)
     try:
         return trainer.run(resume=resume, on_step=on_step)
     finally:
         pending.set()
         trainer.shutdown()
+        if components.debug is not None:
+            components.debug.close()
 
 
 def _trial(

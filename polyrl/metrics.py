@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ class PhaseTimer:
         self.echo = echo
         self.times: dict[str, float] = {}
         self.step = 0
+        # Called as listener(phase, start perf_counter, seconds, step), e.g. Timeline.add.
+        self.listeners: list[Callable[[str, float, float, int], Any]] = []
 
     def start_step(self, step: int) -> None:
         self.step, self.times = step, {}
@@ -36,6 +38,8 @@ class PhaseTimer:
         finally:
             dt = time.perf_counter() - t0
             self.times[name] = self.times.get(name, 0.0) + dt
+            for listener in self.listeners:
+                listener(name, t0, dt, self.step)
             if self.echo:
                 print(f"[{name}] step {self.step}: {dt:.2f} s", flush=True)
 

@@ -28,6 +28,8 @@ import numpy as np
 
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
+from polyrl.dumps import RolloutDumps
+from polyrl.health import HealthMonitor, explained_variance, response_stats
 from polyrl.metrics import (
     PhaseTimer,
     Tracker,
@@ -37,6 +39,7 @@ from polyrl.metrics import (
     read_jsonl,
 )
 from polyrl.rewards.workers import RewardError, RewardPool
+from polyrl.timeline import Timeline
 from polyrl.workers import WorkerGroup
 
 __all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "latest_checkpoint"]
@@ -71,6 +74,11 @@ class Loop(abc.ABC):
         self.vocab = self.pool.sampling_vocab_size if self.pool is not None else None
         self.run_dir = Path(cfg.run_dir)
         self.timer = PhaseTimer()
+        self.timeline = Timeline(self.run_dir / "timeline.json") if cfg.timeline else None
+        if self.timeline is not None:
+            self.timer.listeners.append(self.timeline.add)
+        self.health = HealthMonitor()
+        self.dumps = RolloutDumps(self.run_dir, self.tokenizer, cfg.dump_every, cfg.dump_samples)
         self.actor_loss = spec.make_actor_loss()
         self.actor = self._group("actor")
         self.reference = self._group("reference") if "reference" in self.roles else None
@@ -142,6 +150,8 @@ class Loop(abc.ABC):
                 val = evaluator.evaluate(step) if evaluator and evaluator.due(step) else {}
                 metrics = val | self.step(step)
                 tracker.log(step, metrics)
+                if self.timeline is not None:
+                    self.timeline.flush()
                 print(_progress(step, self.cfg.total_steps, metrics), flush=True)
                 if on_step is not None:
                     on_step(step, metrics)
@@ -151,6 +161,8 @@ class Loop(abc.ABC):
                 tracker.log(self.cfg.total_steps, evaluator.evaluate(self.cfg.total_steps))
         finally:
             tracker.close()
+            if self.timeline is not None:
+                self.timeline.close()
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
         plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "summary.png")
         print(phase_summary(rows, COMPUTE_PHASES), flush=True)
@@ -317,7 +329,13 @@ class RLTrainer(Loop):
             with phase("sync_weights"):
                 metrics |= self.sync_weights(version=step + 1)
         metrics |= self.timer.metrics() | {"time/step": time.perf_counter() - t0}
-        return metrics
+        return metrics | self.inspect(step, batch, metrics)
+
+    def inspect(self, step: int, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
+        """Health checks and the rollout dump of one step (docs/debugging.md)."""
+        stats = response_stats(batch, self.tokenizer)
+        self.dumps.write(step, batch)
+        return stats | self.health.check(metrics | stats, batch["scores"])
 
     @property
     def mini_rows(self) -> int:
@@ -436,6 +454,12 @@ class RLTrainer(Loop):
         )
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
+        if "values" in batch:  # health checks of the critic (polyrl.health)
+            metrics["critic/explained_variance"] = explained_variance(
+                batch["values"], returns, mask
+            )
+            sq = np.asarray(returns, np.float64) ** 2
+            metrics["critic/zero_value_loss"] = float(0.5 * (sq * mask).sum() / max(mask.sum(), 1))
         metrics |= {
             "reward/mean": float(batch["scores"].mean()),
             "reward/max": float(batch["scores"].max()),

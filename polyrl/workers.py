@@ -25,6 +25,7 @@ import numpy as np
 
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
+from polyrl.debug import place, setup_worker
 from polyrl.roles import RoleSpec
 
 __all__ = ["WorkerGroup", "EngineWorker"]
@@ -57,16 +58,20 @@ class EngineWorker:
         from polyrl.backends.base import get_engine  # imports the framework here, lazily
 
         self.rank = rank
+        setup_worker(model.role, rank)
         self.engine = get_engine(self.backend)()
         self.engine.init(model, optim, parallel)
         return True
 
+    @place("forward")
     def forward(self, batch: Batch, kwargs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         return self.engine.forward(batch, **kwargs)
 
+    @place("train_step")
     def train_step(self, batch: Batch, loss_fn: Any, kwargs: Mapping[str, Any]) -> dict[str, float]:
         return self.engine.train_step(batch, loss_fn, **kwargs)
 
+    @place("sync_weights")
     def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
         """Export this worker's buckets; worker 0 pushes them to the rollout servers with
         ``syncer`` (a ``polyrl.weight_sync.WeightSyncer``), the others take part in
@@ -78,6 +83,7 @@ class EngineWorker:
             return None
         return syncer.push(buckets, version)
 
+    @place("call")
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl.debug import place, setup_worker
 from polyrl.rewards.registry import REWARDS, RewardFn
 
 __all__ = ["RewardError", "RewardPool", "RewardWorker", "check_reward", "score_items"]
@@ -111,9 +112,11 @@ def score_items(
 class RewardWorker:
     """One Ray actor scoring shards of a batch with a copy of the driver's registry."""
 
-    def __init__(self, fns: Mapping[str, RewardFn], timeout_s: float | None):
+    def __init__(self, fns: Mapping[str, RewardFn], timeout_s: float | None, rank: int = 0):
+        setup_worker("reward", rank)
         self.fns, self.timeout_s = dict(fns), timeout_s
 
+    @place("score")
     def score(self, items: Sequence[Item]) -> list[float]:
         return score_items(self.fns, items, self.timeout_s)
 
@@ -144,7 +147,7 @@ class RewardPool:
                 opts = options(rank) if options else {"num_cpus": 0}
                 self.workers.append(
                     remote.options(**opts, runtime_env={"env_vars": dict(env or {})}).remote(
-                        self.fns, timeout_s
+                        self.fns, timeout_s, rank
                     )
                 )
 

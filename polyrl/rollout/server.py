@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl.debug import place, setup_worker
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
 __all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "server_env"]
@@ -84,6 +85,7 @@ class RolloutServer:
     def __init__(self, config: RolloutConfig, index: int = 0) -> None:
         import torch
 
+        setup_worker("rollout", index)
         self.config = config
         self.index = index
         self.on_gpu = torch.cuda.is_available()
@@ -138,6 +140,7 @@ class RolloutServer:
         return self.version
 
     # -------------------------------------------------------------- generate
+    @place("generate")
     def generate(
         self,
         requests: Sequence[tuple[int, Sequence[int]]],

@@ -1,0 +1,129 @@
+"""DebugConfig checks, and a headless DAP client against a role method paused by
+polyrl.debug in a plain process (no Ray: the same code path a Ray worker runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from dap_client import DAPClient, wait_for_pause
+
+from polyrl.debug import DEBUG_ENV, DebugConfig
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"DebugConfig.breakpoints: 'actor.step' is not a place"):
+        DebugConfig(breakpoints=["actor.step"])
+    with pytest.raises(
+        ValueError,
+        match=r"DebugConfig.breakpoints 'actor.forward if step ==': 'step ==' is not a Python",
+    ):
+        DebugConfig(breakpoints=["actor.forward if step =="])
+    with pytest.raises(ValueError, match=r"DebugConfig.log_points: 'critc.forward'"):
+        DebugConfig(log_points={"critc.forward": "1"})
+    cfg = DebugConfig(
+        breakpoints=["reward.score if min(scores) < -1"], log_points={"reward.score": "len(items)"}
+    )
+    assert cfg.enabled and cfg.host == "127.0.0.1"
+    assert cfg.points("reward", "score") == [("break", "min(scores) < -1"), ("log", "len(items)")]
+    assert cfg.points("actor", "train_step") == []
+
+
+ROLE = textwrap.dedent(
+    """
+    import os
+    from types import SimpleNamespace
+
+    from polyrl.debug import place, setup_worker
+
+    setup_worker("actor", 0)
+
+    class Worker:
+        @place("train_step")
+        def train_step(self, batch, lr):
+            return {"loss": sum(batch.x) * lr}
+
+        @place("forward")
+        def forward(self, batch):
+            if batch.info["step"] == 1 and os.environ.get("ROLE_RAISES"):  # 1 / 0
+                return batch.x[0] / (batch.x[0] - 1)
+            return batch.x
+
+    w = Worker()
+    for step in range(3):
+        batch = SimpleNamespace(info={"step": step}, x=[step, 10])
+        w.forward(batch)
+        print("loss", w.train_step(batch, lr=0.5)["loss"], flush=True)
+    """
+)
+
+
+def _role_process(config: DebugConfig, script, raises: bool = False) -> subprocess.Popen:
+    script.write_text(ROLE)
+    env = {**os.environ, DEBUG_ENV: json.dumps(config.__dict__), "PYTHONUNBUFFERED": "1"}
+    env |= {"ROLE_RAISES": "1"} if raises else {}
+    return subprocess.Popen(
+        [sys.executable, str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_conditional_breakpoint_and_log_point_through_dap(tmp_path):
+    proc = _role_process(
+        DebugConfig(
+            breakpoints=["actor.train_step if step == 2"],
+            log_points={"actor.forward": "batch.x[0] * 100"},
+        ),
+        tmp_path / "role.py",
+    )
+    seen: list[str] = []
+    try:
+        m = wait_for_pause(proc, seen, timeout_s=60)
+        role, rank, where, line, host, port = m.groups()
+        assert (role, rank, host) == ("actor", "0", "127.0.0.1")
+        # the log points ran without pausing, and the steps before the condition held did too
+        out = "".join(seen)
+        assert "[debug] log point actor.forward rank 0 step 0: batch.x[0] * 100 = 0" in out
+        assert "step 2: batch.x[0] * 100 = 200" in out
+        assert "loss 5.0" in out and "loss 5.5" in out
+        dap = DAPClient(host, int(port))
+        stopped = dap.attach()
+        frame = dap.top_frame(stopped["threadId"])
+        assert (frame["source"]["path"], frame["line"]) == (str(tmp_path / "role.py"), int(line))
+        local = dap.local_variables(frame["id"])
+        assert local["step"] == "2" and local["lr"] == "0.5"
+        assert dap.evaluate("sum(batch.x) * lr", frame["id"]) == "6.0"
+        dap.request("continue", threadId=stopped["threadId"])
+        dap.close()
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert "loss 6.0" in rest
+
+
+def test_post_mortem_pauses_where_the_role_raised(tmp_path):
+    proc = _role_process(DebugConfig(post_mortem=True), tmp_path / "role.py", raises=True)
+    seen: list[str] = []
+    try:
+        m = wait_for_pause(proc, seen, timeout_s=60)
+        dap = DAPClient(m.group(5), int(m.group(6)))
+        stopped = dap.attach()
+        assert stopped["reason"] == "exception"
+        info = dap.request("exceptionInfo", threadId=stopped["threadId"])
+        assert info["exceptionId"].startswith("ZeroDivisionError")
+        frame = dap.top_frame(stopped["threadId"])
+        assert dap.evaluate("batch.info['step']", frame["id"]) == "1"
+        dap.request("continue", threadId=stopped["threadId"])
+        dap.close()
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "ZeroDivisionError" in rest

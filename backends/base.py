@@ -141,14 +141,19 @@ def _torch_group_env(slot: GroupSlot) -> dict[str, str]:
     }
 
 
+# backends/jax_pjit/distributed.py joins jax.distributed from these (one process per host).
+JAX_COORDINATOR_ENV = "POLYRL_JAX_COORDINATOR"
+JAX_NUM_PROCESSES_ENV = "POLYRL_JAX_NUM_PROCESSES"
+JAX_PROCESS_ID_ENV = "POLYRL_JAX_PROCESS_ID"
+
+
 def _jax_group_env(slot: GroupSlot) -> dict[str, str]:
-    # backends/jax_pjit/distributed.py joins jax.distributed from these (one process per host).
     if slot.world == 1:
         return {}
     return {
-        "POLYRL_JAX_COORDINATOR": f"{slot.addr}:{slot.port}",
-        "POLYRL_JAX_NUM_PROCESSES": str(slot.world),
-        "POLYRL_JAX_PROCESS_ID": str(slot.rank),
+        JAX_COORDINATOR_ENV: f"{slot.addr}:{slot.port}",
+        JAX_NUM_PROCESSES_ENV: str(slot.world),
+        JAX_PROCESS_ID_ENV: str(slot.rank),
     }
 
 

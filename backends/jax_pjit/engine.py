@@ -34,7 +34,7 @@ from flax import nnx
 
 from polyrl import micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn
-from polyrl.backends.jax_pjit import checkpoint, sharding
+from polyrl.backends.jax_pjit import checkpoint, distributed, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
 from polyrl.backends.jax_pjit.shapes import micro_rows, pad_batch
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
@@ -95,6 +95,7 @@ class JaxPjitEngine:
                 f"role {model.role!r} got optim={optim!r}: actor/critic need an OptimConfig, "
                 "reference/reward are frozen and need optim=None"
             )
+        distributed.initialize_from_env()  # several hosts: join them before any device use
         self.model_cfg, self.optim, self.parallel = model, optim, parallel
         self.mesh = sharding.make_mesh(parallel, self._devices)
         self.config = TransformerConfig.from_hf(
@@ -205,22 +206,35 @@ class JaxPjitEngine:
         return out
 
     def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, dict[str, jax.Array]]]:
-        """(row indices, padded device-put global micro-batch) pairs. Fixed
-        ``micro_batch_size``: the whole batch padded once (shapes.py) and cut into equal
-        micro-batches (one shape); token budget (``max_tokens_per_micro_batch`` per data
-        shard): ``polyrl.micro_batch``'s groups, each trimmed and padded to its own shape."""
+        """(row indices, padded global micro-batch) pairs. Fixed ``micro_batch_size``: the
+        whole batch padded once (shapes.py) and cut into equal micro-batches (one shape);
+        token budget (``max_tokens_per_micro_batch`` per data shard): ``polyrl.micro_batch``'s
+        groups, each trimmed and padded to its own shape.
+
+        With several hosts (distributed.py) ``batch`` is this host's shard: every host pads
+        to the same shapes and feeds its rows of each global micro-batch."""
         par = self.parallel
-        put = lambda arrays: {k: jax.device_put(v, self._rows) for k, v in arrays.items()}  # noqa: E731
+        put = lambda arrays: {k: distributed.global_rows(self._rows, v) for k, v in arrays.items()}  # noqa: E731
         if par.max_tokens_per_micro_batch is None:
-            rows = micro_rows(len(batch), par.micro_batch_size, par.dp_size)
-            padded = pad_batch(batch, rows, self.min_padded_len).arrays
+            r = batch["responses"].shape[1]
+            agreed = distributed.agree([len(batch), batch["input_ids"].shape[1] - r, r], "max")
+            shape = (int(agreed[0]), int(agreed[1]), int(agreed[2]))
+            rows = micro_rows(shape[0], par.micro_batch_size, par.dp_size // jax.process_count())
+            padded = pad_batch(batch, rows, self.min_padded_len, at_least=shape).arrays
+            n = next(iter(padded.values())).shape[0]
             return [
                 (
-                    np.arange(i, min(i + rows, len(batch))),
+                    np.arange(min(i, len(batch)), min(i + rows, len(batch))),
                     put({k: v[i : i + rows] for k, v in padded.items()}),
                 )
-                for i in range(0, len(batch), rows)
+                for i in range(0, n, rows)
             ]
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"ParallelConfig.max_tokens_per_micro_batch={par.max_tokens_per_micro_batch}: "
+                f"token-budget micro-batches differ between the {jax.process_count()} hosts of "
+                "a multi-host JAX role; use a fixed micro_batch_size (set it to None)"
+            )
         budget = par.max_tokens_per_micro_batch * par.dp_size
         out = []
         for idx in micro_batch.plan(batch, par.micro_batch_size, budget):
@@ -241,7 +255,8 @@ class JaxPjitEngine:
         self._check_loaded()
         temp = jnp.float32(temperature)
         parts = [
-            (idx, jax.device_get(fn(self.params, c, temp))) for idx, c in self._micro_batches(batch)
+            (idx, jax.tree.map(distributed.local_rows, fn(self.params, c, temp)))
+            for idx, c in self._micro_batches(batch)
         ]
         return micro_batch.scatter(parts, *batch["responses"].shape)
 
@@ -315,6 +330,7 @@ class JaxPjitEngine:
         batch = _mask_pad_rows(batch)
         mask = batch["response_mask"]
         counts = np.array([mask.sum(), (mask.sum(axis=1) > 0).sum()], np.float32)
+        counts = distributed.agree(counts, "sum")  # every host's rows count in the step
         if counts[0] == 0:
             raise ValueError("train_step: response_mask sums to 0 (no response token to train on)")
         chunks = [chunk for _, chunk in self._micro_batches(batch)]

@@ -70,12 +70,16 @@ def _canonical(name: str, x: np.ndarray) -> np.ndarray:
     return x
 
 
-def pad_batch(batch: Batch, rows_multiple: int, min_len: int) -> Padded:
-    """Pad ``batch``'s tensors: P and R to powers of two, B to a multiple of ``rows_multiple``."""
+def pad_batch(
+    batch: Batch, rows_multiple: int, min_len: int, at_least: tuple[int, int, int] = (0, 0, 0)
+) -> Padded:
+    """Pad ``batch``'s tensors: P and R to powers of two, B to a multiple of ``rows_multiple``;
+    ``at_least``: (B, P, R) to pad up to at least (the largest shard of any host, so all
+    hosts of a multi-controller role build the same global shapes)."""
     batch.require(*REQUIRED, who="the jax_pjit backend")
     b, r = batch["responses"].shape
     p = batch["input_ids"].shape[1] - r
-    pb, rb = pow2_len(p, min_len), pow2_len(r, min_len)
+    pb, rb = pow2_len(max(p, at_least[1]), min_len), pow2_len(max(r, at_least[2]), min_len)
     out: dict[str, np.ndarray] = {}
     for name, x in batch.tensors.items():
         x = _canonical(name, x)
@@ -94,6 +98,6 @@ def pad_batch(batch: Batch, rows_multiple: int, min_len: int) -> Padded:
                 f"per-sample columns [B], response-aligned columns [B, R={r}] and the "
                 f"sequence columns {SEQUENCE}; reshape it or move it to Batch.meta"
             )
-        rows = (-b) % rows_multiple
+        rows = (-max(b, at_least[0])) % rows_multiple + max(0, at_least[0] - b)
         out[name] = np.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1)) if rows else x
     return Padded(out, b, r)

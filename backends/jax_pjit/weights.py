@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from polyrl.backends.jax_pjit.distributed import gather
 from polyrl.backends.jax_pjit.models import TransformerConfig
 from polyrl.weight_sync import iter_buckets as group_buckets
 
@@ -161,14 +162,14 @@ def export_buckets(
     """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each.
 
     Kernels are transposed back to HF's [out, in] and cast to ``dtype`` (default: as
-    stored). Each array is gathered onto ``device`` (default: the first device) only
+    stored). Each array is gathered onto ``device`` (default: this process's first device) only
     when its bucket is built, so at most one bucket of gathered weights is alive at a time.
     """
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
 
     def gathered():
         for path, x in params.items():
-            x = jax.device_put(x, device).astype(dtype or x.dtype)
+            x = gather(x, device).astype(dtype or x.dtype)
             yield hf_name(path), x.T if path.endswith(".kernel") else x
 
     yield from group_buckets(gathered(), bucket_bytes)

@@ -90,11 +90,12 @@ class EngineWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def node(self) -> str:
-        """The Ray node this worker runs on."""
+    def where(self) -> dict[str, str]:
+        """The Ray node this worker runs on and the GPUs it sees (CUDA_VISIBLE_DEVICES)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        node = ray.get_runtime_context().get_node_id()
+        return {"node": node, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
 
 class WorkerGroup:

@@ -61,6 +61,7 @@ __all__ = [
     "ppo_policy_loss",
     "gspo_policy_loss",
     "cispo_policy_loss",
+    "truncated_is_weight",
     "value_loss",
     "kl_penalty",
     "entropy_from_logits",
@@ -216,6 +217,7 @@ def ppo_policy_loss(
     agg: str = "token-mean",
     global_tokens: float | Array | None = None,
     global_seqs: float | Array | None = None,
+    weights: Array | None = None,
 ) -> tuple[Array, Metrics]:
     """PPO clipped surrogate (Schulman et al. 2017), with decoupled clip ranges (DAPO's
     clip-higher when ``clip_high > clip_low``, Yu et al. 2025) and dual clip (Ye et al.
@@ -229,7 +231,10 @@ def ppo_policy_loss(
         l  = min(l, -A dual_clip)   where A < 0       # dual clip (dual_clip > 1)
         loss = aggregate(l, mask, agg, global_tokens, global_seqs)
 
-    ``dual_clip=None`` turns the dual clip off. Metrics (token means, module docstring):
+    ``dual_clip=None`` turns the dual clip off. ``weights`` [B, T] (optional, gradient
+    stopped) multiply ``l`` per token before the aggregation: the truncated
+    importance-sampling correction of :func:`truncated_is_weight` (likewise in every policy
+    loss). Metrics (token means, module docstring):
     ``clipfrac`` = share of tokens with ``l2 > l1`` (the clip is active),
     ``clipfrac_lower`` = share with ``A < 0`` and ``max(l1, l2) > -A dual_clip`` (the dual
     clip is active), ``approx_kl`` = mean of ``old_log_probs - log_probs`` (k1 estimate
@@ -261,7 +266,7 @@ def ppo_policy_loss(
         negative = advantages < 0
         losses = xp.where(negative, xp.minimum(clipped, l3), clipped)
         lower = _as_float(xp, negative & (clipped > l3), l1)
-    loss = aggregate(losses, mask, agg, global_tokens, global_seqs)
+    loss = aggregate(_weighted(losses, weights), mask, agg, global_tokens, global_seqs)
     metrics = {
         "clipfrac": _token_metric(_as_float(xp, l2 > l1, l1), mask, global_tokens),
         "clipfrac_lower": _token_metric(lower, mask, global_tokens),
@@ -280,6 +285,7 @@ def gspo_policy_loss(
     agg: str = "seq-mean-token-mean",
     global_tokens: float | Array | None = None,
     global_seqs: float | Array | None = None,
+    weights: Array | None = None,
 ) -> tuple[Array, Metrics]:
     """GSPO: Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071).
 
@@ -315,7 +321,7 @@ def gspo_policy_loss(
     s = xp.exp(xp.clip(log_s, None, 10.0))
     l1 = -advantages * s
     l2 = -advantages * xp.clip(s, 1.0 - clip_low, 1.0 + clip_high)
-    loss = aggregate(xp.maximum(l1, l2), mask, agg, global_tokens, global_seqs)
+    loss = aggregate(_weighted(xp.maximum(l1, l2), weights), mask, agg, global_tokens, global_seqs)
     metrics = {
         "clipfrac": _token_metric(_as_float(xp, l2 > l1, l1), mask, global_tokens),
         "clipfrac_lower": _token_metric(xp.zeros_like(l1), mask, global_tokens),
@@ -334,6 +340,7 @@ def cispo_policy_loss(
     agg: str = "token-mean",
     global_tokens: float | Array | None = None,
     global_seqs: float | Array | None = None,
+    weights: Array | None = None,
 ) -> tuple[Array, Metrics]:
     """CISPO: clipped IS-weight policy optimisation (MiniMax-M1, arXiv:2506.13585).
 
@@ -363,7 +370,9 @@ def cispo_policy_loss(
     log_ratio = _log_ratio(xp, log_probs, old_log_probs)
     ratio = xp.exp(log_ratio)
     weight = stop_gradient(xp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
-    loss = aggregate(-weight * advantages * log_probs, mask, agg, global_tokens, global_seqs)
+    loss = aggregate(
+        _weighted(-weight * advantages * log_probs, weights), mask, agg, global_tokens, global_seqs
+    )
     metrics = {
         "clipfrac": _token_metric(_as_float(xp, weight != ratio, ratio), mask, global_tokens),
         "clipfrac_lower": _token_metric(
@@ -372,6 +381,54 @@ def cispo_policy_loss(
         "approx_kl": _token_metric(-log_ratio, mask, global_tokens),
     }
     return loss, metrics
+
+
+# --------------------------------------------------------------------------- truncated IS
+
+
+def truncated_is_weight(
+    old_log_probs: Array,
+    rollout_log_probs: Array,
+    mask: Array,
+    cap: float,
+    global_tokens: float | Array | None = None,
+) -> tuple[Array, Metrics]:
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"; verl's ``tis_imp_ratio_cap``).
+
+    The rollout engine samples with its own kernels (and, in the asynchronous mode, with
+    weights one step older), so its log-probs ``rollout_log_probs`` differ from those the
+    trainer computes for the same tokens, ``old_log_probs``. The policy loss is computed
+    against the trainer's ``old_log_probs``; each token's loss is then multiplied by the
+    stop-gradient weight [B, T]::
+
+        w = sg[min(exp(clamp(old_log_probs - rollout_log_probs, -20, 20)), cap)]
+
+    (truncated from above only, as verl). ``cap`` must be > 0. Metrics (token means):
+    ``tis_weight_mean`` (mean of ``w``) and ``tis_clipfrac`` (share of tokens whose ratio
+    exceeded ``cap``).
+    """
+    if not cap > 0:
+        raise ValueError(f"truncated_is_weight: cap must be > 0, got {cap!r}")
+    check_same_shape(
+        "truncated_is_weight",
+        old_log_probs=old_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        mask=mask,
+    )
+    xp = namespace(old_log_probs, rollout_log_probs, mask)
+    ratio = xp.exp(_log_ratio(xp, old_log_probs, rollout_log_probs))
+    weight = stop_gradient(xp.clip(ratio, None, cap))
+    metrics = {
+        "tis_weight_mean": _token_metric(weight, mask, global_tokens),
+        "tis_clipfrac": _token_metric(_as_float(xp, ratio > cap, ratio), mask, global_tokens),
+    }
+    return weight, metrics
+
+
+def _weighted(losses: Array, weights: Array | None) -> Array:
+    """Per-token losses times importance weights [B, T] (None: unchanged)."""
+    return losses if weights is None else losses * weights
 
 
 @dataclasses.dataclass(frozen=True)

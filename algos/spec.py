@@ -41,6 +41,7 @@ from polyrl.algos.losses import (
     aggregate,
     dpo_loss,
     kl_penalty,
+    truncated_is_weight,
     value_loss,
 )
 from polyrl.tensor import masked_sum, namespace, stop_gradient
@@ -67,6 +68,12 @@ class RLActorLoss:
     ``outputs["entropy"]``). Metrics: the policy loss's (``clipfrac``, ``approx_kl``,
     ``clipfrac_lower``), ``pg_loss``, ``kl_loss`` (when used) and ``entropy`` (token mean,
     whenever ``outputs`` has it).
+
+    ``tis_cap`` (None = off): truncated importance sampling of the rollout/trainer
+    mismatch (``losses.truncated_is_weight``): every token's policy loss is weighted by
+    ``min(exp(old_log_probs - rollout_log_probs), tis_cap)`` (needs
+    ``batch["rollout_log_probs"]``, the rollout's sampled log-probs); adds the metrics
+    ``tis_weight_mean`` and ``tis_clipfrac``.
     """
 
     policy_loss: str
@@ -76,20 +83,38 @@ class RLActorLoss:
     kl_kind: str
     kl_coef: float
     entropy_coef: float
+    tis_cap: float | None = None
 
     def __call__(self, outputs: Mapping[str, Array], batch: Mapping[str, Array], ctx: Any):
         log_probs, mask = outputs["log_probs"], batch["response_mask"]
         norms = {"global_tokens": ctx.global_tokens, "global_seqs": ctx.global_seqs}
+        weights, tis_metrics = None, {}
+        if self.tis_cap is not None:
+            if "rollout_log_probs" not in batch:
+                raise ValueError(
+                    f"AlgorithmSpec.tis_cap={self.tis_cap} needs the rollout's sampled "
+                    "log-probs (batch column 'rollout_log_probs', filled by RolloutPool."
+                    "generate); set tis_cap=None for batches without them"
+                )
+            weights, tis_metrics = truncated_is_weight(
+                batch["old_log_probs"],
+                batch["rollout_log_probs"],
+                mask,
+                self.tis_cap,
+                ctx.global_tokens,
+            )
         pg_loss, pg_metrics = POLICY_LOSSES[self.policy_loss].fn(
             log_probs,
             batch["old_log_probs"],
             batch["advantages"],
             mask,
             agg=self.agg,
+            weights=weights,
             **dict(self.loss_kwargs),
             **norms,
         )
-        loss, metrics = pg_loss, {**pg_metrics, "pg_loss": stop_gradient(pg_loss)}
+        loss = pg_loss
+        metrics = {**pg_metrics, **tis_metrics, "pg_loss": stop_gradient(pg_loss)}
         if self.use_kl_loss:
             kl = kl_penalty(log_probs, batch["ref_log_probs"], self.kl_kind)
             kl_loss = aggregate(kl, mask, self.agg, **norms)
@@ -185,6 +210,7 @@ def _rl_actor_loss(spec: AlgorithmSpec) -> RLActorLoss:
         kl_kind=spec.kl_loss_kind,
         kl_coef=spec.kl_loss_coef,
         entropy_coef=spec.entropy_coef,
+        tis_cap=spec.tis_cap,
     )
 
 
@@ -239,6 +265,7 @@ class AlgorithmSpec:
     dual_clip: float | None = 3.0
     agg: str = "token-mean"
     entropy_coef: float = 0.0
+    tis_cap: float | None = None
     # KL as a loss term
     use_kl_loss: bool = False
     kl_loss_kind: str = "k3"
@@ -285,6 +312,10 @@ class AlgorithmSpec:
         if self.dual_clip is not None and not self.dual_clip > 1.0:
             raise ValueError(
                 f"AlgorithmSpec.dual_clip must be > 1.0 or None, got {self.dual_clip!r}"
+            )
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(
+                f"AlgorithmSpec.tis_cap must be > 0 (e.g. 2.0) or None (off), got {self.tis_cap!r}"
             )
         if self.overlong_buffer_len is not None and not self.overlong_buffer_len > 0:
             raise ValueError(

@@ -268,6 +268,9 @@ class RunConfig:
       dtype ("bfloat16" on GPU) and activation checkpointing.
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
+    async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
+      while the actor trains on step k (``polyrl.async_rollout``; staleness <= 1, logged
+      as ``rollout/staleness_mean``). Off: every batch is sampled by the current weights.
     sampling / rollout: ``polyrl.rollout`` SamplingSpec / RolloutConfig (rollout's
       model_path is filled from ``model_path`` when left empty).
     imports: user modules (``pkg.mod`` names) imported in the driver and in every Ray
@@ -330,6 +333,7 @@ class RunConfig:
     model_dtype: str = "float32"
     gradient_checkpointing: bool = False
     weight_transport: str = "object_store"
+    async_rollout: bool = False
     weight_bucket_mb: float = 64.0
     save_every: int = 0
     keep_checkpoints: int = 2

@@ -191,4 +191,11 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
             f"  validation: {runs} runs, {validate:.2f} s between steps "
             f"(+{100 * validate / max(step_total, 1e-9):.1f}% wall time)"
         )
+    ahead = sum(r.get("async/generate_s", 0.0) for r in rows)
+    if ahead:  # RunConfig.async_rollout: "generate" above is only the time waited for it
+        hidden = ahead - sum(r.get("async/wait_s", 0.0) for r in rows)
+        lines.append(
+            f"  generation ahead (async): {ahead:.2f} s, {hidden:.2f} s of it "
+            f"({100 * hidden / ahead:.1f}%) overlapped with training"
+        )
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl.async_rollout import Rollouts, staleness_metrics
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
 from polyrl.dumps import RolloutDumps
@@ -95,8 +96,12 @@ class Loop(abc.ABC):
         """Loop state besides the engines' that a checkpoint must keep."""
         return {}
 
-    def restore_extra(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional hook)
-        """Undo :meth:`extra_state` after the engines were loaded."""
+    def restore_extra(self, state: dict[str, Any], path: Path) -> None:  # noqa: B027
+        """Undo :meth:`extra_state` (and :meth:`save_extra_files` under checkpoint ``path``)
+        after the engines were loaded (an optional hook)."""
+
+    def save_extra_files(self, path: Path) -> None:  # noqa: B027 (optional hook)
+        """Write loop state that is not JSON (e.g. a batch generated ahead) under ``path``."""
 
     @property
     def temperature(self) -> float:
@@ -204,6 +209,7 @@ class Loop(abc.ABC):
             if group is not None:
                 with self.turns.resident(group):
                     group.call_all("save", str(tmp / name))
+        self.save_extra_files(tmp)
         state = {"step": step, **self.extra_state()}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(path, ignore_errors=True)
@@ -227,7 +233,7 @@ class Loop(abc.ABC):
                 with self.turns.resident(group):
                     group.call_all("load", str(path / name))
         self.start_step = state["step"]
-        self.restore_extra(state)
+        self.restore_extra(state, path)
         print(f"[resume] from {path} at step {self.start_step}", flush=True)
 
 
@@ -250,6 +256,8 @@ class RLTrainer(Loop):
             self.evaluator = Evaluator(
                 cfg, components.val_prompts, self.tokenizer, self.pool.generate, self.reward
             )
+        # RunConfig.async_rollout: batch k+1 is generated while the actor trains on k.
+        self.rollouts = Rollouts(self.collect, cfg.total_steps, cfg.async_rollout)
 
     def _offloading(self) -> bool:
         """RunConfig.offload_colocated, or by default: the actor shares GPUs with others."""
@@ -261,7 +269,11 @@ class RLTrainer(Loop):
     def extra_state(self) -> dict[str, Any]:
         return {"kl_state": dataclasses.asdict(self.kl_state) if self.kl_state else None}
 
-    def restore_extra(self, state: dict[str, Any]) -> None:
+    def save_extra_files(self, path: Path) -> None:
+        self.rollouts.save(path)
+
+    def restore_extra(self, state: dict[str, Any], path: Path) -> None:
+        self.rollouts.load(path, self.start_step)
         if state.get("kl_state"):
             from polyrl.algos.kl import KLState
 
@@ -270,6 +282,7 @@ class RLTrainer(Loop):
             self.sync_weights(version=self.start_step)
 
     def shutdown(self) -> None:
+        self.rollouts.discard()
         super().shutdown()
         if self.reward_model is not None:
             self.reward_model.shutdown()
@@ -280,7 +293,8 @@ class RLTrainer(Loop):
         self.timer.start_step(step)
         t0, turns, phase = time.perf_counter(), self.turns, self.timer.phase
         with phase("generate"):
-            batch = self.collect(step)
+            batch = self.rollouts.take(step)
+        staleness = staleness_metrics(batch, step, self.rollouts.limit)
         with phase("reward"):
             batch = self.reward(batch)
         if self.spec.dynamic_sampling:
@@ -326,6 +340,8 @@ class RLTrainer(Loop):
                         self.critic, self.critic_loss, batch, "critic", False, self.mini_rows
                     )
             turns.rollout_wake()
+            with phase("generate"):  # async: the next batch must be sampled before the sync
+                metrics |= self.rollouts.settle() | staleness
             with phase("sync_weights"):
                 metrics |= self.sync_weights(version=step + 1)
         metrics |= self.timer.metrics() | {"time/step": time.perf_counter() - t0}

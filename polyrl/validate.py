@@ -12,6 +12,7 @@ import math
 import os
 from typing import Any
 
+from polyrl.async_rollout import async_problems
 from polyrl.config import RunConfig, closest
 from polyrl.evaluation import check_validation
 
@@ -226,6 +227,7 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
             problems += role_problems(cfg, build_roles(cfg, spec))
         except ValueError as e:  # a field the roles are built from, already named
             problems += [str(e)] if str(e) not in " ".join(problems) else []
+    problems += async_problems(cfg, spec)
     if cluster:
         problems += check_cluster(cfg)
     return problems

@@ -43,6 +43,7 @@ __all__ = [
     "Rollouts",
     "async_problems",
     "load_batch",
+    "mismatch_metrics",
     "save_batch",
     "staleness_metrics",
 ]
@@ -66,6 +67,19 @@ def staleness_metrics(batch: Batch, version: int, limit: int) -> dict[str, float
     return {
         "rollout/staleness_mean": float(staleness.mean()) if staleness.size else 0.0,
         "rollout/staleness_max": float(staleness.max()) if staleness.size else 0.0,
+    }
+
+
+def mismatch_metrics(batch: Batch) -> dict[str, float]:
+    """How far the rollout's log-probs of the sampled tokens are from the trainer's
+    (``old_log_probs``), over response tokens: ``rollout/log_prob_diff_mean`` and ``_max``
+    of ``|old_log_probs - rollout_log_probs|``. Near 0 when the servers hold the trainer's
+    weights (kernel noise only); staleness and precision raise it (TIS corrects it)."""
+    mask = np.asarray(batch["response_mask"]) > 0
+    diff = np.abs(np.asarray(batch["old_log_probs"]) - np.asarray(batch["rollout_log_probs"]))[mask]
+    return {
+        "rollout/log_prob_diff_mean": float(diff.mean()) if diff.size else 0.0,
+        "rollout/log_prob_diff_max": float(diff.max()) if diff.size else 0.0,
     }
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.async_rollout import Rollouts, staleness_metrics
+from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_metrics
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
 from polyrl.dumps import RolloutDumps
@@ -249,6 +249,9 @@ class RLTrainer(Loop):
         self.reward_model = self._group("reward") if "reward" in self.roles else None
         self.rewards = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
+        # GPU transports retain nothing: a restarted server is re-synced from the actor.
+        self.pool.resync_source = self._host_weights
+        self.syncer.ensure_group(self.actor.form_weight_group)  # "nccl": the broadcast group
         self.turns = Turns(self._offloading(), self.pool)
         if components.val_prompts is not None:
             from polyrl.evaluation import Evaluator
@@ -321,6 +324,7 @@ class RLTrainer(Loop):
                     batch = batch.with_columns({"values": self.critic.forward(batch)["values"]})
             with phase("advantages"):
                 batch, metrics = self.advantages(batch)
+            metrics |= mismatch_metrics(batch)
             if self.spec.dynamic_sampling:
                 metrics["dynamic_sampling/kept_fraction"] = kept
             with phase("update_actor"):
@@ -489,10 +493,17 @@ class RLTrainer(Loop):
         )
         return batch, metrics
 
+    def _host_weights(self) -> list[Any]:
+        with self.turns.resident(self.actor):
+            return self.actor.host_buckets(self.bucket_bytes)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.cfg.weight_bucket_mb * 2**20)
+
     def sync_weights(self, version: int) -> dict[str, float]:
-        stats = self.actor.sync_weights(
-            self.syncer, int(self.cfg.weight_bucket_mb * 2**20), version
-        )
+        self.syncer.ensure_group(self.actor.form_weight_group)  # again after a server restart
+        stats = self.actor.sync_weights(self.syncer, self.bucket_bytes, version)
         self.pool.commit(stats)
         return {"sync/seconds": float(stats.seconds), "sync/gb": stats.bytes / 1e9}
 

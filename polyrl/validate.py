@@ -146,20 +146,15 @@ def _rollout_problems(cfg: RunConfig) -> list[str]:
 
 
 def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
-    from polyrl.weight_sync import TRANSPORTS
+    from polyrl.weight_sync import transport_problems
 
     out = []
-    if cfg.weight_transport not in TRANSPORTS:
-        out.append(
-            f"RunConfig.weight_transport={cfg.weight_transport!r} is not one of {list(TRANSPORTS)}"
-        )
-    elif cfg.weight_transport == "cuda_ipc" and cfg.role_pools.get("actor") != cfg.role_pools.get(
-        "rollout"
-    ):
-        out.append(
-            "RunConfig.weight_transport='cuda_ipc' needs the actor and rollout in the same pool "
-            f"(same GPUs), but role_pools maps them to {cfg.role_pools.get('actor')!r} and "
-            f"{cfg.role_pools.get('rollout')!r}; use 'nccl' or 'object_store', or colocate them"
+    if spec.objective == "rl":  # which transports this placement supports
+        out += transport_problems(
+            cfg.weight_transport,
+            cfg.role_pools.get("actor"),
+            cfg.role_pools.get("rollout"),
+            cfg.pools,
         )
     from polyrl.roles import role_names
 

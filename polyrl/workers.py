@@ -73,15 +73,33 @@ class EngineWorker:
 
     @place("sync_weights")
     def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
-        """Export this worker's buckets; worker 0 pushes them to the rollout servers with
-        ``syncer`` (a ``polyrl.weight_sync.WeightSyncer``), the others take part in
-        the gathers and drop their copies. Returns worker 0's SyncStats (else None)."""
+        """Export this worker's buckets and push them with ``syncer`` (a
+        ``polyrl.weight_sync.WeightSyncer``): with CUDA IPC every worker to the servers on
+        its own GPU, otherwise worker 0 to every server. A worker with no server to push to
+        takes part in the gathers and drops its copies. Returns this worker's SyncStats
+        (None when it pushed nothing)."""
+        if syncer.transport == "cuda_ipc":
+            syncer = syncer.on_this_gpu()
+        elif self.rank != 0:
+            syncer = None
         buckets = self.engine.export_weights(bucket_bytes)
-        if self.rank != 0:
+        if syncer is None or not syncer.servers:
             for _ in buckets:
                 pass
             return None
         return syncer.push(buckets, version)
+
+    def init_weight_group(self, syncer: Any) -> int:
+        """Join ``syncer``'s weight-broadcast group as its rank 0 (transport "nccl")."""
+        return syncer.init_group()
+
+    def host_buckets(self, bucket_bytes: int) -> list[Any] | None:
+        """The weights as object-store payloads (``weight_sync.host_payload``), from rank
+        0; the other ranks take part in the gathers. Re-syncs a restarted rollout server."""
+        from polyrl.weight_sync import host_payload
+
+        payloads = [host_payload(b) for b in self.engine.export_weights(bucket_bytes)]
+        return payloads if self.rank == 0 else None
 
     @place("call")
     def call(self, method: str, *args: Any) -> Any:
@@ -184,12 +202,39 @@ class WorkerGroup:
         return ray.get([w.call.remote(method, *args) for w in self.workers])
 
     def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
-        """Push the role's weights to the rollout servers (see EngineWorker.sync_weights)."""
+        """Push the role's weights to the rollout servers (see EngineWorker.sync_weights);
+        the SyncStats of every pushing rank, merged."""
         import ray
 
-        return ray.get(
+        from polyrl.weight_sync import SyncStats
+
+        parts = ray.get(
             [w.sync_weights.remote(syncer, bucket_bytes, version) for w in self.workers]
-        )[0]
+        )
+        stats = SyncStats.merge([p for p in parts if p is not None] or [SyncStats(version, "")])
+        if stats.servers != len(syncer.servers):
+            raise RuntimeError(
+                f"weight sync ({syncer.transport}) reached {stats.servers} of "
+                f"{len(syncer.servers)} rollout servers: with cuda_ipc every server must share "
+                f"a GPU with a trainer rank (server GPUs {syncer.devices}); colocate them or "
+                f"set RunConfig.weight_transport='nccl' (separate GPUs)"
+            )
+        return stats
+
+    def form_weight_group(self, syncer: Any) -> None:
+        """Rank 0 joins ``syncer``'s broadcast group (``WeightSyncer.ensure_group``)."""
+        import ray
+
+        ray.get(self.workers[0].init_weight_group.remote(syncer))
+
+    def host_buckets(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+        """The role's weights as buckets of host tensors, in this process."""
+        import ray
+
+        from polyrl.weight_sync import host_unpack
+
+        payloads = ray.get([w.host_buckets.remote(bucket_bytes) for w in self.workers])[0]
+        return [host_unpack(arrays, metas) for arrays, metas in payloads]
 
     def shutdown(self) -> None:
         import ray

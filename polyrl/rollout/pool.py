@@ -358,7 +358,11 @@ class RolloutPool:
         """A syncer for these servers, to run where the exported tensors live; report
         its result back with :meth:`commit`."""
         return WeightSyncer(
-            self.servers, transport, retain=retain, timeout_s=self.config.request_timeout_s
+            self.servers,
+            transport,
+            retain=retain,
+            timeout_s=self.config.request_timeout_s,
+            devices=[info["device_uuid"] for info in self.infos],
         )
 
     def update_weights(

@@ -210,14 +210,17 @@ class RolloutServer:
         return self.config.tensor_parallel_size
 
     def init_weight_group(
-        self, host: str, port: int, rank_offset: int, world_size: int
+        self, key: str, host: str, port: int, rank_offset: int, world_size: int
     ) -> list[int]:
+        """Every worker joins weight-broadcast group ``key`` (ranks from ``rank_offset``)."""
         return self.llm.collective_rpc(
-            "polyrl_init_nccl", args=(host, port, rank_offset, world_size)
+            "polyrl_join_group", args=(key, host, port, rank_offset, world_size)
         )
 
-    def load_bucket_nccl(self, metas: Sequence[tuple], nbytes: int) -> int:
-        return sum(self.llm.collective_rpc("polyrl_load_bucket_nccl", args=(metas, nbytes)))
+    def load_bucket_nccl(self, key: str, metas: Sequence[tuple], nbytes: int) -> int:
+        return sum(
+            self.llm.collective_rpc("polyrl_load_bucket_nccl", args=(key, list(metas), nbytes))
+        )
 
     def finish_weight_update(self, version: int) -> int:
         """Close the update, drop KV computed with the old weights, set ``version``."""

@@ -92,29 +92,24 @@ class WeightReceiver:
         torch.cuda.synchronize(self.device)  # the sender may free the buffer after the ack
         return len(weights)
 
-    # ----------------------------------------------------------------- NCCL
-    def polyrl_init_nccl(self, host: str, port: int, rank_offset: int, world_size: int) -> int:
-        """Join the weight-broadcast group (rank 0 is the trainer). Returns our rank."""
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
+    # ----------------------------------------------------- broadcast group
+    def polyrl_join_group(
+        self, key: str, host: str, port: int, rank_offset: int, world_size: int
+    ) -> int:
+        """Join weight-broadcast group ``key`` (rank 0 is the trainer; NCCL on GPU, gloo on
+        CPU: ``polyrl.weight_sync.join_group``). Returns our rank."""
+        from polyrl.weight_sync import join_group
 
         rank = rank_offset + self.rank
-        group = StatelessProcessGroup.create(host=host, port=port, rank=rank, world_size=world_size)
-        self._polyrl_nccl = PyNcclCommunicator(group, device=self.device)
+        join_group(key, host, port, rank, world_size, self.device)
         return rank
 
-    def polyrl_load_bucket_nccl(self, metas: list, nbytes: int) -> int:
-        """Receive one flat bucket broadcast from rank 0 and load it."""
-        from polyrl.weight_sync import unpack_flat
+    def polyrl_load_bucket_nccl(self, key: str, metas: list, nbytes: int) -> int:
+        """Receive one flat bucket broadcast from rank 0 of group ``key`` and load it."""
+        from polyrl.weight_sync import group_broadcast, unpack_flat
 
-        comm = getattr(self, "_polyrl_nccl", None)
-        if comm is None:
-            raise RuntimeError(
-                "NCCL weight sync: this worker has not joined the broadcast group; call "
-                "WeightSyncer.init_nccl() (transport='nccl') before pushing buckets"
-            )
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        comm.broadcast(flat, src=0, stream=torch.cuda.current_stream())
+        group_broadcast(key, flat)
         weights = unpack_flat(flat, metas)
         _load(self, weights)
         return len(weights)

@@ -90,7 +90,7 @@ def test_syncer_errors_name_the_fix():
         ValueError, match="CUDA IPC needs CUDA tensors; use transport='object_store'"
     ):
         ws.WeightSyncer([], "cuda_ipc")._send_ipc([("a", torch.ones(2))])
-    with pytest.raises(RuntimeError, match=r"call init_nccl\(host, port\) in this process"):
+    with pytest.raises(RuntimeError, match=r"not joined the broadcast group; call ensure_group"):
         ws.WeightSyncer([], "nccl")._send_nccl([("a", torch.ones(2))])
     with pytest.raises(ValueError, match="empty bucket"):
         ws.pack_flat([])

@@ -13,6 +13,7 @@ from polyrl.async_rollout import (
     Rollouts,
     async_problems,
     load_batch,
+    mismatch_metrics,
     save_batch,
     staleness_metrics,
 )
@@ -108,6 +109,18 @@ def test_pending_batch_round_trips_through_a_checkpoint(tmp_path):
     assert fresh.take(3).info["step"] == 3
 
 
+def test_mismatch_by_hand():
+    batch = Batch(
+        {
+            "old_log_probs": np.array([[-1.0, -2.0], [-0.5, -9.0]]),
+            "rollout_log_probs": np.array([[-1.5, -2.0], [-0.25, 0.0]]),
+            "response_mask": np.array([[1.0, 1.0], [1.0, 0.0]]),
+        }
+    )
+    m = mismatch_metrics(batch)  # |diffs| on the 3 real tokens: 0.5, 0, 0.25
+    assert m == {"rollout/log_prob_diff_mean": 0.25, "rollout/log_prob_diff_max": 0.5}
+
+
 def test_staleness_by_hand():
     batch = Batch({"rollout_weight_version": np.array([4, 4, 5, 5])})
     m = staleness_metrics(batch, 5, limit=1)
@@ -190,6 +203,11 @@ def test_async_grpo_learns_with_bounded_staleness(ray_session, tmp_path):
     assert all("async/generate_s" in r for r in rows[:-1]) and "async/generate_s" not in rows[-1]
     # TIS weights are in (0, cap] and the metric is logged every step
     assert all(0.0 < r["actor/tis_weight_mean"] <= 2.0 for r in rows)
+    # Step 0 is sampled by the trainer's own weights: rollout and trainer log-probs agree to
+    # fp32 kernel noise (~5e-7, docs/rollout.md). Later batches come from the policy one
+    # update behind, and it shows (lr 3e-3 moves log-probs by far more than 1e-3).
+    assert rows[0]["rollout/log_prob_diff_max"] < 1e-4
+    assert np.mean([r["rollout/log_prob_diff_mean"] for r in rows[1:]]) > 1e-3
 
 
 @pytest.mark.slow

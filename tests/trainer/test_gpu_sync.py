@@ -49,6 +49,7 @@ def _run(tmp_path, *params):
             "polyrl.RunConfig.tensorboard = False",
             "polyrl.RunConfig.total_steps = 4",
             "polyrl.RolloutConfig.gpu_memory_utilization = 0.2",
+            "polyrl.RolloutConfig.enforce_eager = True",  # a tiny model: skip graph capture
             *params,
         ],
     )

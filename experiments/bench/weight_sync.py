@@ -1,6 +1,7 @@
 """Benchmark: trainer -> rollout weight sync, and rollout throughput through the pool.
 
-Prints one JSON object (and writes it to --out):
+Prints a table of the syncs (time as a multiple of a plain copy of the same bytes: "x
+copy"), then one JSON object (and writes it to --out):
 
 * ``sync``: per transport and per source backend (torch tensors / jax arrays) the bytes,
   median seconds over --repeats pushes and GB/s of ``RolloutPool.update_weights``, next
@@ -11,7 +12,9 @@ Prints one JSON object (and writes it to --out):
 
 The model is a random Qwen2 of the requested shape (tiny tokenizer, fp32) built under
 --work. On CPU only the object-store transport exists; on a GPU host add
-``--transports object_store,cuda_ipc`` (colocated) or ``nccl`` (needs 2 GPUs).
+``--transports object_store,cuda_ipc`` (colocated) or ``nccl`` (needs 2 GPUs: the
+servers on one, this process - the trainer's rank 0 - and its tensors on the other; on
+CPU ``nccl`` runs the same broadcast group over gloo).
 
     python experiments/bench/weight_sync.py --hidden 512 --layers 8 --out runs/bench_sync.json
 """
@@ -194,6 +197,34 @@ def bench_rollout(pool, args) -> dict:
     }
 
 
+def _other_gpu(pool) -> str:
+    """A GPU no rollout server uses (this process is the trainer's rank 0 of the group)."""
+    import torch
+
+    used = {info["device_uuid"] for info in pool.infos}
+    free = [
+        i
+        for i in range(torch.cuda.device_count())
+        if str(torch.cuda.get_device_properties(i).uuid) not in used
+    ]
+    if not free:
+        raise SystemExit("--transports nccl needs a GPU besides the servers' (2 GPUs)")
+    torch.cuda.set_device(free[0])
+    return f"cuda:{free[0]}"
+
+
+def table(rows: list[dict]) -> str:
+    """The sync rows as a fixed-width table (the JSON follows it)."""
+    head = f"{'transport':<13}{'source':<7}{'MB':>9}{'seconds':>10}{'GB/s':>9}{'copy GB/s':>11}{'x copy':>8}"
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['transport']:<13}{r['source']:<7}{r['bytes'] / 1e6:>9.1f}{r['seconds']:>10.4f}"
+            f"{r['gbps']:>9.2f}{r['memcpy_gbps']:>11.1f}{r['memcpy_gbps'] / r['gbps']:>8.1f}"
+        )
+    return "\n".join(lines)
+
+
 def _on_gpu() -> bool:
     import torch
 
@@ -238,7 +269,10 @@ def main() -> None:
             num_gpus=0.3 if on_gpu else None,
         )
     )
-    sources = state_dicts(model_dir, "cuda" if on_gpu else "cpu")
+    device = "cuda" if on_gpu else "cpu"
+    if "nccl" in args.transports.split(","):
+        device = _other_gpu(pool) if on_gpu else "cpu"  # NCCL: one rank per device
+    sources = state_dicts(model_dir, device)
     result = {
         "device": "cuda" if on_gpu else "cpu",
         "model": {
@@ -255,6 +289,7 @@ def main() -> None:
     pool.shutdown()
     ray.shutdown()
     text = json.dumps(result, indent=1)
+    print(table(result["sync"]))
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -105,6 +105,7 @@ class RolloutPool:
         self.placement = placement
         self.version = 0
         self._retained: list | None = None
+        self._syncers: dict[tuple[str, bool], WeightSyncer] = {}  # update_weights' own
         self.servers = self._start_servers()
         self.infos = self._wait_ready()
         first = self.infos[0]
@@ -373,9 +374,15 @@ class RolloutPool:
         retain: bool = True,
     ) -> SyncStats:
         """Push ``buckets`` (an engine's ``export_weights``) from this process to every
-        server as version ``self.version + 1``. A server dying mid-push fails the push;
-        call again."""
-        stats = self.weight_syncer(transport, retain=retain).push(buckets, self.version + 1)
+        server as version ``self.version + 1`` ("nccl": this process is rank 0 of the
+        broadcast group, formed on first use and after a server restart). A server dying
+        mid-push fails the push; call again."""
+        key = (transport, retain)
+        if key not in self._syncers:
+            self._syncers[key] = self.weight_syncer(transport, retain=retain)
+        syncer = self._syncers[key]
+        syncer.ensure_group()
+        stats = syncer.push(buckets, self.version + 1)
         self.commit(stats)
         return stats
 

@@ -105,6 +105,9 @@ class RolloutPool:
         self.placement = placement
         self.version = 0
         self._retained: list | None = None
+        # Fresh buckets of the current weights, for re-syncing a restarted server when the
+        # last push retained nothing (cuda_ipc, nccl); RLTrainer sets it to the actor's.
+        self.resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None
         self._syncers: dict[tuple[str, bool], WeightSyncer] = {}  # update_weights' own
         self.servers = self._start_servers()
         self.infos = self._wait_ready()
@@ -340,11 +343,13 @@ class RolloutPool:
         )
         if self._retained is not None:
             syncer.replay(self._retained, self.version)
+        elif self.resync_source is not None:
+            syncer.push(self.resync_source(), self.version)
         else:
             raise RuntimeError(
                 f"a rollout server came back at a weight version other than {self.version} and "
                 f"the pool has nothing to re-sync it from: push with transport='object_store' "
-                f"(retain=True)"
+                f"(retain=True) or set RolloutPool.resync_source"
             )
 
     def _get(self, ref: Any) -> Any:

@@ -120,7 +120,7 @@ CASES = [
      "RunConfig.model_path='{data}/nope' has no config.json"),
     # pitfall 3: placement
     ("cuda-ipc-across-pools", GRPO, [*GPU_POOLS, "polyrl.RunConfig.weight_transport = 'cuda_ipc'"],
-     "RunConfig.weight_transport='cuda_ipc' needs the actor and rollout in the same pool"),
+     "RunConfig.weight_transport='cuda_ipc' shares GPU memory, so it needs the actor and rollout"),
     ("transport-typo", GRPO, ["polyrl.RunConfig.weight_transport = 'nccll'"],
      "RunConfig.weight_transport='nccll' is not one of"),
     ("role-in-missing-pool", GRPO, ["polyrl.RunConfig.role_pools = {'actor': 'shared', "

@@ -26,6 +26,23 @@ def _check(pool, model) -> None:
     np.testing.assert_allclose(out["rollout_log_probs"], ref, atol=LOGPROB_ATOL, rtol=0)
 
 
+def _restart(ray, server) -> None:
+    """Kill ``server`` and wait until Ray has restarted it (a new boot id answers)."""
+    import time
+
+    old = ray.get(server.info.remote())["boot_id"]
+    ray.kill(server, no_restart=False)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(server.info.remote(), timeout=30)["boot_id"] != old:
+                return
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            pass  # still dying or restarting
+        time.sleep(0.5)
+    raise AssertionError("the killed rollout server did not come back within 180 s")
+
+
 def test_broadcast_group_carries_weights_and_reforms_after_restart(
     pool, padded_model_dir, ray_session
 ):
@@ -45,7 +62,7 @@ def test_broadcast_group_carries_weights_and_reforms_after_restart(
     # (nothing retained: from resync_source, as the trainer's actor), then the syncer
     # forms a new group with it and the next push reaches both servers.
     pool.resync_source = lambda: _buckets(model)
-    ray.kill(pool.servers[1], no_restart=False)
+    _restart(ray, pool.servers[1])
     pool._recover(1)
     assert pool.weight_versions() == [pool.version] * 2
     assert syncer.ensure_group() is True and syncer.group != first

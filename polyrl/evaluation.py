@@ -51,9 +51,16 @@ def validation_sampling(cfg: Any) -> Any:
     return dataclasses.replace(cfg.sampling, n=1, temperature=0.0)
 
 
-def check_validation(cfg: Any) -> list[str]:
-    """Problems with the validation bindings (validate-config lists them)."""
+def check_validation(cfg: Any, spec: Any) -> list[str]:
+    """Problems with the validation bindings for algorithm ``spec`` (validate-config
+    lists them)."""
     out = []
+    if cfg.eval_every > 0 and spec.objective != "rl":
+        out.append(
+            f"RunConfig.eval_every={cfg.eval_every}: validation generates and scores "
+            f"responses, which {spec.name} (objective {spec.objective!r}) does not; set "
+            f"RunConfig.eval_every = 0"
+        )
     if cfg.eval_every < 0:
         out.append(f"RunConfig.eval_every={cfg.eval_every} must be >= 0 (0: no validation)")
     has_data = bool(cfg.val_files) or (cfg.n_val_prompts > 0 and not cfg.train_files)

@@ -211,7 +211,7 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
             f"{sorted(ENGINES)} (include gin/backends/<name>.gin)"
         )
     problems += _batch_problems(cfg, spec)
-    problems += check_validation(cfg)
+    problems += check_validation(cfg, spec)
     if spec.objective == "rl":
         problems += _rollout_problems(cfg)
     problems += _placement_problems(cfg, spec)

@@ -98,3 +98,8 @@ def test_validation_config_problems_name_the_binding(tmp_path):
     )
     problems = check_run(cfg, get_algorithm("grpo"), cluster=False)
     assert any("val/SamplingSpec.n=4 with temperature 0" in p for p in problems), problems
+    cfg, _ = parse_config(
+        ["gin/experiments/tiny_dpo.gin"], [run, "polyrl.RunConfig.eval_every = 5"]
+    )
+    problems = check_run(cfg, get_algorithm("dpo"), cluster=False)
+    assert any("RunConfig.eval_every=5: validation generates" in p for p in problems), problems

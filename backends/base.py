@@ -44,6 +44,7 @@ __all__ = [
     "get_backend",
     "get_engine",
     "Bucket",
+    "check_temperature",
 ]
 
 
@@ -76,13 +77,16 @@ class TrainEngine(Protocol):
     """One role's model on one worker (torch: one rank; JAX: one host's devices)."""
 
     def init(self, model: ModelConfig, optim: OptimConfig | None, parallel: ParallelConfig) -> None:
-        """Build or load the model, shard it, build the optimizer (None: frozen role)."""
+        """Build or load the model, shard it, build the optimizer (None: frozen role).
+        A trainable role (actor, critic) without ``optim``, or a frozen one with it, is a
+        ``ValueError``."""
 
     def forward(
         self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
     ) -> dict[str, Any]:
         """No-grad per-token outputs as numpy: ``log_probs`` [B, R] (``entropy``,
-        ``values`` when asked for / a value-head role). Zero where ``response_mask`` is 0."""
+        ``values`` when asked for / a value-head role; the reward role also ``scores``
+        [B]). Zero where ``response_mask`` is 0. ``temperature`` <= 0 is a ValueError."""
 
     def train_step(
         self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
@@ -91,7 +95,11 @@ class TrainEngine(Protocol):
 
         Splits into micro-batches of ``ParallelConfig.micro_batch_size``, accumulates
         gradients, clips by global norm, steps the optimizer and schedule. Returns
-        ``loss``, ``grad_norm`` (before clipping), ``lr`` and ``loss_fn``'s metrics.
+        ``loss``, ``grad_norm`` (before clipping), ``lr``, ``nonfinite_skipped`` and
+        ``loss_fn``'s metrics. Rows with ``is_pad`` 1 contribute nothing; a batch with no
+        valid response token (over all ranks) is a ValueError; a frozen role raises
+        RuntimeError. A non-finite loss or gradient norm skips the update on every rank:
+        weights and optimizer state stay bit-identical, ``nonfinite_skipped`` is 1.
         """
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
@@ -109,6 +117,15 @@ class TrainEngine(Protocol):
 
     def reload(self) -> None:
         """Undo :meth:`offload`."""
+
+
+def check_temperature(temperature: float) -> None:
+    """Every engine's forward/train_step refuses a temperature that is not > 0."""
+    if not temperature > 0:
+        raise ValueError(
+            f"temperature={temperature} must be > 0 (log-probs use logits / temperature); "
+            "for greedy rollouts score at temperature=1.0"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,7 +236,9 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from polyrl.checkpoints import CheckpointMismatch
     from polyrl.launch import train
+    from polyrl.reliability import RunStopped
     from polyrl.validate import ConfigError
 
     if not args.gin_file:
@@ -252,7 +254,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         _print_problems(", ".join(args.gin_file), e.problems)
         return 1
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointMismatch, RunStopped, OSError) as e:
         print(f"polyrl train: {e}", file=sys.stderr)
         return 1
     shown = [

@@ -271,6 +271,9 @@ class RunConfig:
     async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
       while the actor trains on step k (``polyrl.async_rollout``; staleness <= 1, logged
       as ``rollout/staleness_mean``). Off: every batch is sampled by the current weights.
+    max_nonfinite_steps: a step whose loss or gradients are not finite skips its update
+      (weights and optimizer state unchanged); this many such steps in a row stop the run
+      with a checkpoint (0: never stop). See docs/reliability.md.
     sampling / rollout: ``polyrl.rollout`` SamplingSpec / RolloutConfig (rollout's
       model_path is filled from ``model_path`` when left empty).
     imports: user modules (``pkg.mod`` names) imported in the driver and in every Ray
@@ -337,6 +340,7 @@ class RunConfig:
     weight_bucket_mb: float = 64.0
     save_every: int = 0
     keep_checkpoints: int = 2
+    max_nonfinite_steps: int = 3
     seed: int = 0
     tensorboard: bool = True
     wandb_project: str | None = None

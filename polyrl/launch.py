@@ -176,13 +176,18 @@ def train(
 ) -> dict:
     """``polyrl train``: parse, validate, write the operative config, run. ``debug``
     (``--debug``): Ray's distributed debugger in every role (docs/debugging.md)."""
+    from polyrl.checkpoints import check_resumable, latest_checkpoint, run_manifest
     from polyrl.debug import for_debugging
+    from polyrl.reliability import check_free_space, check_run_dir
     from polyrl.trainer import PreferenceTrainer, RLTrainer
 
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
+    check_run_dir(cfg.run_dir)  # before anything is written or started
     cfg, spec = prepare(for_debugging(cfg, debug))
+    check_free_space(cfg, spec)
+    if resume:  # a checkpoint of another backend/algorithm/model fails before workers start
+        check_resumable(latest_checkpoint(cfg.run_dir), run_manifest(cfg, spec))
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "operative_config.gin").write_text(operative)
     print(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True

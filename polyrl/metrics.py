@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from polyrl import faults
+
 __all__ = ["PhaseTimer", "Tracker", "read_jsonl", "latest_metrics", "plot_run", "phase_summary"]
 
 
@@ -83,6 +85,8 @@ class Tracker:
             )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if faults.active("fail_write", step, "metrics"):
+            faults.raise_disk_full(str(self.path))
         clean = {k: float(v) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()

@@ -17,8 +17,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import json
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl import checkpoints, reliability
 from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_metrics
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
@@ -43,7 +42,7 @@ from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.timeline import Timeline
 from polyrl.workers import WorkerGroup
 
-__all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "latest_checkpoint"]
+__all__ = ["Loop", "RLTrainer", "PreferenceTrainer"]
 
 COMPUTE_PHASES = (
     "generate",
@@ -53,14 +52,6 @@ COMPUTE_PHASES = (
     "update_actor",
     "update_critic",
 )
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    ckpts = sorted(
-        Path(run_dir, "checkpoints").glob("step_*/trainer_state.json"),
-        key=lambda p: int(p.parent.name.split("_")[1]),
-    )
-    return ckpts[-1].parent if ckpts else None
 
 
 class Loop(abc.ABC):
@@ -150,20 +141,40 @@ class Loop(abc.ABC):
             resume_step=self.start_step if resume else None,
         )
         evaluator = self.evaluator
+        guard = reliability.NonFiniteGuard(self.cfg.max_nonfinite_steps)
         try:
             for step in range(self.start_step, self.cfg.total_steps):
                 val = evaluator.evaluate(step) if evaluator and evaluator.due(step) else {}
                 metrics = val | self.step(step)
-                tracker.log(step, metrics)
+                with reliability.writing(f"the metrics of step {step}"):
+                    tracker.log(step, metrics)
                 if self.timeline is not None:
                     self.timeline.flush()
                 print(_progress(step, self.cfg.total_steps, metrics), flush=True)
                 if on_step is not None:
                     on_step(step, metrics)
+                if guard.observe(step, metrics):
+                    self._save(step + 1)
+                    raise reliability.RunStopped(
+                        reliability.stop_message(
+                            f"{guard.streak} consecutive steps had non-finite losses or "
+                            f"gradients (polyrl.RunConfig.max_nonfinite_steps="
+                            f"{guard.limit}); lower the learning rate or check the data",
+                            self.run_dir,
+                            checkpoints.latest_checkpoint(self.run_dir),
+                        )
+                    )
                 if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0:
                     self._save(step + 1)
             if evaluator and self.start_step < self.cfg.total_steps:  # the final weights
                 tracker.log(self.cfg.total_steps, evaluator.evaluate(self.cfg.total_steps))
+        except Exception as e:
+            if not reliability.is_fault(e):
+                raise
+            last = checkpoints.latest_checkpoint(self.run_dir)
+            raise reliability.RunStopped(
+                reliability.stop_message(str(e), self.run_dir, last)
+            ) from e
         finally:
             tracker.close()
             if self.timeline is not None:
@@ -201,37 +212,43 @@ class Loop(abc.ABC):
         return {f"{role}/{k}": v / count for k, v in sums.items()}
 
     # ------------------------------------------------------------------ checkpoints
-    def _save(self, step: int) -> None:
-        path = self.run_dir / "checkpoints" / f"step_{step}"
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        for name, group in (("actor", self.actor), ("critic", self.critic)):
-            if group is not None:
+    def _engine_parts(self, method: str) -> dict[str, Callable[[str], None]]:
+        """Trained role -> a callable running its engines' ``save``/``load`` on a path."""
+
+        def run(group: WorkerGroup) -> Callable[[str], None]:
+            def call(path: str) -> None:
                 with self.turns.resident(group):
-                    group.call_all("save", str(tmp / name))
-        self.save_extra_files(tmp)
-        state = {"step": step, **self.extra_state()}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)  # a checkpoint is complete or absent, never half-written
-        kept = sorted(
-            (p for p in path.parent.glob("step_*") if not p.name.endswith(".tmp")),
-            key=lambda p: int(p.name.split("_")[1]),
-        )
-        for old in kept[: -self.cfg.keep_checkpoints]:
-            shutil.rmtree(old)
+                    group.call_all(method, path)
+
+            return call
+
+        return {
+            name: run(group)
+            for name, group in (("actor", self.actor), ("critic", self.critic))
+            if group is not None
+        }
+
+    def _save(self, step: int) -> None:
+        with reliability.writing(f"the step-{step} checkpoint"):
+            path = checkpoints.save(
+                self.run_dir,
+                step,
+                self._engine_parts("save"),
+                self.extra_state(),
+                checkpoints.run_manifest(self.cfg, self.spec),
+                self.cfg.keep_checkpoints,
+                extra_files=self.save_extra_files,
+            )
         print(f"[checkpoint] step {step}: {path}", flush=True)
 
     def _restore(self) -> None:
-        path = latest_checkpoint(self.run_dir)
+        path = checkpoints.latest_checkpoint(self.run_dir)
         if path is None:
             print(f"[resume] no checkpoint under {self.run_dir}/checkpoints: starting at step 0")
             return
-        state = json.loads((path / "trainer_state.json").read_text())
-        for name, group in (("actor", self.actor), ("critic", self.critic)):
-            if group is not None:
-                with self.turns.resident(group):
-                    group.call_all("load", str(path / name))
+        state = checkpoints.restore(
+            path, self._engine_parts("load"), checkpoints.run_manifest(self.cfg, self.spec)
+        )
         self.start_step = state["step"]
         self.restore_extra(state, path)
         print(f"[resume] from {path} at step {self.start_step}", flush=True)

@@ -202,6 +202,9 @@ class SyncStats:
     # Object-store transport with retain=True: [(payload ref, metas)] per bucket, what
     # WeightSyncer.replay needs to re-sync a restarted server.
     retained: list[tuple[Any, list[TensorMeta]]] | None = None
+    # Indices of servers that died during the push (object store): the push completed on
+    # the others; RolloutPool.commit re-syncs these once Ray has restarted them.
+    lost: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def gbps(self) -> float:
@@ -221,6 +224,7 @@ class SyncStats:
             seconds=max(p.seconds for p in parts),
             servers=sum(p.servers for p in parts),
             retained=first.retained,
+            lost=sorted({i for p in parts for i in p.lost}),
         )
 
     def summary(self) -> dict[str, float | int | str]:
@@ -301,18 +305,42 @@ class WeightSyncer:
             retained=[] if self.retain else None,
         )
         start = time.perf_counter()
-        self._get([s.begin_weight_update.remote() for s in self.servers])
-        pending: list[Any] = []
-        keep: Any = None  # the previous bucket's device buffer, alive until loaded
-        for bucket in buckets:
-            refs, buf = self._send(bucket, stats)
-            self._get(pending)  # overlap: servers loaded bucket i-1 while we packed bucket i
-            pending, keep = refs, buf
-        self._get(pending)
-        del keep
-        self._get([s.finish_weight_update.remote(version) for s in self.servers])
+        everyone = self.servers
+        try:
+            self._get_live(self._on_live("begin_weight_update"))
+            pending: list[tuple[Any, Any]] = []
+            keep: Any = None  # the previous bucket's device buffer, alive until loaded
+            for bucket in buckets:
+                refs, buf = self._send(bucket, stats)
+                sent = list(zip(self.servers, refs))
+                self._get_live(pending)  # servers load bucket i-1 while we pack bucket i
+                pending, keep = sent, buf
+            self._get_live(pending)
+            del keep
+            self._get_live(self._on_live("finish_weight_update", version))
+        finally:
+            alive = {id(s) for s in self.servers}
+            stats.lost = [i for i, s in enumerate(everyone) if id(s) not in alive]
+            self.servers = everyone
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _on_live(self, method: str, *args: Any) -> list[tuple[Any, Any]]:
+        return [(s, getattr(s, method).remote(*args)) for s in self.servers]
+
+    def _get_live(self, sent: list[tuple[Any, Any]]) -> None:
+        """Wait for each (server, ref). With the object store a server that died is
+        dropped from the rest of the push (``SyncStats.lost``) instead of failing it;
+        the collective transports cannot continue without it and raise."""
+        import ray
+
+        for server, ref in sent:
+            try:
+                self._get([ref])
+            except ray.exceptions.RayActorError:
+                if self.transport != "object_store":
+                    raise
+                self.servers = [s for s in self.servers if s is not server]
 
     def replay(
         self,

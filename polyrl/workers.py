@@ -23,9 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from polyrl import faults
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 from polyrl.debug import place, setup_worker
+from polyrl.reliability import WorkerDied
 from polyrl.roles import RoleSpec
 
 __all__ = ["WorkerGroup", "EngineWorker"]
@@ -57,7 +59,7 @@ class EngineWorker:
         os.environ.update(env)
         from polyrl.backends.base import get_engine  # imports the framework here, lazily
 
-        self.rank = rank
+        self.rank, self.role = rank, model.role
         setup_worker(model.role, rank)
         self.engine = get_engine(self.backend)()
         self.engine.init(model, optim, parallel)
@@ -69,6 +71,8 @@ class EngineWorker:
 
     @place("train_step")
     def train_step(self, batch: Batch, loss_fn: Any, kwargs: Mapping[str, Any]) -> dict[str, float]:
+        if faults.active("kill_worker", self.engine.step, self.role):
+            faults.kill_self()
         return self.engine.train_step(batch, loss_fn, **kwargs)
 
     @place("sync_weights")
@@ -141,6 +145,8 @@ class WorkerGroup:
         options = options or (lambda rank: {"num_cpus": 0.5})
         on_gpu = bool(options(0).get("num_gpus"))
         base_env = {**process.host_env(spec.local_devices, on_gpu), **(env or {})}
+        if os.environ.get(faults.ENV):  # test-only fault hooks reach the workers too
+            base_env.setdefault(faults.ENV, os.environ[faults.ENV])
         remote = ray.remote(EngineWorker)
         self.workers = []
         for rank in range(world):
@@ -169,6 +175,21 @@ class WorkerGroup:
                 f"worker asks for {options(0)}"
             ) from None
 
+    def _get(self, refs: list[Any]) -> list[Any]:
+        """``ray.get(refs)`` (one ref per worker, in rank order), but a dead worker raises
+        :class:`WorkerDied` at once, naming the role and rank, even while the other ranks
+        wait forever in a collective it will never join."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as e:
+                raise WorkerDied(self.spec.name, refs.index(done[0]), type(e).__name__) from e
+        return ray.get(refs)
+
     @property
     def num_workers(self) -> int:
         """Ray workers of the role: the batch is split into one shard per worker."""
@@ -178,17 +199,15 @@ class WorkerGroup:
         return batch.split(self.num_workers) if self.num_workers > 1 else [batch]
 
     def forward(self, batch: Batch, **kwargs: Any) -> dict[str, np.ndarray]:
-        import ray
 
-        outs = ray.get(
+        outs = self._get(
             [w.forward.remote(s, kwargs) for w, s in zip(self.workers, self._shards(batch))]
         )
         return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
 
     def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
-        import ray
 
-        outs = ray.get(
+        outs = self._get(
             [
                 w.train_step.remote(s, loss_fn, kwargs)
                 for w, s in zip(self.workers, self._shards(batch))
@@ -197,18 +216,15 @@ class WorkerGroup:
         return outs[0]
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
-        import ray
 
-        return ray.get([w.call.remote(method, *args) for w in self.workers])
+        return self._get([w.call.remote(method, *args) for w in self.workers])
 
     def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
         """Push the role's weights to the rollout servers (see EngineWorker.sync_weights);
         the SyncStats of every pushing rank, merged."""
-        import ray
-
         from polyrl.weight_sync import SyncStats
 
-        parts = ray.get(
+        parts = self._get(
             [w.sync_weights.remote(syncer, bucket_bytes, version) for w in self.workers]
         )
         stats = SyncStats.merge([p for p in parts if p is not None] or [SyncStats(version, "")])

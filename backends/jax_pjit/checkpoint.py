@@ -4,7 +4,7 @@
 Layout of a checkpoint directory::
 
     <dir>/state/       orbax StandardCheckpointer tree: {"params", "opt_state", "step"}
-    <dir>/polyrl.json  step, architecture and mesh (for humans and sanity checks)
+    <dir>/polyrl.json  step, role, model shape and mesh (checked before loading)
 
 Restoring takes an *abstract* target (``jax.ShapeDtypeStruct`` with shardings), so each
 array is read straight into its shards on the current mesh: a checkpoint written on one
@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["save_state", "restore_state", "abstract_like"]
+__all__ = ["save_state", "restore_state", "read_info", "abstract_like"]
 
 
 def _ocp():
@@ -54,11 +54,16 @@ def restore_state(path: str | os.PathLike, target: Any) -> tuple[Any, dict[str, 
 
     Returns ``(state, info)``. A missing checkpoint raises naming the path.
     """
+    info = read_info(path)
+    return _ocp().StandardCheckpointer().restore(Path(path).absolute() / "state", target), info
+
+
+def read_info(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``info`` of the checkpoint at ``path``; a missing one raises naming the path."""
     root = Path(path).absolute()
     if not (root / "state").exists() or not (root / "polyrl.json").exists():
         raise FileNotFoundError(
             f"{root} is not a jax_pjit checkpoint (no state/ or polyrl.json); pass the "
             "directory given to JaxPjitEngine.save"
         )
-    state = _ocp().StandardCheckpointer().restore(root / "state", target)
-    return state, json.loads((root / "polyrl.json").read_text())
+    return json.loads((root / "polyrl.json").read_text())

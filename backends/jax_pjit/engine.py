@@ -32,8 +32,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from polyrl import micro_batch
-from polyrl.backends.base import Bucket, LossContext, LossFn
+from polyrl import checkpoints, faults, micro_batch
+from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
 from polyrl.backends.jax_pjit import checkpoint, distributed, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
 from polyrl.backends.jax_pjit.shapes import micro_rows, pad_batch
@@ -253,6 +253,7 @@ class JaxPjitEngine:
             out_shardings=self._rows,
         )
         self._check_loaded()
+        check_temperature(temperature)
         temp = jnp.float32(temperature)
         parts = [
             (idx, jax.tree.map(distributed.local_rows, fn(self.params, c, temp)))
@@ -294,11 +295,12 @@ class JaxPjitEngine:
                 lambda p, u: (p + lr * u).astype(p.dtype), params, updates
             ), opt_state
 
-        def apply(params, opt_state, grads, lr):
+        def apply(params, opt_state, grads, lr, loss_ok):
             norm = optax.global_norm(grads)
-            # a non-finite gradient skips the update (torch_fsdp does the same)
+            # a non-finite loss or gradient skips the update (torch_fsdp does the same)
+            ok = jnp.isfinite(norm) & loss_ok
             params, opt_state = jax.lax.cond(
-                jnp.isfinite(norm),
+                ok,
                 update,
                 lambda p, o, *_: (p, o),
                 params,
@@ -307,16 +309,24 @@ class JaxPjitEngine:
                 norm,
                 lr,
             )
-            return params, opt_state, norm
+            return params, opt_state, norm, ok
 
         ps, os_ = self.param_shardings, self._opt_shardings
         return self._jit(
             "apply_step",
             apply,
-            in_shardings=(ps, os_, ps, self._rep),
-            out_shardings=(ps, os_, self._rep),
+            in_shardings=(ps, os_, ps, self._rep, self._rep),
+            out_shardings=(ps, os_, self._rep, self._rep),
             donate_argnums=(0, 1),
         )
+
+    def _inject_faults(self, grads: dict[str, jax.Array], loss: float) -> tuple[Any, float]:
+        """Test-only (``polyrl.faults``): NaN loss and/or gradients in this update."""
+        nan_loss = faults.active("nan_loss", self.step, self.model_cfg.role)
+        if nan_loss or faults.active("nan_grad", self.step, self.model_cfg.role):
+            first = next(iter(grads))
+            grads = {**grads, first: grads[first] * jnp.nan}
+        return grads, loss + float("nan") if nan_loss else loss
 
     def train_step(
         self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
@@ -327,6 +337,7 @@ class JaxPjitEngine:
                 "optim=None and has no optimizer; train an 'actor' or 'critic' instead"
             )
         self._check_loaded()
+        check_temperature(temperature)
         batch = _mask_pad_rows(batch)
         mask = batch["response_mask"]
         counts = np.array([mask.sum(), (mask.sum(axis=1) > 0).sum()], np.float32)
@@ -345,20 +356,28 @@ class JaxPjitEngine:
         for chunk in chunks:
             grads, loss, metrics = step(self.params, grads, chunk, counts_dev, temp)
             parts.append((loss, metrics))
-        lr = self.optim.lr_at(self.step)
-        self.params, self.opt_state, norm = self._apply_step()(
-            self.params, self.opt_state, grads, jnp.float32(lr)
-        )
-        if not np.isfinite(float(norm)):
-            log.warning("step %d: non-finite grad norm %s, update skipped", self.step, norm)
-        self.step += 1
         parts = jax.device_get(parts)
+        grads, loss = self._inject_faults(grads, float(sum(np.float64(lo) for lo, _ in parts)))
+        lr = self.optim.lr_at(self.step)
+        self.params, self.opt_state, norm, ok = self._apply_step()(
+            self.params, self.opt_state, grads, jnp.float32(lr), jnp.bool_(np.isfinite(loss))
+        )
+        if not bool(ok):
+            log.warning(
+                "%s update %d: non-finite loss %s or grad norm %s, update skipped",
+                self.model_cfg.role,
+                self.step,
+                loss,
+                norm,
+            )
+        self.step += 1
         out = {
-            "loss": float(sum(np.float64(lo) for lo, _ in parts)),
+            "loss": loss,
             "grad_norm": float(norm),
             "lr": lr,
             "global_tokens": float(counts[0]),
             "global_seqs": float(counts[1]),
+            "nonfinite_skipped": float(not bool(ok)),
         }
         for name in parts[0][1]:
             out[name] = float(sum(np.float64(m[name]) for _, m in parts))
@@ -383,22 +402,17 @@ class JaxPjitEngine:
         checkpoint.save_state(
             path,
             self._state(),
-            {
-                "step": self.step,
-                "role": self.model_cfg.role,
-                "architecture": self.config.architecture,
-                "mesh": dict(self.parallel.mesh),
-            },
+            {"step": self.step, "mesh": dict(self.parallel.mesh), **self._identity()},
         )
+
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must match to load into this engine (role, model shape)."""
+        return {"role": self.model_cfg.role, "model": checkpoints.model_shape(self.model_cfg.path)}
 
     def load(self, path: str) -> None:
         self._check_loaded()
-        state, info = checkpoint.restore_state(path, checkpoint.abstract_like(self._state()))
-        if info["architecture"] != self.config.architecture:
-            raise ValueError(
-                f"checkpoint {path} holds a {info['architecture']} but this engine runs "
-                f"{self.config.architecture}; load it into an engine built from the same model"
-            )
+        checkpoints.check_manifest(checkpoint.read_info(path), self._identity(), path)
+        state, _ = checkpoint.restore_state(path, checkpoint.abstract_like(self._state()))
         self.params = state["params"]
         self.opt_state = state.get("opt_state")
         self.step = int(state["step"])

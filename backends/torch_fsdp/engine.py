@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from polyrl import micro_batch
-from polyrl.backends.base import Bucket, LossContext, LossFn
+from polyrl import checkpoints, faults, micro_batch
+from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
 from polyrl.backends.torch_fsdp import checkpoint, models, sharding, weights
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -133,11 +133,7 @@ class TorchFSDPEngine:
     def _outputs(
         self, inputs: dict[str, torch.Tensor], temperature: float, entropy: bool
     ) -> dict[str, torch.Tensor]:
-        if not temperature > 0:
-            raise ValueError(
-                f"temperature={temperature} must be > 0 (log-probs use logits / temperature); "
-                "for greedy rollouts score at temperature=1.0"
-            )
+        check_temperature(temperature)
         if self.cfg.has_value_head:
             return models.value_outputs(self.model, inputs, scores=self.cfg.role == "reward")
         return models.policy_outputs(
@@ -176,8 +172,8 @@ class TorchFSDPEngine:
 
         Rows with ``is_pad == 1`` get an all-zero ``response_mask`` before anything sees
         the batch, so they count in no normaliser and (for a loss that masks, as the
-        contract requires) contribute nothing. A non-finite gradient norm skips the
-        update (the step counter still advances) and is reported as ``grad_norm``.
+        contract requires) contribute nothing. A non-finite loss or gradient norm skips
+        the update on every rank (see :meth:`_apply_update`); ``nonfinite_skipped`` is 1.
         """
         self._check_usable("train_step")
         if self.optimizer is None:
@@ -191,6 +187,10 @@ class TorchFSDPEngine:
             mask = mask * (1 - batch["is_pad"].astype(np.float32))[:, None]
         batch = batch.with_columns({"response_mask": mask})
         ctx = self._loss_context(mask, temperature)
+        if ctx.global_tokens == 0:  # every rank sees the global count: all raise together
+            raise ValueError(
+                "train_step: response_mask sums to 0 on every rank (no response token to train on)"
+            )
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         for _, mb in self._micro_batches(batch):
@@ -202,26 +202,49 @@ class TorchFSDPEngine:
                 sums[key] = sums.get(key, 0) + value
         return self._apply_update(sums, ctx)
 
+    def _inject_faults(self, sums: dict[str, torch.Tensor]) -> None:
+        """Test-only (``polyrl.faults``): NaN loss and/or gradients in this update."""
+        nan_loss = faults.active("nan_loss", self.step, self.cfg.role)
+        if nan_loss:
+            sums["loss"] = sums["loss"] + float("nan")
+        if nan_loss or faults.active("nan_grad", self.step, self.cfg.role):
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            grad.fill_(float("nan"))
+
     def _apply_update(self, sums: dict[str, torch.Tensor], ctx: LossContext) -> dict[str, float]:
+        """Clip and step, unless the loss or the gradient norm is not finite: then the
+        update is skipped on every rank (both numbers are global, so all ranks agree),
+        leaving weights and optimizer state untouched; the step counter still advances."""
+        self._inject_faults(sums)
+        keys = sorted(sums)
+        totals = dict(
+            zip(keys, sharding.all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist())
+        )
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = sharding.clip_grad_norm(params, self.optim_cfg.grad_clip)
         lr = self.optim_cfg.lr_at(self.step)
-        if torch.isfinite(grad_norm):
+        finite = bool(torch.isfinite(grad_norm)) and np.isfinite(totals["loss"])
+        if finite:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
         else:
-            log.warning("step %d: non-finite grad norm %s, update skipped", self.step, grad_norm)
+            log.warning(
+                "%s update %d: non-finite loss %s or grad norm %s, update skipped",
+                self.cfg.role,
+                self.step,
+                totals["loss"],
+                grad_norm,
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        keys = sorted(sums)
-        totals = sharding.all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist()
         return {
-            **dict(zip(keys, totals)),
+            **totals,
             "grad_norm": float(grad_norm),
             "lr": lr,
             "global_tokens": ctx.global_tokens,
             "global_seqs": ctx.global_seqs,
+            "nonfinite_skipped": float(not finite),
         }
 
     # --------------------------------------------------------------- weights
@@ -252,14 +275,20 @@ class TorchFSDPEngine:
         )
 
     # ------------------------------------------------------------ checkpoint
+    def _identity(self) -> dict:
+        """What a checkpoint must match to load into this engine (role, model shape)."""
+        return {"role": self.cfg.role, "model": checkpoints.model_shape(self.cfg.path)}
+
     def save(self, path: str) -> None:
         self._check_usable("save")
-        extra = {"step": self.step, "role": self.cfg.role, "world_size": self.env.world_size}
+        extra = {"step": self.step, "world_size": self.env.world_size, **self._identity()}
         checkpoint.save_checkpoint(path, self.model, self.optimizer, extra)
 
     def load(self, path: str) -> None:
         self._check_usable("load")
-        extra = checkpoint.load_checkpoint(path, self.model, self.optimizer)
+        extra = checkpoint.read_extra(path)
+        checkpoints.check_manifest(extra, self._identity(), path)
+        checkpoint.load_checkpoint(path, self.model, self.optimizer)
         self.step = int(extra["step"])
 
     # --------------------------------------------------------------- offload

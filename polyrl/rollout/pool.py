@@ -381,7 +381,8 @@ class RolloutPool:
         """Push ``buckets`` (an engine's ``export_weights``) from this process to every
         server as version ``self.version + 1`` ("nccl": this process is rank 0 of the
         broadcast group, formed on first use and after a server restart). A server dying
-        mid-push fails the push; call again."""
+        mid-push (object store) is left out of it and re-synced by :meth:`commit` once Ray
+        has restarted it."""
         key = (transport, retain)
         if key not in self._syncers:
             self._syncers[key] = self.weight_syncer(transport, retain=retain)
@@ -392,9 +393,13 @@ class RolloutPool:
         return stats
 
     def commit(self, stats: SyncStats) -> None:
-        """Record a finished push (its version, and its retained buckets for re-syncs)."""
+        """Record a finished push (its version, and its retained buckets for re-syncs);
+        servers that died during it are re-synced now, before they generate again."""
         self.version = stats.version
         self._retained = stats.retained
+        for i in stats.lost:
+            logger.warning("rollout server %d died during weight push %d", i, stats.version)
+            self._recover(i)
 
     def weight_versions(self) -> list[int]:
         import ray

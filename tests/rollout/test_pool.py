@@ -182,3 +182,29 @@ def test_server_killed_mid_run_is_restarted_and_resynced(
         few = pool.generate(prompts.take(slice(0, 4)), spec)  # seeds follow the row index
     assert "rollout server 1 failed" in caplog.text
     np.testing.assert_array_equal(few["responses"], reference["responses"][:8])
+
+
+def test_server_killed_during_weight_push_is_resynced_before_it_generates(
+    pool, padded_model_dir, ray_session
+):
+    """Server 0 is killed after the 3rd bucket of a push: the push completes on server 1,
+    reports server 0 as lost, and commit() waits for Ray's restart and re-syncs it, so
+    both servers decode like transformers with the new weights."""
+    ray = ray_session
+    new = load_hf(padded_model_dir, seed=77)
+
+    def buckets():
+        for i, bucket in enumerate(iter_buckets(new.state_dict().items(), 16 * 1024)):
+            if i == 3:
+                ray.kill(pool.servers[0], no_restart=False)
+            yield bucket
+
+    stats = pool.weight_syncer().push(buckets(), pool.version + 1)
+    assert stats.lost == [0] and stats.buckets > 10
+    pool.commit(stats)
+    assert pool.weight_versions() == [stats.version] * 2
+    prompts = prompts_batch([5, 7], seed=6)
+    out = pool.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=6, seed=0))
+    for row, prompt in enumerate(prompts["prompt_ids"]):  # row 0 on server 0, row 1 on 1
+        expected = hf_greedy(new, prompt, 6, vocab=58, eos=pool.eos_token_id)
+        assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected

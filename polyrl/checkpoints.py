@@ -1,0 +1,199 @@
+"""Run checkpoints: atomic, verified on load, no pickle (docs/reliability.md).
+
+A run's checkpoint of step N is the directory ``<run_dir>/checkpoints/step_N``::
+
+    actor/, critic/          each trained role's engine checkpoint (TrainEngine.save)
+    manifest.json            what the checkpoint must match to be loaded (see run_manifest)
+    trainer_state.json       step + loop state (KL controller ...); written last
+
+It is written under ``step_N.tmp`` and renamed when complete, so a kill at any moment
+leaves either the whole checkpoint or a ``.tmp`` directory that loading never looks at
+and the next save removes. Loading compares ``manifest.json`` with the run's own and
+refuses a mismatch, naming every field that differs and the binding that fixes it. Every
+file is JSON or array data (DCP read through a pickle-free reader, orbax's
+tensorstore/msgpack): loading a checkpoint runs no code from it.
+
+This module is framework-free: engines are reached through callables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from polyrl import faults
+
+__all__ = [
+    "CheckpointMismatch",
+    "latest_checkpoint",
+    "model_shape",
+    "run_manifest",
+    "check_manifest",
+    "check_resumable",
+    "save",
+    "restore",
+    "write_json",
+    "MANIFEST",
+    "STATE",
+]
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+# Fields of config.json that fix a model's parameter shapes.
+SHAPE_KEYS = (
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+# manifest field -> what to change so that a run matches its checkpoint.
+FIXES = {
+    "backend": "set polyrl.RunConfig.backend to the checkpoint's backend",
+    "algorithm": "set polyrl.RunConfig.algorithm to the checkpoint's algorithm",
+    "trained_roles": "use the algorithm (and algo_overrides) the run started with",
+    "model": "set polyrl.RunConfig.model_path to the model the run started from",
+    "role": "load a checkpoint of the same role",
+}
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that does not fit the run (or engine) asked to load it."""
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint of the highest step under ``run_dir/checkpoints`` (a
+    ``.tmp`` directory left by an interrupted save is never one)."""
+    done = [
+        (int(m.group(1)), p.parent)
+        for p in Path(run_dir, "checkpoints").glob(f"step_*/{STATE}")
+        if (m := _STEP_DIR.fullmatch(p.parent.name))
+    ]
+    return max(done)[1] if done else None
+
+
+def model_shape(model_path: str | Path) -> dict[str, Any]:
+    """The shape-defining fields of a Hugging Face model directory's config.json."""
+    cfg = json.loads(Path(model_path, "config.json").read_text())
+    return {k: cfg.get(k) for k in SHAPE_KEYS}
+
+
+def run_manifest(cfg: Any, spec: Any) -> dict[str, Any]:
+    """What a run's checkpoint must match: backend, algorithm, trained roles, model shape."""
+    return {
+        "format": FORMAT,
+        "backend": cfg.backend,
+        "algorithm": spec.name,
+        "trained_roles": ["actor", "critic"] if spec.needs_critic else ["actor"],
+        "model": model_shape(cfg.model_path),
+    }
+
+
+def check_manifest(found: Mapping[str, Any], expected: Mapping[str, Any], where: str) -> None:
+    """Raise :class:`CheckpointMismatch` naming every field of ``expected`` that
+    ``found`` (read from the checkpoint at ``where``) differs in, with its fix."""
+    diffs = []
+    for key, want in expected.items():
+        have = found.get(key)
+        if key == "model" and isinstance(have, dict) and isinstance(want, dict):
+            parts = [
+                f"{k} {have.get(k)!r} vs {want.get(k)!r}" for k in want if have.get(k) != want[k]
+            ]
+            if parts:
+                diffs.append(f"model shape: checkpoint/run {', '.join(parts)} ({FIXES['model']})")
+        elif have != want:
+            fix = FIXES.get(key, "use a checkpoint written by this version of polyrl")
+            diffs.append(f"{key}: checkpoint {have!r}, this run {want!r} ({fix})")
+    if diffs:
+        raise CheckpointMismatch(
+            f"checkpoint {where} does not match this run: {'; '.join(diffs)}. To start "
+            "afresh instead, use a new polyrl.RunConfig.run_dir (or leave out --resume)"
+        )
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON and fsync it, so a file a later rename publishes is on disk."""
+    with path.open("w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save(
+    run_dir: str | Path,
+    step: int,
+    parts: Mapping[str, Callable[[str], None]],
+    state: Mapping[str, Any],
+    manifest: Mapping[str, Any],
+    keep: int,
+    extra_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write checkpoint ``step`` atomically and keep the newest ``keep`` complete ones.
+
+    ``parts``: name -> a callable writing that part (an engine's ``save``) into the
+    directory it is given; ``extra_files``: writes more loop state into the checkpoint
+    directory. Partial ``.tmp`` directories of interrupted saves are removed.
+    """
+    root = Path(run_dir, "checkpoints")
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob("step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+        print(f"[checkpoint] removed {stale} (left by an interrupted save)", flush=True)
+    path = root / f"step_{step}"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir()
+    if faults.active("fail_write", step, "checkpoint"):
+        faults.raise_disk_full(str(tmp))
+    for name, write in parts.items():
+        write(str(tmp / name))
+    if extra_files is not None:
+        extra_files(tmp)
+    if faults.active("kill_in_save", step):
+        faults.kill_self()
+    write_json(tmp / MANIFEST, dict(manifest))
+    write_json(tmp / STATE, {"step": step, **state})
+    if path.exists():  # the same step saved again after a resume: replace it
+        shutil.rmtree(path)
+    tmp.rename(path)  # complete or absent, never half-written
+    done = sorted(
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))
+    )
+    for _, old in done[: max(len(done) - keep, 0)]:
+        shutil.rmtree(old)
+    return path
+
+
+def check_resumable(path: Path | None, manifest: Mapping[str, Any]) -> None:
+    """Refuse checkpoint ``path`` (None: nothing to check) unless it matches ``manifest``;
+    cheap, so ``--resume`` runs it before any worker starts."""
+    if path is None:
+        return
+    found = path / MANIFEST
+    if not found.is_file():
+        raise CheckpointMismatch(
+            f"checkpoint {path} has no {MANIFEST} (written by an older polyrl), so it cannot "
+            "be checked against this run; start a new polyrl.RunConfig.run_dir"
+        )
+    check_manifest(json.loads(found.read_text()), manifest, str(path))
+
+
+def restore(
+    path: Path, parts: Mapping[str, Callable[[str], None]], manifest: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Check checkpoint ``path`` against ``manifest``, load each part, return the state."""
+    check_resumable(path, manifest)
+    for name, load in parts.items():
+        load(str(path / name))
+    return json.loads((path / STATE).read_text())

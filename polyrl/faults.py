@@ -1,0 +1,67 @@
+"""Fault injection for the reliability tests (docs/reliability.md). Off by default.
+
+Nothing here is a user knob: only tests set ``POLYRL_FAULTS``, and with it unset every
+call below is a no-op. It is an environment variable (not gin, not DebugConfig) so that it
+reaches every process of a run -- Ray workers and killed-then-restarted drivers -- without
+touching the configuration a checkpoint records. Format: ``;``-separated faults, each
+``point@key=v1,v2`` or ``point@v1,v2`` (no key), e.g.::
+
+    POLYRL_FAULTS="nan_loss@actor=1,2;kill_in_save@4"
+
+Points and where they fire:
+
+* ``nan_loss@<role>=<updates>``: the engine's loss (and so its gradients) become NaN in
+  the listed optimizer updates (the engine's own 0-based update counter);
+* ``nan_grad@<role>=<updates>``: only the gradients become NaN (the loss stays finite);
+* ``kill_in_save@<step>``: the driver SIGKILLs itself in the middle of writing the
+  checkpoint of trainer step ``step`` (after the engines wrote theirs, before the
+  checkpoint is complete);
+* ``kill_worker@<role>=<updates>``: the worker hosting ``role`` SIGKILLs itself at the
+  start of the listed optimizer updates;
+* ``fail_write@run_dir=0`` / ``disk_full@run_dir=0``: the start-up probe of the run dir
+  fails with ``ENOSPC`` / sees 0 bytes free;
+* ``fail_write@metrics=<step>`` / ``fail_write@checkpoint=<step>``: writing the metrics
+  line / the checkpoint of trainer step ``step`` raises ``OSError(ENOSPC)``, as a full
+  disk does.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+
+__all__ = ["active", "kill_self", "raise_disk_full", "ENV"]
+
+ENV = "POLYRL_FAULTS"
+
+
+def _parse(spec: str) -> dict[tuple[str, str], set[int]]:
+    out: dict[tuple[str, str], set[int]] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        point, _, rest = entry.partition("@")
+        key, _, values = rest.rpartition("=")
+        try:
+            out[(point.strip(), key.strip())] = {int(v) for v in values.split(",") if v.strip()}
+        except ValueError:
+            raise ValueError(
+                f"{ENV}={spec!r}: bad entry {entry!r}; write point@key=1,2 or point@1,2"
+            ) from None
+    return out
+
+
+def active(point: str, at: int, key: str = "") -> bool:
+    """Whether fault ``point`` (for ``key``, e.g. a role) is asked for at ``at``."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return False
+    return at in _parse(spec).get((point, key), ())
+
+
+def kill_self() -> None:
+    """Die as ``kill -9`` does: no cleanup, no exception handlers, no atexit."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def raise_disk_full(what: str) -> None:
+    raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV})", what)

@@ -1,0 +1,247 @@
+"""The TrainEngine contract (backends/base.py), run once per entry of ``ENGINES``.
+
+Every promise of the protocol is checked on each registered backend, in process, on the
+tiny model: init/frozen roles, temperature, padding, value heads, export, save/load,
+offload/reload and the non-finite skip. A new backend joins by adding its in-process
+constructor to ``BUILD`` (the first test fails until it does), so two backends cannot
+drift apart silently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+from polyrl import faults  # noqa: E402
+from polyrl.algos.registry import get_algorithm  # noqa: E402
+from polyrl.backends import get_engine  # noqa: E402
+from polyrl.backends.base import ENGINES, TrainEngine  # noqa: E402
+from polyrl.batch import from_token_lists  # noqa: E402
+from polyrl.checkpoints import CheckpointMismatch  # noqa: E402
+from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+
+# In-process constructor per backend: a world of one torch rank / one JAX device.
+BUILD = {
+    "torch_fsdp": lambda cls: cls(),
+    "jax_pjit": lambda cls: cls(devices=jax.devices()[:1]),
+}
+BACKENDS = sorted(ENGINES)
+ACTOR_LOSS = get_algorithm("grpo").make_actor_loss(entropy_coef=0.0)
+CRITIC_LOSS = get_algorithm("ppo").make_critic_loss()
+OPTIM = OptimConfig(lr=1e-3)
+VOCAB = 58  # real tokens of the tiny tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # see tests/backends/torch_fsdp/conftest.py
+    yield
+    torch.set_num_threads(before)
+
+
+def engine(backend, path, role="actor", optim=OPTIM, micro=4):
+    eng = BUILD[backend](get_engine(backend))
+    eng.init(ModelConfig(str(path), role=role), optim, ParallelConfig(micro_batch_size=micro))
+    return eng
+
+
+def rl_batch(n=6, seed=0):
+    """Ragged prompts/responses with fixed widths (one compiled shape for JAX)."""
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(3, VOCAB, rng.integers(1, 7))) for _ in range(n)]
+    resps = [list(rng.integers(3, VOCAB, rng.integers(1, 6))) for _ in range(n)]
+    b = from_token_lists(prompts, resps, pad_id=0, prompt_len=8, response_len=8)
+    shape, mask = b["responses"].shape, b["response_mask"]
+    cols = {
+        "old_log_probs": (rng.normal(-4.0, 0.3, shape) * mask).astype(np.float32),
+        "ref_log_probs": (rng.normal(-4.0, 0.3, shape) * mask).astype(np.float32),
+        "advantages": (np.repeat(rng.normal(0, 1, (n, 1)), shape[1], 1) * mask).astype(np.float32),
+        "values": (rng.normal(0, 0.1, shape) * mask).astype(np.float32),
+        "returns": (rng.normal(1, 0.5, shape) * mask).astype(np.float32),
+    }
+    return b.with_columns(cols)
+
+
+def weights(eng) -> dict[str, np.ndarray]:
+    return {
+        k: np.array(v.detach().float().cpu() if isinstance(v, torch.Tensor) else v)
+        for bucket in eng.export_weights(1 << 16)
+        for k, v in bucket
+    }
+
+
+def optimizer_leaves(eng) -> list[np.ndarray]:
+    """Every array of the engine's optimizer state (the one backend-specific peek)."""
+    if hasattr(eng, "opt_state"):
+        return [np.array(x) for x in jax.tree.leaves(eng.opt_state)]
+    local = [v for s in eng.optimizer.state.values() for v in s.values()]
+    return [np.array((v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()) for v in local]
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_every_registered_backend_is_covered():
+    assert set(BUILD) == set(ENGINES), "add the new backend's in-process constructor to BUILD"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_init_roles_and_frozen_reference(backend, tiny_model_dir):
+    with pytest.raises(ValueError, match="optim"):
+        engine(backend, tiny_model_dir, role="actor", optim=None)
+    with pytest.raises(ValueError, match="optim"):
+        engine(backend, tiny_model_dir, role="reference", optim=OPTIM)
+    ref = engine(backend, tiny_model_dir, role="reference", optim=None)
+    assert isinstance(ref, TrainEngine)
+    actor = engine(backend, tiny_model_dir)
+    batch = rl_batch()
+    # Both start from the checkpoint: the same log-probs, zero outside the response mask.
+    out = ref.forward(batch)
+    assert out["log_probs"].shape == batch["responses"].shape
+    assert np.all(out["log_probs"][batch["response_mask"] == 0] == 0)
+    assert np.all(out["log_probs"][batch["response_mask"] == 1] < 0)
+    np.testing.assert_allclose(actor.forward(batch)["log_probs"], out["log_probs"], atol=1e-6)
+    with pytest.raises(RuntimeError, match="frozen"):
+        ref.train_step(batch, ACTOR_LOSS)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_temperature_divides_the_logits(backend, tiny_model_dir):
+    """log_probs(T) = log_softmax(logits / T) at the response tokens, as transformers gives."""
+    from transformers import AutoModelForCausalLM
+
+    batch = rl_batch()
+    eng = engine(backend, tiny_model_dir, role="reference", optim=None)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(
+            input_ids=torch.as_tensor(batch["input_ids"]).long(),
+            attention_mask=torch.as_tensor(batch["attention_mask"]).long(),
+            position_ids=torch.as_tensor(batch["position_ids"]).long(),
+        ).logits[:, 7:15, :VOCAB]  # position P-1+t predicts response token t (P = 8)
+    resp = torch.as_tensor(batch["responses"]).long()[..., None]
+    for temperature in (0.5, 1.0, 2.0):
+        ref = torch.log_softmax(logits / temperature, -1).gather(-1, resp)[..., 0].numpy()
+        got = eng.forward(batch, temperature=temperature)["log_probs"]
+        # fp32, two implementations of the same network: a few ulps per layer.
+        np.testing.assert_allclose(got, ref * batch["response_mask"], atol=2e-5)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            eng.forward(batch, temperature=bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_rows_and_all_padding_batches(backend, tiny_model_dir):
+    """is_pad rows change nothing; a batch with no valid token is refused, not trained."""
+    batch = rl_batch()
+    plain, padded = engine(backend, tiny_model_dir), engine(backend, tiny_model_dir)
+    a = plain.train_step(batch, ACTOR_LOSS)
+    b = padded.train_step(batch.pad_to_multiple(4)[0], ACTOR_LOSS)  # 6 rows + 2 pads
+    for key in ("loss", "grad_norm", "global_tokens", "global_seqs"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    np.testing.assert_allclose(
+        np.concatenate([w.ravel() for w in weights(padded).values()]),
+        np.concatenate([w.ravel() for w in weights(plain).values()]),
+        atol=1e-6,
+    )
+    empty = batch.with_columns({"response_mask": np.zeros_like(batch["response_mask"])})
+    assert not np.any(plain.forward(empty)["log_probs"])
+    before = weights(plain)
+    with pytest.raises(ValueError, match="response_mask"):
+        plain.train_step(empty, ACTOR_LOSS)
+    assert same(weights(plain), before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_heads(backend, tiny_model_dir):
+    batch = rl_batch()
+    critic = engine(backend, tiny_model_dir, role="critic")
+    out = critic.forward(batch)
+    assert set(out) == {"values"} and out["values"].shape == batch["responses"].shape
+    assert np.all(out["values"][batch["response_mask"] == 0] == 0)
+    losses = [critic.train_step(batch, CRITIC_LOSS)["loss"] for _ in range(5)]
+    assert losses[-1] < losses[0], losses  # the head fits the returns
+    reward = engine(backend, tiny_model_dir, role="reward", optim=None)
+    scores = reward.forward(batch)
+    assert scores["scores"].shape == (len(batch),)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_export_gives_the_checkpoint_under_hf_names(backend, tiny_model_dir):
+    from safetensors.numpy import load_file
+
+    hf = load_file(str(next(tiny_model_dir.glob("*.safetensors"))))
+    eng = engine(backend, tiny_model_dir)
+    sizes = [
+        sum(t.numel() * 4 if isinstance(t, torch.Tensor) else t.nbytes for _, t in b)
+        for b in eng.export_weights(1 << 14)
+    ]
+    assert len(sizes) > 1  # several buckets: the size bound is exercised
+    got = weights(eng)
+    assert set(got) <= set(hf) and len(got) >= len(hf) - 1  # (a tied lm_head may be left out)
+    for name, w in got.items():
+        np.testing.assert_array_equal(w, hf[name], err_msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_load_resumes_exactly_and_checks_the_role(backend, tiny_model_dir, tmp_path):
+    b1, b2 = rl_batch(seed=1), rl_batch(seed=2)
+    first = engine(backend, tiny_model_dir)
+    first.train_step(b1, ACTOR_LOSS)
+    first.save(str(tmp_path / "ckpt"))
+    want = first.train_step(b2, ACTOR_LOSS)
+    resumed = engine(backend, tiny_model_dir)
+    resumed.load(str(tmp_path / "ckpt"))
+    got = resumed.train_step(b2, ACTOR_LOSS)
+    for key in ("loss", "grad_norm", "lr"):
+        assert got[key] == want[key], key
+    assert same(weights(resumed), weights(first))
+    critic = engine(backend, tiny_model_dir, role="critic")
+    with pytest.raises(CheckpointMismatch, match="role: checkpoint 'actor', this run 'critic'"):
+        critic.load(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_offload_reload_round_trip(backend, tiny_model_dir):
+    batch = rl_batch()
+    eng = engine(backend, tiny_model_dir)
+    eng.train_step(batch, ACTOR_LOSS)
+    before, opt = eng.forward(batch)["log_probs"], optimizer_leaves(eng)
+    eng.offload()
+    with pytest.raises(RuntimeError, match="offloaded"):
+        eng.forward(batch)
+    eng.reload()
+    np.testing.assert_array_equal(eng.forward(batch)["log_probs"], before)
+    assert all(np.array_equal(a, b) for a, b in zip(optimizer_leaves(eng), opt))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fault", ["nan_loss", "nan_grad"])
+def test_nonfinite_update_is_skipped_bit_identically(backend, fault, tiny_model_dir, monkeypatch):
+    """Update 1 gets a NaN (fault hook): it is skipped and reported, weights and
+    optimizer state stay bit-identical, and the next update equals that of an engine that
+    never saw the bad one (so Adam's moments and count were untouched)."""
+    b0, bad, b2 = rl_batch(seed=0), rl_batch(seed=1), rl_batch(seed=2)
+    clean = engine(backend, tiny_model_dir)
+    clean.train_step(b0, ACTOR_LOSS)
+    clean_out = clean.train_step(b2, ACTOR_LOSS)
+
+    monkeypatch.setenv(faults.ENV, f"{fault}@actor=1")
+    eng = engine(backend, tiny_model_dir)
+    assert eng.train_step(b0, ACTOR_LOSS)["nonfinite_skipped"] == 0.0
+    w, opt = weights(eng), optimizer_leaves(eng)
+    out = eng.train_step(bad, ACTOR_LOSS)
+    assert out["nonfinite_skipped"] == 1.0
+    assert not np.isfinite(out["grad_norm"])
+    assert np.isfinite(out["loss"]) == (fault == "nan_grad")
+    assert same(weights(eng), w)
+    assert all(np.array_equal(a, b) for a, b in zip(optimizer_leaves(eng), opt))
+    out = eng.train_step(b2, ACTOR_LOSS)
+    assert out["nonfinite_skipped"] == 0.0
+    assert out["loss"] == clean_out["loss"] and out["grad_norm"] == clean_out["grad_norm"]
+    assert same(weights(eng), weights(clean))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -243,6 +244,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
+    # SIGTERM (a scheduler, a sweep stopping the trial) ends the run like Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         final = train(
             args.gin_file,
@@ -257,6 +260,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (FileNotFoundError, CheckpointMismatch, RunStopped, OSError) as e:
         print(f"polyrl train: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(
+            "\n[polyrl] interrupted: metrics.jsonl, logs and the last checkpoint are in the run "
+            "directory; continue with --resume",
+            file=sys.stderr,
+        )
+        return 130
     shown = [
         f"{k} {final[k]:.4g}"
         for k in (
@@ -275,10 +285,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     from polyrl.metrics import PLOTTED, latest_metrics, phase_summary, plot_run, read_jsonl
     from polyrl.trainer import COMPUTE_PHASES
 
+    if Path(args.run_dir, "sweep.json").exists():
+        from polyrl.sweep import report
+
+        print(report(args.run_dir), end="")
+        return 0
     path = Path(args.run_dir, "metrics.jsonl")
     if not path.exists():
         raise UserError(
-            f"{args.run_dir!r} has no metrics.jsonl; pass a run directory of polyrl train"
+            f"{args.run_dir!r} has no metrics.jsonl or sweep.json; pass a run directory of polyrl train "
+            f"or a sweep directory"
         )
     rows = read_jsonl(path)
     if not rows:
@@ -300,26 +316,20 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from polyrl.launch import sweep
+    from polyrl.sweep import report, run_sweep
     from polyrl.validate import ConfigError
 
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/sweeps/tiny_grpo_lr.gin)")
     try:
-        results = sweep(args.gin_file, args.gin_param, imports=args.imports)
+        root = run_sweep(args.gin_file, args.gin_param, imports=args.imports, resume=args.resume)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"polyrl sweep: {e}", file=sys.stderr)
         return 1
-    best = results.get_best_result()
-    print(
-        f"[sweep] {len(results)} trials; best {best.metrics.get('reward/mean')} with {best.config}"
-    )
-    for r in results:
-        status = "ERROR" if r.error else "ok"
-        print(
-            f"  {status:<5} {r.config}  last {r.metrics.get('reward/mean') if r.metrics else None}"
-        )
-    return 0 if not results.errors else 1
+    print(report(root), end="")
+    print(f"table: {root / 'results.csv'}  plot: {root / 'curves.png'}")
+    print(f"best config: {root / 'best_operative_config.gin'}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -340,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
             "worker; the current directory is importable (repeatable)",
         )
 
+    def verbose_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--verbose",
+            action="store_true",
+            help="also print each phase's time and every worker's output (always kept in "
+            "RUN_DIR/logs)",
+        )
+
     def gin_args(p: argparse.ArgumentParser) -> None:
         import_arg(p)
         p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
@@ -352,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run an RL experiment from gin files")
     gin_args(p)
+    verbose_arg(p)
     p.add_argument(
         "--resume", action="store_true", help="continue from the run dir's latest checkpoint"
     )
@@ -370,10 +389,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="cluster: also connect to RAY_ADDRESS and check every node (resources, versions, env)",
     )
     p.set_defaults(func=cmd_validate_config)
-    p = sub.add_parser("sweep", help="grid-search gin bindings with Ray Tune (SweepConfig)")
+    p = sub.add_parser("sweep", help="search gin bindings with Ray Tune (SweepConfig)")
     gin_args(p)
+    p.add_argument("--resume", action="store_true", help="continue an interrupted sweep")
+    verbose_arg(p)
     p.set_defaults(func=cmd_sweep)
-    p = sub.add_parser("report", help="summarise a run directory (metrics, phase times, plot)")
+    p = sub.add_parser(
+        "report", help="summarise a run directory (metrics, phase times, plot) or rank a sweep's"
+    )
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_report)
 
@@ -416,15 +439,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from polyrl.ray_session import VERBOSE_ENV
     from polyrl.user_code import UserCodeError, import_modules
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"  # read by the trainer and inherited by sweep trials
     try:
         import_modules(getattr(args, "imports", ()))
         return args.func(args)
     except (UserError, UserCodeError) as e:
         print(f"polyrl {args.command}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `polyrl report DIR | head`: the reader left; stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:  # Ctrl-C outside a run: no traceback
+        print(f"\npolyrl {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

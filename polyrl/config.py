@@ -276,6 +276,9 @@ class RunConfig:
       with a checkpoint (0: never stop). See docs/reliability.md.
     sampling / rollout: ``polyrl.rollout`` SamplingSpec / RolloutConfig (rollout's
       model_path is filled from ``model_path`` when left empty).
+    sample_every / sample_count: every ``sample_every`` steps (and at step 1) print
+      ``sample_count`` decoded samples (prompt, response, ground truth, reward) after the
+      progress line and add them to TensorBoard (text tab); 0 turns it off.
     imports: user modules (``pkg.mod`` names) imported in the driver and in every Ray
       worker before anything runs, e.g. the module that registers an own reward or task
       (``polyrl.user_code``); ``--import`` on the command line adds to them.
@@ -353,28 +356,94 @@ class RunConfig:
     dump_samples: int = 4
     timeline: bool = True
     debug: object = None
+    sample_every: int = 10
+    sample_count: int = 2
+
+
+SPACE_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")
 
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-    """A Ray Tune sweep over gin bindings (``polyrl sweep``).
+    """A Ray Tune sweep over gin bindings (``polyrl sweep``; docs/training.md "Sweeps").
 
-    grid: gin binding -> list of values; every combination is one trial (Tune grid
-      search), each trial a full ``polyrl train`` run in ``<run_dir>/trial_<k>``.
-    metric / mode: what Tune ranks trials by (any key of metrics.jsonl) and "max"/"min".
-    max_concurrent_trials: trials at once (1 on a small CPU host: a trial uses the pool).
+    space: gin binding -> ``{"grid": [v, ...]}`` (every value), ``{"choice": [v, ...]}``,
+      ``{"uniform": [lo, hi]}``, ``{"loguniform": [lo, hi]}`` or ``{"randint": [lo, hi]}``
+      (sampled once per trial). Any binding, e.g. ``"polyrl.RunConfig.backend"``.
+    grid: shorthand: binding -> list of values, the same as ``{"grid": [...]}`` in space.
+    num_samples: trials per grid combination (random search draws each sample anew).
+    search: "random" (Tune's grid + random sampling) or "optuna" (TPE; needs optuna).
+    scheduler: "fifo" (every trial runs to the end) or "asha" (ASHA early stopping:
+      trials behind the others at step ``grace_period * reduction_factor**k`` stop).
+    metric / mode: what trials are ranked and stopped by (any key of metrics.jsonl) and
+      "max"/"min"; ranking uses the mean over the last ``smooth_steps`` steps.
+    max_concurrent_trials: trials at once; 0 = as many as the cluster holds (each trial
+      reserves a placement group of its run's pools).
     """
 
+    space: Mapping[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
     grid: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     metric: str = "reward/mean"
     mode: str = "max"
     num_samples: int = 1
-    max_concurrent_trials: int = 1
+    search: str = "random"
+    scheduler: str = "fifo"
+    grace_period: int = 5
+    reduction_factor: float = 2.0
+    smooth_steps: int = 5
+    max_concurrent_trials: int = 0
 
     def __post_init__(self) -> None:
         _choice("SweepConfig", "mode", self.mode, ("max", "min"))
+        _choice("SweepConfig", "search", self.search, ("random", "optuna"))
+        _choice("SweepConfig", "scheduler", self.scheduler, ("fifo", "asha"))
         for key, values in self.grid.items():
             if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(
                     f"SweepConfig.grid[{key!r}] must be a non-empty list of values, got {values!r}"
                 )
+        for key, spec in self.space.items():
+            kind = next(iter(spec), None) if isinstance(spec, Mapping) else None
+            if kind not in SPACE_KINDS or len(spec) != 1:
+                raise ValueError(
+                    f"SweepConfig.space[{key!r}] = {spec!r}: give one of "
+                    f"{{'grid': [...]}}, {{'choice': [...]}}, {{'uniform': [lo, hi]}}, "
+                    f"{{'loguniform': [lo, hi]}}, {{'randint': [lo, hi]}}"
+                )
+            args = spec[kind]
+            ok = isinstance(args, (list, tuple)) and len(args) >= 1
+            if kind in ("uniform", "loguniform", "randint"):
+                ok = ok and len(args) == 2 and args[0] < args[1]
+                ok = ok and (kind != "loguniform" or args[0] > 0)
+            if not ok:
+                raise ValueError(
+                    f"SweepConfig.space[{key!r}] = {spec!r}: {kind} needs "
+                    + (
+                        "a non-empty list"
+                        if kind in ("grid", "choice")
+                        else "[lo, hi] with lo < hi"
+                    )
+                    + (" and lo > 0" if kind == "loguniform" else "")
+                )
+        overlap = set(self.grid) & set(self.space)
+        if overlap:
+            raise ValueError(f"SweepConfig: {sorted(overlap)} bound in both grid and space")
+        grids = bool(self.grid) or any("grid" in spec for spec in self.space.values())
+        if self.search == "optuna" and grids:
+            raise ValueError(
+                "SweepConfig.search = 'optuna' samples every binding: use choice instead of "
+                "grid (SweepConfig.grid / {'grid': ...} in SweepConfig.space)"
+            )
+        for name in ("num_samples", "grace_period", "smooth_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SweepConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.reduction_factor <= 1 or self.max_concurrent_trials < 0:
+            raise ValueError(
+                f"SweepConfig.reduction_factor={self.reduction_factor} must be > 1 and "
+                f"SweepConfig.max_concurrent_trials={self.max_concurrent_trials} >= 0"
+            )
+
+    @property
+    def bindings(self) -> dict[str, Mapping[str, object]]:
+        """Every swept binding -> its space entry (grid shorthand included)."""
+        return {**{k: {"grid": list(v)} for k, v in self.grid.items()}, **dict(self.space)}

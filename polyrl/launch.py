@@ -13,23 +13,31 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import sys
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from polyrl.config import OptimConfig, ParallelConfig, RunConfig, SweepConfig
-from polyrl.user_code import import_modules, runtime_env
+from polyrl.user_code import import_modules
 
-__all__ = ["parse_config", "prepare", "train", "sweep", "GIN_ROOT"]
+__all__ = ["parse_config", "prepare", "train", "find_gin", "GIN_ROOT"]
 
 GIN_ROOT = Path(__file__).resolve().parents[1] / "gin"
 
 
+def _quiet_gin_lookups(record: logging.LogRecord) -> bool:
+    """gin logs ``ERROR:root:Path not found`` for every search path it tries before the
+    one that has an include: normal lookups, not errors (a missing file still raises)."""
+    return not str(record.msg).startswith("Path not found")
+
+
 def _register() -> Any:
     import gin
+
+    if _quiet_gin_lookups not in logging.getLogger().filters:
+        logging.getLogger().addFilter(_quiet_gin_lookups)
     from polyrl.debug import DebugConfig
     from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
@@ -65,7 +73,7 @@ def parse_config(
 
     _register()
     search = [GIN_ROOT, GIN_ROOT.parent]
-    cfg, operative = bind([_find_gin(f) for f in gin_files], gin_params, root, search)
+    cfg, operative = bind([find_gin(f) for f in gin_files], gin_params, root, search)
     if isinstance(cfg, RunConfig):
         cfg = dataclasses.replace(cfg, imports=tuple(dict.fromkeys((*cfg.imports, *imports))))
         import_modules(cfg.imports)
@@ -76,7 +84,7 @@ def parse_config(
     return cfg, operative
 
 
-def _find_gin(name: str) -> Path:
+def find_gin(name: str) -> Path:
     """A gin file as given, else relative to the repository root; absolute."""
     for path in (Path(name), GIN_ROOT.parent / name):
         if path.exists():
@@ -103,8 +111,10 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     from polyrl.debug import DebugSession
     from polyrl.evaluation import validation_prompts
     from polyrl.placement import Placement
+    from polyrl.ray_session import init_ray
     from polyrl.roles import build_roles
     from polyrl.rollout import RolloutPool
+    from polyrl.sweep import trial_placement
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     kw = {
@@ -122,10 +132,10 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     if not ray.is_initialized():
         # A local start gets the pools' CPUs plus RunConfig.user_cpus for the user's own tasks.
         pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
-        init_ray(cfg.ray_num_cpus or pool_cpus + cfg.user_cpus, cfg.imports, cfg.debug)
+        init_ray(cfg.run_dir, cfg.ray_num_cpus or pool_cpus + cfg.user_cpus, cfg.imports, cfg.debug)
     debug = DebugSession.start(cfg.debug)
     roles = build_roles(cfg, spec)
-    placement = Placement(cfg.pools, roles)
+    placement = Placement(cfg.pools, roles, reserved=trial_placement())
     pool = None
     if spec.objective == "rl":
         share = placement.shares["rollout"]
@@ -141,28 +151,6 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
         placement=placement,
         roles=roles,
         debug=debug,
-    )
-
-
-def init_ray(num_cpus: float | None, imports: Sequence[str] = (), debug: Any = None) -> None:
-    """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
-    --head``, or ``auto``: docs/scaling.md), else start a private local one of
-    ``num_cpus`` CPUs (never a cluster some other ``ray start`` left on the machine)."""
-    import ray
-
-    address = os.environ.get("RAY_ADDRESS", "local")
-    local = {"num_cpus": num_cpus} if address == "local" else {}
-    env = runtime_env(imports)
-    if debug is not None and debug.enabled:  # docs/debugging.md
-        env["env_vars"].update(debug.env())
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log point's line, each step
-        local |= {"dashboard_host": debug.host} if address == "local" else {}
-    ray.init(
-        address=address,
-        include_dashboard=bool(debug and debug.enabled),
-        log_to_driver=True,
-        runtime_env=env,
-        **local,
     )
 
 
@@ -205,116 +193,3 @@ def train(
         trainer.shutdown()
         if components.debug is not None:
             components.debug.close()
-
-
-def _trial(
-    params: dict,
-    gin_files: Sequence[str],
-    gin_params: Sequence[str],
-    root: str,
-    imports: Sequence[str],
-    cwd: str,
-) -> None:
-    """One Ray Tune trial: ``polyrl train`` with the trial's gin bindings, in its own
-    process (gin bindings are per process, and a trial's workers must not be captured
-    by the trial's placement group). It joins the sweep's Ray cluster as a new driver;
-    each line its run appends to metrics.jsonl is reported to Tune."""
-    import subprocess
-    import time
-
-    import ray
-    from ray import tune
-
-    from polyrl.metrics import read_jsonl
-
-    trial_dir = Path(root, f"trial_{tune.get_context().get_trial_id()}")
-    bindings = [
-        *gin_params,
-        *(f"{k} = {v!r}" for k, v in params.items()),
-        f"polyrl.RunConfig.run_dir = {str(trial_dir)!r}",
-    ]
-    cmd = [sys.executable, "-m", "polyrl.cli", "train"]
-    cmd += [a for f in gin_files for a in ("--gin_file", f)]
-    cmd += [a for b in bindings for a in ("--gin_param", b)]
-    cmd += [a for m in imports for a in ("--import", m)]
-    trial_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    log = (trial_dir / "train.log").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
-    reported, latest = 0, {}
-    while True:
-        done = proc.poll() is not None
-        path = trial_dir / "metrics.jsonl"
-        rows = read_jsonl(path) if path.exists() else []
-        for row in rows[reported:]:  # the latest value of every metric (val/ is sparse)
-            latest |= row
-            tune.report(dict(latest))
-        reported = len(rows)
-        if done:
-            break
-        time.sleep(1.0)
-    log.close()
-    if proc.returncode:
-        tail = (trial_dir / "train.log").read_text()[-3000:]
-        raise RuntimeError(
-            f"trial run exited with {proc.returncode}; end of {trial_dir / 'train.log'}:\n{tail}"
-        )
-
-
-def sweep(
-    gin_files: Sequence[str], gin_params: Sequence[str] = (), imports: Sequence[str] = ()
-) -> Any:
-    """``polyrl sweep``: grid-search ``SweepConfig.grid`` with Ray Tune; returns the
-    ResultGrid. Each trial parses the gin files itself (gin bindings are per process)
-    and is checked by ``validate-config`` rules before Tune starts."""
-    import functools
-
-    import ray
-    from ray import tune
-
-    # Tune runs trials in their own working directories: pass absolute gin paths.
-    gin_files = [str(_find_gin(f)) for f in gin_files]
-    sweep_cfg, _ = parse_config(gin_files, gin_params, root="polyrl.SweepConfig", imports=imports)
-    if not sweep_cfg.grid:
-        raise ValueError(
-            "SweepConfig.grid is empty: bind e.g. "
-            "polyrl.SweepConfig.grid = {'actor/polyrl.OptimConfig.lr': [1e-3, 3e-3]}"
-        )
-    base, _ = parse_config(gin_files, gin_params, imports=imports)
-    root = Path(base.run_dir).resolve()
-    for combo in _grid(sweep_cfg.grid):  # fail before any trial starts
-        cfg, _ = parse_config(gin_files, [*gin_params, *(f"{k} = {v!r}" for k, v in combo.items())])
-        prepare(dataclasses.replace(cfg, run_dir=str(root / "validate")))
-    if not ray.is_initialized():
-        # Logical CPUs: each concurrent trial's pools, plus a sliver per trial driver.
-        pool_cpus = sum(float(r.get("CPU", 0)) * r.get("nodes", 1) for r in base.pools.values())
-        init_ray(base.ray_num_cpus or pool_cpus * sweep_cfg.max_concurrent_trials + 1, base.imports)
-    trainable = functools.partial(
-        _trial,
-        gin_files=list(gin_files),
-        gin_params=list(gin_params),
-        root=str(root),
-        imports=list(base.imports),
-        cwd=os.getcwd(),
-    )
-    # The trial process only drives: its workers reserve the pool's resources themselves.
-    trainable = tune.with_resources(trainable, {"cpu": 0.01})
-    tuner = tune.Tuner(
-        trainable,
-        param_space={k: tune.grid_search(list(v)) for k, v in sweep_cfg.grid.items()},
-        tune_config=tune.TuneConfig(
-            metric=sweep_cfg.metric,
-            mode=sweep_cfg.mode,
-            num_samples=sweep_cfg.num_samples,
-            max_concurrent_trials=sweep_cfg.max_concurrent_trials,
-        ),
-        run_config=tune.RunConfig(name="sweep", storage_path=str(root / "tune")),
-    )
-    return tuner.fit()
-
-
-def _grid(grid: dict) -> list[dict]:
-    import itertools
-
-    keys = list(grid)
-    return [dict(zip(keys, values)) for values in itertools.product(*(grid[k] for k in keys))]

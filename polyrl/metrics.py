@@ -10,20 +10,32 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from polyrl import faults
 
-__all__ = ["PhaseTimer", "Tracker", "read_jsonl", "latest_metrics", "plot_run", "phase_summary"]
+__all__ = [
+    "PhaseTimer",
+    "Tracker",
+    "read_jsonl",
+    "latest_metrics",
+    "plot_run",
+    "phase_summary",
+    "format_samples",
+]
 
 
 class PhaseTimer:
-    """Wall-clock time per named phase of the current step."""
+    """Wall-clock time per named phase of the current step (steps count from 1, as in
+    the progress line, metrics.jsonl and checkpoints/step_N). ``echo``: print each phase;
+    None: only with ``--verbose``."""
 
-    def __init__(self, echo: bool = True):
-        self.echo = echo
+    def __init__(self, echo: bool | None = None):
+        from polyrl.ray_session import verbose
+
+        self.echo = verbose() if echo is None else echo
         self.times: dict[str, float] = {}
         self.step = 0
         # Called as listener(phase, start perf_counter, seconds, step), e.g. Timeline.add.
@@ -52,8 +64,9 @@ class PhaseTimer:
 class Tracker:
     """Writes scalar metrics to ``metrics.jsonl`` and TensorBoard (and W&B if asked).
 
-    Appends on resume: lines of steps at or after the resume point are dropped first, so
-    the file holds each step once even after a crash between a step and its checkpoint.
+    ``step`` counts from 1: line N holds the Nth step, checkpoints/step_N is saved after
+    it. Appends on resume from step_N: lines after step N are dropped first, so the file
+    holds each step once even after a crash between a step and its checkpoint.
     """
 
     def __init__(
@@ -68,7 +81,7 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            kept = [r for r in read_jsonl(self.path) if r["step"] < resume_step]
+            kept = [r for r in read_jsonl(self.path) if r["step"] <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._jsonl = self.path.open("a")
         self._tb = None
@@ -97,12 +110,33 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        """Text (decoded samples) to TensorBoard; the caller prints it to the log."""
+        if self._tb is not None:
+            self._tb.add_text(tag, f"```\n{text}\n```", step)
+            self._tb.flush()
+
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def format_samples(
+    step: int,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    truths: Sequence[str],
+    rewards: Sequence[float],
+) -> str:
+    """A few decoded samples of a step, one line each:
+    ``  [sample] step 10: 'copy 471' -> '471' (want '471', reward 1.00)``."""
+    return "\n".join(
+        f"  [sample] step {step}: {p!r} -> {r!r} (want {t!r}, reward {float(w):.2f})"
+        for p, r, t, w in zip(prompts, responses, truths, rewards)
+    )
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -19,6 +19,9 @@ of one role on the same GPU.
 
 On CPU the pool's per-node CPUs are split evenly over the workers placed on a node
 (fractional CPUs: Ray only counts them, they do not pin cores).
+
+A sweep trial's run reserves no group of its own: the trial's placement group
+(``reserved``), laid out by :func:`pool_bundles`, already holds every pool it uses.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from polyrl.roles import RoleSpec, pool_shape
 
-__all__ = ["RoleShare", "plan_shares", "fit_problems", "Placement"]
+__all__ = ["RoleShare", "plan_shares", "fit_problems", "pool_bundles", "Placement"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +94,22 @@ def fit_problems(
     return out
 
 
-def _bundle_gpu_ids(pg: Any, n_bundles: int, gpus: float) -> list[list[str]]:
+def pool_bundles(
+    pools: Mapping[str, Mapping[str, float]], used: set[str]
+) -> tuple[list[dict[str, float]], dict[str, int]]:
+    """Placement-group bundles that hold the ``used`` pools, one per node of each (the
+    node's share, as :class:`Placement` reserves them), and pool -> its first bundle."""
+    bundles: list[dict[str, float]] = []
+    first = {}
+    for name, res in pools.items():
+        if name in used:
+            shape = pool_shape(res)
+            first[name] = len(bundles)
+            bundles += [dict(shape.per_node)] * shape.nodes
+    return bundles, first
+
+
+def _bundle_gpu_ids(pg: Any, bundles: range, gpus: float) -> list[list[str]]:
     """The GPU ids each bundle of ``pg`` holds, asked of Ray by a probe task that takes
     the whole bundle (before any worker is placed in it)."""
     import ray
@@ -108,19 +126,24 @@ def _bundle_gpu_ids(pg: Any, n_bundles: int, gpus: float) -> list[list[str]]:
                 placement_group=pg, placement_group_bundle_index=i
             ),
         ).remote()
-        for i in range(n_bundles)
+        for i in bundles
     ]
     return ray.get(refs)
 
 
 class Placement:
-    """Creates the pools' Ray placement groups and hands out each worker's actor options."""
+    """Creates the pools' Ray placement groups and hands out each worker's actor options.
+
+    reserved: ``(placement group, offset)`` of a group that already holds the pools
+    (bundles from :func:`pool_bundles`, from bundle ``offset`` on): a sweep trial's.
+    """
 
     def __init__(
         self,
         pools: Mapping[str, Mapping[str, float]],
         roles: Mapping[str, RoleSpec],
         timeout_s: float = 120.0,
+        reserved: tuple[Any, int] | None = None,
     ):
         import ray
         from ray.util.placement_group import placement_group
@@ -135,22 +158,29 @@ class Placement:
         if problems:
             raise RuntimeError("cannot place the run's pools:\n  " + "\n  ".join(problems))
         self.groups: dict[str, Any] = {}
+        self.first: dict[str, int] = {}  # pool -> its first bundle in its group
         self.gpu_ids: dict[str, list[list[str]]] = {}
+        _, firsts = pool_bundles(used, set(used))
         for name, res in used.items():
-            if not _needs_group(res):
+            if reserved is None and not _needs_group(res):
                 continue
             shape = pool_shape(res)
-            strategy = "STRICT_PACK" if shape.nodes == 1 else "STRICT_SPREAD"
-            pg = placement_group([dict(shape.per_node)] * shape.nodes, strategy=strategy)
-            if not pg.wait(timeout_seconds=timeout_s):
-                raise TimeoutError(
-                    f"RunConfig.pools[{name!r}] = {dict(res)} could not be reserved within "
-                    f"{timeout_s:.0f} s; Ray has {ray.available_resources()}. Shrink the pool "
-                    f"or free the devices"
-                )
-            self.groups[name] = pg
+            if reserved is not None:
+                pg, first = reserved[0], reserved[1] + firsts[name]
+            else:
+                strategy = "STRICT_PACK" if shape.nodes == 1 else "STRICT_SPREAD"
+                pg = placement_group(pool_bundles({name: res}, {name})[0], strategy=strategy)
+                first = 0
+                if not pg.wait(timeout_seconds=timeout_s):
+                    raise TimeoutError(
+                        f"RunConfig.pools[{name!r}] = {dict(res)} could not be reserved within "
+                        f"{timeout_s:.0f} s; Ray has {ray.available_resources()}. Shrink the "
+                        f"pool or free the devices"
+                    )
+            self.groups[name], self.first[name] = pg, first
             if shape.gpus > 1:
-                self.gpu_ids[name] = _bundle_gpu_ids(pg, shape.nodes, shape.gpus)
+                bundles = range(first, first + shape.nodes)
+                self.gpu_ids[name] = _bundle_gpu_ids(pg, bundles, shape.gpus)
 
     def options(self, role: str, rank: int = 0) -> dict[str, Any]:
         """``ray.remote(...).options(**placement.options(role, rank))`` for one worker;
@@ -164,7 +194,7 @@ class Placement:
 
         node, local, _ = spec.slot(rank)
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=node
+            placement_group=pg, placement_group_bundle_index=self.first[share.pool] + node
         )
         ids = self.gpu_ids.get(share.pool)
         if ids:

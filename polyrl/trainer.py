@@ -33,6 +33,7 @@ from polyrl.health import HealthMonitor, explained_variance, response_stats
 from polyrl.metrics import (
     PhaseTimer,
     Tracker,
+    format_samples,
     latest_metrics,
     phase_summary,
     plot_run,
@@ -78,6 +79,7 @@ class Loop(abc.ABC):
         self.turns = Turns(False)  # RLTrainer: colocated roles take turns on shared GPUs
         self.evaluator = None  # RLTrainer with validation data: polyrl.evaluation
         self.start_step = 0
+        self.samples: str | None = None  # decoded samples of this step (RLTrainer.score)
 
     @abc.abstractmethod
     def step(self, step: int) -> dict[str, float]:
@@ -140,17 +142,26 @@ class Loop(abc.ABC):
             self.cfg.wandb_project,
             resume_step=self.start_step if resume else None,
         )
-        evaluator = self.evaluator
+        evaluator, total = self.evaluator, self.cfg.total_steps
         guard = reliability.NonFiniteGuard(self.cfg.max_nonfinite_steps)
         try:
-            for step in range(self.start_step, self.cfg.total_steps):
-                val = evaluator.evaluate(step) if evaluator and evaluator.due(step) else {}
-                metrics = val | self.step(step)
-                with reliability.writing(f"the metrics of step {step}"):
-                    tracker.log(step, metrics)
+            # Row N of metrics.jsonl is the state after N steps: step N's training metrics
+            # and the validation of the weights it left (row 0: the initial weights').
+            if evaluator and self.start_step == 0 and total > 0:
+                tracker.log(0, evaluator.evaluate(0))
+            for step in range(self.start_step, total):
+                metrics, done = self.step(step), step + 1
+                if evaluator and (evaluator.due(done) or done == total):
+                    metrics |= evaluator.evaluate(done)
+                with reliability.writing(f"the metrics of step {done}"):
+                    tracker.log(done, metrics)
                 if self.timeline is not None:
                     self.timeline.flush()
                 print(_progress(step, self.cfg.total_steps, metrics), flush=True)
+                if self.samples:
+                    print(self.samples, flush=True)
+                    tracker.log_text("samples", self.samples, step + 1)
+                    self.samples = None
                 if on_step is not None:
                     on_step(step, metrics)
                 if guard.observe(step, metrics):
@@ -166,8 +177,6 @@ class Loop(abc.ABC):
                     )
                 if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0:
                     self._save(step + 1)
-            if evaluator and self.start_step < self.cfg.total_steps:  # the final weights
-                tracker.log(self.cfg.total_steps, evaluator.evaluate(self.cfg.total_steps))
         except Exception as e:
             if not reliability.is_fault(e):
                 raise
@@ -310,13 +319,14 @@ class RLTrainer(Loop):
         self.pool.shutdown()
 
     def step(self, step: int) -> dict[str, float]:
-        self.timer.start_step(step)
+        self.timer.start_step(step + 1)
         t0, turns, phase = time.perf_counter(), self.turns, self.timer.phase
         with phase("generate"):
             batch = self.rollouts.take(step)
         staleness = staleness_metrics(batch, step, self.rollouts.limit)
         with phase("reward"):
             batch = self.reward(batch)
+        self.show_samples(step + 1, batch)
         if self.spec.dynamic_sampling:
             with phase("dynamic_sampling"):
                 batch, kept = self.filter_groups(batch, step)
@@ -429,6 +439,22 @@ class RLTrainer(Loop):
         if len(out) == 0:  # nothing informative: the last batch, whose advantages are all 0
             return batch.with_columns(step=step), 0.0
         return out.take(slice(0, want * n)).with_columns(step=step), len(out) / seen
+
+    def show_samples(self, step: int, batch: Batch) -> None:
+        """Every ``sample_every`` steps (and at step 1): the first response of the first
+        ``sample_count`` prompts (each prompt's n responses are in a row), for the log."""
+        every, count = self.cfg.sample_every, self.cfg.sample_count
+        if not (every and count and (step == 1 or step % every == 0)):
+            return
+        picks = list(range(0, len(batch), self.cfg.sampling.n))[:count]
+        rows = [self.prompts.rows[batch["prompt_index"][i]] for i in picks]
+        self.samples = format_samples(
+            step,
+            [row["prompt"][-1]["content"] for row in rows],
+            [batch["response_text"][i] for i in picks],
+            [batch["ground_truth"][i] for i in picks],
+            [batch["scores"][i] for i in picks],
+        )
 
     def reward(self, batch: Batch) -> Batch:
         """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x
@@ -563,7 +589,7 @@ class PreferenceTrainer(Loop):
     ``mini_batch_prompts`` pairs. No rollout servers."""
 
     def step(self, step: int) -> dict[str, float]:
-        self.timer.start_step(step)
+        self.timer.start_step(step + 1)
         t0 = time.perf_counter()
         with self.timer.phase("data"):
             batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)

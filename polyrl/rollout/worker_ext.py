@@ -34,6 +34,7 @@ workers in other processes (vLLM's RPC turns tensors inside arguments into lists
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -143,15 +144,34 @@ def _begin(worker) -> None:
         initialize_layerwise_reload(_model(worker))
 
 
+class _ExpectedReloadWarnings(logging.Filter):
+    """Layers that never receive trainer weights: the rotary cache is computed, not
+    trained, and a tied lm_head shares embed_tokens (re-packed in :func:`_finish`). The
+    layer-wise reload keeps their tensors and warns "Failed to load weights" for each on
+    every update; those two warnings are expected and dropped, any other is kept."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.layers = ("RotaryEmbedding: ", "ParallelLMHead: ") if tied else ("RotaryEmbedding: ",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.endswith("Failed to load weights") and message.startswith(self.layers))
+
+
 def _finish(worker) -> None:
     if not _packs_cpu_weights():
         return
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.model_loader.reload import layerwise
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     model = _model(worker)
+    tied = worker.vllm_config.model_config.hf_config.tie_word_embeddings
+    if not any(isinstance(f, _ExpectedReloadWarnings) for f in layerwise.logger.filters):
+        layerwise.logger.addFilter(_ExpectedReloadWarnings(tied))
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
-    if worker.vllm_config.model_config.hf_config.tie_word_embeddings and hasattr(model, "lm_head"):
+    if tied and hasattr(model, "lm_head"):
         dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)

@@ -11,16 +11,16 @@ from polyrl.roles import RoleSpec
 
 def test_tracker_resume_drops_steps_after_the_checkpoint(tmp_path):
     t = Tracker(tmp_path, tensorboard=False)
-    for step in range(5):
+    for step in range(1, 6):
         t.log(step, {"reward/mean": step / 10})
     t.close()
-    # The run died after logging step 4 but its last checkpoint was at step 3.
+    # The run died after logging step 5 but its last checkpoint, step_3, holds 3 steps.
     t = Tracker(tmp_path, tensorboard=False, resume_step=3)
-    t.log(3, {"reward/mean": 0.33})
+    t.log(4, {"reward/mean": 0.44})
     t.close()
     rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert rows[-1]["reward/mean"] == 0.33
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["reward/mean"] == 0.44
 
 
 def test_tensorboard_events_are_written(tmp_path):

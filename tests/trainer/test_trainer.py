@@ -153,7 +153,7 @@ def test_killed_run_resumes_with_the_same_metrics(ray_session, tmp_path):
         proc.wait()
     train([GRPO], _params(killed, *common), resume=True)
     a, b = read_jsonl(full / "metrics.jsonl"), read_jsonl(killed / "metrics.jsonl")
-    assert [r["step"] for r in b] == [0, 1, 2, 3]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]  # steps count from 1, as step_N does
     for x, y in zip(a, b):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss"):
             # Same seeds and data, fp32 CPU kernels: bit-identical in practice; 1e-6

@@ -59,19 +59,20 @@ def test_validation_logs_val_metrics_and_leaves_training_unchanged(local_ray, tm
         "val/polyrl.SamplingSpec.n = 4",
         "val/polyrl.SamplingSpec.temperature = 1.0",
     )
-    # before step 0, before step 2 (every 2), and the final weights as step 3
+    # row N is the state after N steps: the initial weights (row 0), after step 2 (every
+    # 2), and the final weights after step 3
     assert [r["step"] for r in val] == [0, 1, 2, 3]
     has_val = [r["step"] for r in val if "val/reward/mean" in r]
     assert has_val == [0, 2, 3]
     final = val[-1]
-    assert "time/step" not in final and "reward/mean" not in final
+    assert "time/step" not in val[0] and "reward/mean" not in val[0]
     for key in ("val/polyrl/copy/pass@1", "val/polyrl/copy/pass@2", "val/polyrl/copy/pass@4"):
         assert key in val[0] and key in final
     assert 0.0 <= final["val/polyrl/copy/pass@1"] <= final["val/polyrl/copy/pass@4"] <= 1.0
     assert final["val/polyrl/copy/reward/mean@4"] == pytest.approx(final["val/reward/mean"])
     # Same seeds, same data order, same weights: the training numbers are identical
     # (fp32 CPU kernels in one Ray session are deterministic; no tolerance needed).
-    assert [_training(r) for r in val[:3]] == [_training(r) for r in plain]
+    assert [_training(r) for r in val[1:]] == [_training(r) for r in plain]
 
     samples = [json.loads(x) for x in (tmp_path / "val" / "val_samples" / "step_3.jsonl").open()]
     assert len(samples) == 8

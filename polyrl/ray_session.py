@@ -1,0 +1,199 @@
+"""The run's Ray session: started or joined in one place, quiet, and ended with the driver.
+
+* ``RAY_ADDRESS`` set: join that cluster (a sweep trial joins its sweep's). Otherwise
+  polyrl starts its own local Ray (``address="local"``: never a cluster another program
+  started on the machine).
+* A local Ray's processes (GCS, raylet, agents, workers) are the driver's descendants. A
+  watchdog process (``python -m polyrl.ray_session WATCH PID``, in its own session, so
+  a Ctrl-C or a SIGKILL of the driver does not reach it) records them while the driver
+  lives and ends them (SIGTERM, then SIGKILL) as soon as it is gone, however it died.
+* Worker output: without ``--verbose`` every worker's stdout/stderr is copied whole
+  into ``<run_dir>/logs/`` and only lines that matter reach the terminal (errors,
+  tracebacks, warnings other than the known vLLM-on-CPU start-up notices), prefixed
+  ``(Role pid=N)`` as Ray does. With ``--verbose`` Ray prints everything itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["init_ray", "verbose", "VERBOSE_ENV", "worker_line_matters"]
+
+# Set by ``--verbose`` (and inherited by a sweep's trials): phase lines, all worker output.
+VERBOSE_ENV = "POLYRL_VERBOSE"
+
+# Worker lines that are noise at WARNING level: the vLLM CPU build's start-up notices
+# (no Triton, no tcmalloc/iomp preload, eager mode, NUMA binding, thread pinning) and
+# deprecation notices from libraries. Everything else at WARNING or above is shown.
+BENIGN = (
+    "Triton",
+    "triton",
+    "LD_PRELOAD",
+    "Enforce eager set",
+    "Inductor compilation was disabled",
+    "Reset SSM cache type",
+    "The global random seed is set",
+    "torch.set_num_threads",
+    "NUMA binding",
+    "FutureWarning",
+    "DeprecationWarning",
+    "Token authentication is enabled",
+)
+_MATTERS = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL|FATAL|Traceback|\w*Error|\w*Exception)\b")
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def worker_line_matters(line: str) -> bool:
+    """Whether a worker's output line is shown without ``--verbose``."""
+    return bool(_MATTERS.search(line)) and not any(b in line for b in BENIGN)
+
+
+def init_ray(
+    run_dir: str | Path, num_cpus: float | None, imports: Iterable[str] = (), debug: Any = None
+) -> None:
+    """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
+    --head``, or ``auto``: docs/scaling.md), else start a private local one of
+    ``num_cpus`` CPUs (never a cluster some other ``ray start`` left on the machine),
+    watched so that it ends with the driver. ``debug``: a ``polyrl.debug.DebugConfig``
+    (docs/debugging.md); with it enabled every worker line reaches the driver."""
+    import ray
+
+    from polyrl.user_code import runtime_env
+
+    address = os.environ.get("RAY_ADDRESS") or "local"
+    local: dict[str, Any] = {"num_cpus": num_cpus} if address == "local" else {}
+    env = runtime_env(imports)
+    debugging = debug is not None and debug.enabled
+    if debugging:
+        env["env_vars"].update(debug.env())
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every log point's line, each step
+        local |= {"dashboard_host": debug.host} if address == "local" else {}
+    loud = verbose() or debugging
+    if not loud:  # Ray's own driver-side notices (token auth on a local start): benign
+        for handler in logging.getLogger("ray").handlers:
+            handler.addFilter(lambda r: worker_line_matters(f"WARNING {r.getMessage()}"))
+    ray.init(
+        address=address,
+        include_dashboard=debugging,
+        log_to_driver=loud,
+        logging_level=logging.INFO if loud else logging.WARNING,
+        runtime_env=env,
+        **local,
+    )
+    if address == "local":
+        _start_watchdog(os.getpid())
+    if not loud:
+        node = ray._private.worker.global_worker.node
+        job = ray.get_runtime_context().get_job_id()
+        _WorkerLogs(Path(node.get_logs_dir_path()), job, Path(run_dir) / "logs").start()
+
+
+def _start_watchdog(pid: int) -> None:
+    subprocess.Popen(
+        [sys.executable, "-m", "polyrl.ray_session", "WATCH", str(pid)],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+    )
+
+
+def _watch(pid: int, poll_s: float = 0.5) -> None:
+    """Record the driver's descendants while it lives; end them when it is gone."""
+    import psutil
+
+    me = os.getpid()
+    try:
+        driver = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    known: dict[int, psutil.Process] = {}
+    while driver.is_running() and driver.status() != psutil.STATUS_ZOMBIE:
+        with contextlib.suppress(psutil.Error):
+            for p in driver.children(recursive=True):
+                if p.pid != me:
+                    known.setdefault(p.pid, p)
+        time.sleep(poll_s)
+    # The same Process objects: is_running() is False for a reused PID.
+    alive = [p for p in known.values() if p.is_running()]
+    for p in list(alive):
+        with contextlib.suppress(psutil.Error):
+            alive += [c for c in p.children(recursive=True) if c.pid != me]
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(alive, timeout=5)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+class _WorkerLogs(threading.Thread):
+    """Copies this job's worker log files into the run dir and echoes lines that matter."""
+
+    def __init__(self, logs_dir: Path, job_id: str, out_dir: Path, poll_s: float = 0.5):
+        super().__init__(name="polyrl-worker-logs", daemon=True)
+        self.logs_dir, self.job_id, self.out_dir, self.poll_s = logs_dir, job_id, out_dir, poll_s
+        self.offsets: dict[Path, int] = {}
+        self.names: dict[Path, str] = {}
+        self.partial: dict[Path, str] = {}
+
+    def run(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            with contextlib.suppress(OSError):
+                self.poll()
+            time.sleep(self.poll_s)
+
+    def poll(self) -> None:
+        # worker-<worker id>-<job id>-<pid>.out/.err: this job's workers only.
+        for path in sorted(self.logs_dir.glob(f"worker-*-{self.job_id}-*.[oe][ur][tr]")):
+            start = self.offsets.get(path, 0)
+            with path.open("rb") as f:
+                f.seek(start)
+                data = f.read()
+            if not data:
+                continue
+            self.offsets[path] = start + len(data)
+            with (self.out_dir / path.name).open("ab") as f:
+                f.write(data)
+            text = self.partial.pop(path, "") + data.decode(errors="replace")
+            lines = text.split("\n")
+            if lines[-1]:
+                self.partial[path] = lines[-1]
+            for line in lines[:-1]:
+                self.echo(path, line)
+
+    def echo(self, path: Path, line: str) -> None:
+        if line.startswith(":actor_name:"):
+            self.names[path] = line.split(":", 2)[2]
+            return
+        if line.startswith(":") or not worker_line_matters(line):
+            return
+        pid = path.stem.rsplit("-", 1)[-1]
+        print(f"({self.names.get(path, 'worker')} pid={pid}) {line}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> Any:
+    if len(argv) == 2 and argv[0] == "WATCH":
+        return _watch(int(argv[1]))
+    raise SystemExit("usage: python -m polyrl.ray_session WATCH DRIVER_PID")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,98 @@
+"""A run is quiet and ends with its driver: one line per step (no worker noise, no gin
+lookup errors), every worker's output kept in RUN_DIR/logs, and after a SIGKILL of the
+driver no process of the run is left; Ctrl-C ends a run quietly with its files intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _start(run_dir: Path, *bindings: str, stdout=subprocess.PIPE) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "POLYRL_VERBOSE")}
+    cmd = [sys.executable, "-m", "polyrl.cli", "train"]
+    cmd += ["--gin_file", "gin/experiments/tiny_grpo.gin"]
+    for b in (f"polyrl.RunConfig.run_dir = {str(run_dir)!r}", *bindings):
+        cmd += ["--gin_param", b]
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a signal to it reaches no test
+    )
+
+
+def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.time() + 300
+    path = run_dir / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None and time.time() < deadline, "run died or never stepped"
+        time.sleep(0.5)
+
+
+def test_killed_driver_leaves_no_process_and_the_run_was_quiet(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "polyrl.RunConfig.total_steps = 1000", "polyrl.RunConfig.sample_every = 3")
+    try:
+        _wait_for_steps(run, proc, 4)
+        tree = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(tree) >= 4, tree  # Ray's own processes and the role workers
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = proc.stdout.read()
+    assert "Failed to load weights" not in out and "ERROR:root" not in out, out
+    assert "(RolloutServer" not in out and "[generate]" not in out, out  # quiet by default
+    steps = [line for line in out.splitlines() if "] step " in line and "/1000" in line]
+    assert len(steps) >= 4 and steps[0].startswith("[") and "step 1/1000" in steps[0]
+    assert "[sample] step 1: 'copy " in out and "[sample] step 3:" in out
+    logs = list((run / "logs").glob("worker-*"))
+    text = "".join(p.read_text(errors="replace") for p in logs)
+    assert "Initializing a V1 LLM engine" in text  # vLLM's full start-up log is kept
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows[:4]] == [1, 2, 3, 4]  # the numbers the log shows
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_quietly_with_checkpoint_and_metrics(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "polyrl.RunConfig.total_steps = 1000", "polyrl.RunConfig.save_every = 2")
+    try:
+        _wait_for_steps(run, proc, 3)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out and "interrupted" in out, out[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert (run / "checkpoints" / "step_2" / "trainer_state.json").exists()
+
+
+@pytest.mark.slow
+def test_demo_output_stays_short(tmp_path):
+    proc = _start(tmp_path / "demo", "polyrl.RunConfig.tensorboard = False")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    lines = out.splitlines()
+    assert len(lines) < 150, "\n".join(lines)
+    assert sum("] step " in line and "/80" in line for line in lines) == 80

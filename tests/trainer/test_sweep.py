@@ -1,0 +1,99 @@
+"""`polyrl sweep` end to end on the tiny experiment (real Ray Tune, Ray, vLLM): ASHA stops
+trials early with two at a time, results are ranked by the smoothed metric; a sweep started
+from another directory resolves its relative paths there; a bad value fails its trial alone."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sweep(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    cmd = [sys.executable, "-m", "polyrl.cli", "sweep", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _table(root: Path) -> list[dict]:
+    return list(csv.DictReader((root / "results.csv").open()))
+
+
+@pytest.mark.slow
+def test_asha_sweep_runs_two_at_a_time_and_stops_early(tmp_path):
+    root = tmp_path / "sweep"
+    out = sweep(
+        "--gin_file",
+        "gin/sweeps/tiny_grpo_lr.gin",
+        "--gin_param",
+        f"polyrl.RunConfig.run_dir = {str(root)!r}",
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _table(root)
+    assert len(rows) == 4 and {r["status"] for r in rows} <= {"done", "stopped"}
+    steps = [int(r["steps"]) for r in rows]
+    assert max(steps) == 16 and min(steps) < 16, rows  # ASHA stopped at least one early
+    smoothed = [float(r["smoothed_last_4"]) for r in rows]
+    assert smoothed == sorted(smoothed, reverse=True)  # ranked by the smoothed metric
+    for r in rows:  # the smoothed value is the mean of the trial's last 4 logged rewards
+        metrics = [json.loads(x) for x in (root / r["trial"] / "metrics.jsonl").open()]
+        tail = [m["reward/mean"] for m in metrics][-4:]
+        assert float(r["smoothed_last_4"]) == pytest.approx(sum(tail) / len(tail))
+    assert (root / "curves.png").exists() and (root / "best_operative_config.gin").exists()
+    # Two 1-CPU trials fit the 2-CPU machine, never three: count overlapping lifetimes.
+    spans = []
+    for r in rows:
+        info = json.loads((root / r["trial"] / "trial.json").read_text())
+        end = info.get("ended", (root / r["trial"] / "metrics.jsonl").stat().st_mtime)
+        spans.append((info["started"], end))
+    overlap = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert overlap == 2, spans
+    assert out.stdout.count("[sweep] ") >= 8  # a line per started and per ended trial
+
+
+@pytest.mark.slow
+def test_sweep_from_another_directory_with_a_bad_trial(tmp_path):
+    shutil.copy(ROOT / "experiments" / "own_task" / "min_digit.py", tmp_path)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from min_digit import make_min
+    finally:
+        sys.path.remove(str(tmp_path))
+    rng = random.Random(0)
+    (tmp_path / "data").mkdir()
+    with (tmp_path / "data" / "train.jsonl").open("w") as f:
+        for _ in range(64):
+            text, answer = make_min(rng)
+            row = {"prompt": [{"role": "user", "content": text}], "ground_truth": answer}
+            f.write(json.dumps(row | {"data_source": "my/min_digit"}) + "\n")
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "base.gin").write_text(
+        "include 'gin/experiments/tiny_grpo.gin'\n"
+        "polyrl.RunConfig.total_steps = 2\n"
+        "polyrl.RunConfig.tensorboard = False\n"
+        'polyrl.RunConfig.pools = {"shared": {"CPU": 1.0, "GPU": 0.0}}\n'
+    )
+    (tmp_path / "exp" / "sweep.gin").write_text(
+        "include 'exp/base.gin'\n"  # relative to the directory polyrl runs in
+        'polyrl.RunConfig.run_dir = "out"\n'
+        'polyrl.RunConfig.train_files = ["data/train.jsonl"]\n'
+        # 5 does not divide prompts_per_step = 16: that trial fails validation
+        'polyrl.SweepConfig.grid = {"polyrl.RunConfig.mini_batch_prompts": [8, 5]}\n'
+    )
+    out = sweep("--import", "min_digit", "--gin_file", "exp/sweep.gin", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["trial"]: r for r in _table(tmp_path / "out")}
+    good, bad = rows["00_mini_batch_prompts=8"], rows["01_mini_batch_prompts=5"]
+    assert good["status"] == "done" and good["steps"] == "2" and good["rank"] == "1"
+    assert bad["status"] == "error" and "mini_batch_prompts" in bad["error"], bad
+    assert "FAILED" in out.stdout

@@ -131,10 +131,14 @@ def test_bad_sweep_config_names_the_field(kwargs, names):
 
 
 def test_pool_bundles_match_the_pools():
-    pools = {"train": {"CPU": 4, "GPU": 2}, "gen": {"CPU": 1, "GPU": 0}, "idle": {"CPU": 8}}
-    bundles, slots = pool_bundles(pools, {"train", "gen"})
-    assert bundles == [{"GPU": 1.0, "CPU": 2.0}, {"GPU": 1.0, "CPU": 2.0}, {"CPU": 1.0}]
-    assert slots == {"train": (0, 2), "gen": (2, 1)}
+    pools = {
+        "train": {"nodes": 2, "CPU": 8, "GPU": 4},  # per node
+        "gen": {"CPU": 1, "GPU": 0},
+        "idle": {"CPU": 8},
+    }
+    bundles, first = pool_bundles(pools, {"train", "gen"})
+    assert bundles == [{"CPU": 8.0, "GPU": 4.0}, {"CPU": 8.0, "GPU": 4.0}, {"CPU": 1.0}]
+    assert first == {"train": 0, "gen": 2}
 
 
 def test_report_into_a_closed_pipe_ends_quietly(tmp_path):

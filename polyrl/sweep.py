@@ -293,9 +293,13 @@ def _trial(
 
 
 def _last_error(log: Path) -> str:
-    """The run's error in one line: its last ``polyrl train:`` or ``...Error:`` line
-    (with the line after it when it ends with a colon)."""
+    """The run's error in one line: its first ``ERROR`` problem line (validation), else
+    its last ``polyrl train:`` or ``...Error:`` line (with the next line when it ends
+    with a colon)."""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    problems = [ln for ln in lines if ln.startswith("ERROR ")]
+    if problems:
+        return problems[0][len("ERROR ") :][:500]
     for i in range(len(lines) - 1, -1, -1):
         line = lines[i]
         if line.startswith("polyrl train:") or re.search(r"\w(Error|Exception):", line):

@@ -1,41 +1,73 @@
 #!/usr/bin/env bash
-# On a GPU machine set up as docs/install.md "GPU machine without network" says, after .gpu/remote/unpack.sh has
-# unpacked both bundle parts: the gpu-marked tests, the torch backend's tests on CUDA, and
-# GRPO step time on a random Qwen2.5-0.5B-shape model (gin/experiments/gpu_grpo_0p5b.gin).
-# Writes logs and metrics under $OUT. Usage: bash experiments/bench/gpu_run.sh [object_store|cuda_ipc] [tests]
+# On the lent GPU machine, in the repo root: every GPU benchmark, each writing a table
+# to stdout and JSON (+ logs) under $OUT. docs/performance.md says what each measures.
+#
+#   bash experiments/bench/gpu_run.sh                      # all sections (~15 min)
+#   bash experiments/bench/gpu_run.sh train_step rollout   # some of them
+#
+# Sections (each under ~4 minutes on one H200):
+#   tests       the gpu-marked tests and the torch backend's tests on CUDA
+#   train_step  1.5B shape, 8 x 2048 tokens, bf16, checkpointing: torch_fsdp, jax_pjit (its
+#               default platform allocator and bfc) and the hand-written HF loop (the limit)
+#   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
+#   grpo_jax    the same on the JAX backend, at the experiment's defaults
+#   rollout     RolloutPool vs vLLM directly, the GRPO rollout shape (0.5B, 64 x 8 x 512)
+# Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out).
+# Needs the offline bundle unpacked (.gpu/remote/unpack.sh; see ../shared/gpu/README.md).
 set -u
-transport=${1:-object_store}
-tests=${2:-tests}
+sections=${*:-tests train_step grpo_torch grpo_jax rollout}
+transport=${TRANSPORT:-cuda_ipc}
 source .gpu/remote/env.sh
-export NCCL_NVLS_ENABLE=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then  # pure-Python packages the GPU image lacks (array-api-compat)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
+if ! python3 -c "import array_api_compat" 2>/dev/null; then  # scipy vendors a copy
+  vendored=$(python3 -c "import scipy, os; print(os.path.dirname(scipy.__file__))")/_external/array_api_compat
+  mkdir -p /tmp/shim && ln -sfn "$vendored" /tmp/shim/array_api_compat
+  export PYTHONPATH=/tmp/shim:$PYTHONPATH
+fi
 # polyrl without installing it: its installed layout, as links inside this disposable copy.
 ln -sfn ../backends polyrl/backends; ln -sfn ../algos polyrl/algos
-export PYTHONPATH=$PWD:$PYTHONPATH
+export PYTHONPATH=$PWD:$PYTHONPATH POLYRL_BENCH_DIR=/tmp/bench
+mkdir -p $POLYRL_BENCH_DIR
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
-if [ "$tests" = tests ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/rollout/test_gpu_transports.py > "$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests rc=$?" >> "$OUT/summary.txt"
-  timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
-  echo "torch_fsdp tests rc=$?" >> "$OUT/summary.txt"
-fi
 M=/tmp/models/qwen2-0.5b-random
-[ -d $M ] || python3 .gpu/remote/make_models.py /tmp/models 0.5b > "$OUT/make_models.log" 2>&1
-python3 - <<'PY'  # the copy task's chat template on the bundle's byte-level tokenizer
+model() {
+  [ -d $M ] || python3 .gpu/remote/make_models.py /tmp/models 0.5b > "$OUT/make_models.log" 2>&1
+  python3 - <<'PY'  # the copy task's chat template on the bundle's byte-level tokenizer
 from transformers import AutoTokenizer
 from polyrl.data.tiny import CHAT_TEMPLATE
 t = AutoTokenizer.from_pretrained("/tmp/models/qwen2-0.5b-random"); t.chat_template = CHAT_TEMPLATE
 t.save_pretrained("/tmp/models/qwen2-0.5b-random")
 PY
-run=runs/gpu_grpo_$transport
-timeout 420 python3 -m polyrl.cli train --gin_file gin/experiments/gpu_grpo_0p5b.gin \
-  --gin_param "polyrl.RunConfig.model_path = '$M'" \
-  --gin_param "polyrl.RunConfig.run_dir = '$run'" \
-  --gin_param "polyrl.RunConfig.weight_transport = '$transport'" > "$OUT/train_$transport.log" 2>&1
-echo "train $transport rc=$?" >> "$OUT/summary.txt"
-cp "$run/metrics.jsonl" "$OUT/metrics_$transport.jsonl" 2>/dev/null
-grep -E "^\[|phase|overhead|done|Error" "$OUT/train_$transport.log" | tail -40 >> "$OUT/summary.txt"
+}
+for s in $sections; do
+  echo "=== $s" | tee -a "$OUT/summary.txt"
+  case $s in
+  tests)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?" | tee -a "$OUT/summary.txt"
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
+    echo "torch_fsdp tests rc=$?" | tee -a "$OUT/summary.txt" ;;
+  train_step)
+    timeout 300 python3 experiments/bench/train_step.py --suite torch_fsdp,jax_pjit,jax_pjit:bfc,hf_torch \
+      --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
+      --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
+      --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" 2> "$OUT/train_step.log" | tee -a "$OUT/summary.txt" ;;
+  grpo_torch|grpo_jax)
+    model; backend=torch_fsdp; [ $s = grpo_jax ] && backend=jax_pjit
+    timeout 420 python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
+      --backend $backend --steps 4 --skip 1 --timeout 400 \
+      --gin_param "polyrl.RunConfig.model_path = '$M'" \
+      --gin_param "polyrl.RunConfig.weight_transport = '$transport'" \
+      --log "$OUT/$s.log" --json "$OUT/bench_$s.json" 2>&1 | tail -30 | tee -a "$OUT/summary.txt" ;;
+  rollout)
+    model
+    timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" \
+      2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax rollout)" ;;
+  esac
+done

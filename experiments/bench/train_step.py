@@ -4,6 +4,13 @@ on GPU) for a model shape and batch. Not a test; numbers go to stdout and ``--js
 The backend is a registered name (``polyrl.backends.get_engine``), so every backend runs
 the same script: same random Qwen2 model (an HF directory built with transformers, no
 download), same batch, same loss (token-mean NLL written with ``polyrl.tensor``).
+``--backend hf_torch`` is the limit to compare with: the loop a user writes by hand
+(transformers model in ``--dtype`` on one device, HF's own loss, fused AdamW on GPU, the
+same micro-batches and checkpointing). ``--suite torch_fsdp,jax_pjit,hf_torch`` runs each
+in its own process on the same arguments and prints one table (``jax_pjit:bfc`` runs the
+JAX backend with ``XLA_PYTHON_CLIENT_ALLOCATOR=bfc`` instead of the backend's default):
+
+    python experiments/bench/train_step.py --suite torch_fsdp,jax_pjit,hf_torch --json t.json
 
     python experiments/bench/train_step.py                       # tiny model, CPU
     python experiments/bench/train_step.py --hidden 896 --layers 24 --heads 14 \\
@@ -22,6 +29,7 @@ import json
 import os
 import platform
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,13 +42,27 @@ from polyrl.batch import Batch, from_token_lists
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 from polyrl.tensor import masked_sum
 
+SHAPE_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+)
 # Dense bf16 peak of the accelerators we measure on (TFLOP/s), for MFU.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="torch_fsdp", choices=sorted(ENGINES))
+    p.add_argument("--backend", default="torch_fsdp", choices=[*sorted(ENGINES), "hf_torch"])
+    p.add_argument("--suite", help="comma-separated backends, each run in its own process")
+    p.add_argument("--max-tokens", type=int, help="ParallelConfig.max_tokens_per_micro_batch")
+    p.add_argument(
+        "--logits-chunk", type=int, default=1024, help="ParallelConfig.logits_chunk_tokens"
+    )
     shape = p.add_argument_group("model shape (default: the tiny test model)")
     for name in ("hidden", "layers", "heads", "kv-heads", "intermediate", "vocab"):
         shape.add_argument(f"--{name}", type=int)
@@ -81,6 +103,12 @@ def build_model(args, root: Path) -> Path:
         tie_word_embeddings=True,
     )
     out = root / "random-qwen2"
+    if (out / "config.json").exists() and all(
+        json.loads((out / "config.json").read_text())[k] == v
+        for k, v in config.to_dict().items()
+        if k in SHAPE_KEYS
+    ):
+        return out  # built by an earlier run of the suite
     set_seed(0)  # every rank builds the same weights
     Qwen2ForCausalLM(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny).save_pretrained(out)  # ids only need a pad token
@@ -138,6 +166,36 @@ def train_flops(cfg: dict, tokens: int, seq_len: int) -> float:
     return 6.0 * params * tokens + 12.0 * layers * h * seq_len * tokens
 
 
+def hf_torch_step(args, path: Path, batch: Batch):
+    """The hand-written reference: a transformers model on one device, HF's own
+    cross-entropy over the response tokens, AdamW (fused on GPU). Returns step()."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+    ).to(device)
+    model.config.use_cache = False
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    ids = torch.from_numpy(batch["input_ids"]).long().to(device)
+    labels = ids.clone()
+    labels[:, : args.prompt_len] = -100  # the loss covers the response tokens
+    rows = args.micro_batch
+
+    def step() -> dict:
+        for i in range(0, len(ids), rows):
+            loss = model(input_ids=ids[i : i + rows], labels=labels[i : i + rows]).loss
+            (loss * len(ids[i : i + rows]) / len(ids)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss.item()}  # .item() synchronises
+
+    return step
+
+
 def run(args) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -149,25 +207,33 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(args, Path(os.environ.get("POLYRL_BENCH_DIR", tmp)))
         config = json.loads((path / "config.json").read_text())
-        engine = get_engine(args.backend)()
-        engine.init(
-            ModelConfig(str(path), dtype=args.dtype, gradient_checkpointing=args.grad_ckpt),
-            OptimConfig(lr=1e-5),
-            ParallelConfig(
-                mesh=mesh, micro_batch_size=args.micro_batch, cpu_offload=args.cpu_offload
-            ),
-        )
-    local = args.batch // world
-    batch = make_batch(args.batch, args.prompt_len, args.response_len, config["vocab_size"], 0)
-    shard = batch.take(slice(rank * local, (rank + 1) * local))
+        batch = make_batch(args.batch, args.prompt_len, args.response_len, config["vocab_size"], 0)
+        if args.backend == "hf_torch":
+            step = hf_torch_step(args, path, batch)
+        else:
+            engine = get_engine(args.backend)()
+            engine.init(
+                ModelConfig(str(path), dtype=args.dtype, gradient_checkpointing=args.grad_ckpt),
+                OptimConfig(lr=1e-5),
+                ParallelConfig(
+                    mesh=mesh,
+                    micro_batch_size=args.micro_batch,
+                    cpu_offload=args.cpu_offload,
+                    max_tokens_per_micro_batch=args.max_tokens,
+                    logits_chunk_tokens=args.logits_chunk,
+                ),
+            )
+            local = args.batch // world
+            shard = batch.take(slice(rank * local, (rank + 1) * local))
+            step = lambda: engine.train_step(shard, nll_loss)  # noqa: E731
     for _ in range(args.warmup):
-        engine.train_step(shard, nll_loss)
+        step()
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
-        metrics = engine.train_step(shard, nll_loss)  # returns host floats: synchronised
+        metrics = step()  # returns host floats: synchronised
         times.append(time.perf_counter() - start)
-    step = float(np.median(times))
+    step_s = float(np.median(times))
     tokens = args.batch * (args.prompt_len + args.response_len)
     device, peak = accelerator()
     flops = train_flops(config, tokens, args.prompt_len + args.response_len)
@@ -176,39 +242,77 @@ def run(args) -> dict:
         "device": device,
         "world_size": world,
         "mesh": mesh,
-        "model": {
-            k: config[k]
-            for k in (
-                "hidden_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "intermediate_size",
-                "vocab_size",
-            )
-        },
+        "model": {k: config[k] for k in SHAPE_KEYS},
         "dtype": args.dtype,
         "grad_ckpt": args.grad_ckpt,
         "batch": args.batch,
         "micro_batch": args.micro_batch,
         "prompt_len": args.prompt_len,
         "response_len": args.response_len,
-        "step_s_median": step,
+        "max_tokens_per_micro_batch": args.max_tokens,
+        "xla_allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR"),
+        "step_s_median": step_s,
         "step_s_all": times,
-        "tokens_per_s": tokens / step,
-        "train_tflops_per_s": flops / step / 1e12,
-        "mfu": flops / step / (peak * 1e12 * world) if peak else None,
+        "tokens_per_s": tokens / step_s,
+        "train_tflops_per_s": flops / step_s / 1e12,
+        "mfu": flops / step_s / (peak * 1e12 * world) if peak else None,
         "last_loss": metrics["loss"],
         **peak_memory(),
     }
     return result
 
 
+def suite(args, argv: list[str]) -> dict:
+    """Run each backend of ``--suite`` in its own process on the same arguments; a table."""
+    child_argv, skip = [], False
+    for a in argv:  # the same flags minus --suite/--json
+        if skip:
+            skip = False
+        elif a in ("--suite", "--json"):
+            skip = True
+        elif not a.startswith(("--suite=", "--json=")):
+            child_argv.append(a)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        shared = os.environ.get("POLYRL_BENCH_DIR", tmp)  # the model is built once
+        for entry in args.suite.split(","):
+            name, _, allocator = entry.partition(":")
+            out = Path(tmp) / f"{len(runs)}.json"
+            env = {**os.environ, "POLYRL_BENCH_DIR": shared}
+            if allocator:
+                env["XLA_PYTHON_CLIENT_ALLOCATOR"] = allocator
+            cmd = [sys.executable, __file__, *child_argv, "--backend", name, "--json", str(out)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode or not out.exists():
+                runs.append({"backend": entry, "error": proc.stderr[-2000:]})
+            else:
+                runs.append({**json.loads(out.read_text()), "backend": entry})
+    ref = next((r for r in runs if r["backend"] == "hf_torch" and "error" not in r), None)
+    lines = [
+        f"{'backend':<14} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak GiB':>9} {'vs hf_torch':>12}"
+    ]
+    for r in runs:
+        if "error" in r:
+            lines.append(f"{r['backend']:<14} FAILED: {r['error'].strip().splitlines()[-1:]}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
+        vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+        peak = r.get("device_peak_gib", r["host_peak_rss_gib"])
+        lines.append(
+            f"{r['backend']:<14} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
+            f"{peak:>9.1f} {vs:>12}"
+        )
+    print("\n".join(lines))
+    return {"runs": runs, "reference": "hf_torch", "table": lines}
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    result = run(args)
+    result = suite(args, argv) if args.suite else run(args)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(result, indent=1))
+        if not args.suite:
+            print(json.dumps(result, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
 

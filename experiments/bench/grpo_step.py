@@ -1,0 +1,111 @@
+"""Benchmark: GRPO step time with its phase breakdown, from a real ``polyrl train`` run.
+
+Runs ``polyrl train`` on ``--gin`` (plus any ``--gin_param``) in a subprocess, reads the
+run's ``metrics.jsonl`` and prints, per phase, the mean seconds over the steps after the
+first ``--skip`` (warm-up: compilation, CUDA graphs, first allocations), the step time
+and the framework overhead (step time minus the compute phases of
+``polyrl.trainer.COMPUTE_PHASES``: generation, forward passes, training). The limits to
+read it against are measured by ``train_step.py`` (training alone) and ``rollout.py``
+(vLLM alone on the same rollout); writes everything to ``--json``.
+
+    python experiments/bench/grpo_step.py --steps 4                        # tiny, CPU
+    python experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \\
+        --gin_param "polyrl.RunConfig.model_path = '/tmp/models/qwen2-0.5b-random'" \\
+        --backend jax_pjit --json grpo_jax.json                          # one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from polyrl.trainer import COMPUTE_PHASES
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gin", default="gin/experiments/tiny_grpo.gin")
+    p.add_argument("--gin_param", action="append", default=[], help="extra gin binding")
+    p.add_argument("--backend", choices=["torch_fsdp", "jax_pjit"], help="swap the backend")
+    p.add_argument("--steps", type=int, default=4, help="RunConfig.total_steps")
+    p.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the means")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--log", help="write the training run's output here")
+    p.add_argument("--json", help="write the result here")
+    return p.parse_args(argv)
+
+
+def summarise(rows: list[dict], skip: int) -> dict:
+    """Mean seconds per phase and per step over ``rows[skip:]``, and the overhead."""
+    timed = [r for r in rows if "time/step" in r][skip:]
+    if not timed:
+        raise SystemExit(f"no step after the first {skip} in metrics.jsonl; raise --steps")
+    names = sorted({k[5:] for r in timed for k in r if k.startswith("time/")} - {"step"})
+    phases = {n: statistics.mean(r.get(f"time/{n}", 0.0) for r in timed) for n in names}
+    step = statistics.mean(r["time/step"] for r in timed)
+    compute = sum(t for n, t in phases.items() if n in COMPUTE_PHASES)
+    return {
+        "steps_averaged": len(timed),
+        "step_s": step,
+        "phases_s": phases,
+        "overhead_s": step - compute,
+        "overhead_fraction": (step - compute) / step,
+    }
+
+
+def table(summary: dict) -> str:
+    step = summary["step_s"]
+    lines = [f"{'phase':<18} {'s/step':>8} {'share':>7}"]
+    for name, t in sorted(summary["phases_s"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"{name:<18} {t:>8.2f} {100 * t / step:>6.1f}%")
+    lines.append(
+        f"{'overhead':<18} {summary['overhead_s']:>8.2f} {100 * summary['overhead_fraction']:>6.1f}%"
+    )
+    lines.append(f"{'step':<18} {step:>8.2f}   (mean of {summary['steps_averaged']} steps)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        params = [
+            *args.gin_param,
+            f"polyrl.RunConfig.run_dir = '{run_dir}'",
+            f"polyrl.RunConfig.total_steps = {args.steps}",
+        ]
+        gin_files = [args.gin] + ([f"gin/backends/{args.backend}.gin"] if args.backend else [])
+        cmd = [sys.executable, "-m", "polyrl.cli", "train"]
+        for f in gin_files:
+            cmd += ["--gin_file", f]
+        for b in params:
+            cmd += ["--gin_param", b]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if args.log:
+            Path(args.log).write_text(proc.stdout + proc.stderr)
+        metrics = run_dir / "metrics.jsonl"
+        if proc.returncode or not metrics.exists():
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+            raise SystemExit(f"polyrl train failed (rc={proc.returncode}): {' '.join(cmd)}")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    summary = summarise(rows, args.skip)
+    text = table(summary)
+    print(text)
+    result = {
+        "gin": gin_files,
+        "gin_params": params[:-2],
+        **summary,
+        "table": text.splitlines(),
+        "last_metrics": rows[-1],
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

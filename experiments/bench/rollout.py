@@ -1,0 +1,78 @@
+"""Benchmark: rollout inside polyrl (``RolloutPool.generate``) against vLLM called
+directly (``vllm.LLM.generate`` in a Ray actor with the same engine arguments and
+resources) on the same prompts: generated tokens/s of each and their ratio.
+
+The comparison itself is ``weight_sync.bench_rollout`` (one implementation for both
+benchmarks); this script sets the engine up like a training run's rollout (model, dtype,
+``max_model_len``, ``gpu_memory_utilization``) and prints a table. The defaults are the
+shipped GPU experiment's rollout (gin/experiments/gpu_grpo_0p5b.gin: 64 prompts x n=8 x
+512 new tokens, 0.35 of the GPU); on CPU pass small numbers:
+
+    python experiments/bench/rollout.py --prompts 8 --n 2 --new-tokens 16 --dtype float32
+    python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --json r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from weight_sync import bench_rollout  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF model directory (default: the tiny model)")
+    p.add_argument("--work", default="runs/bench_rollout")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--num-cpus", type=int, default=os.cpu_count())
+    p.add_argument("--json", help="write the result here")
+    args = p.parse_args(argv)
+
+    import ray
+    import torch
+
+    from polyrl.data.tiny import ensure_tiny_model
+    from polyrl.rollout import RolloutConfig, RolloutPool
+
+    model = args.model or str(ensure_tiny_model(Path(args.work) / "tiny"))
+    on_gpu = torch.cuda.is_available()
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    pool = RolloutPool(
+        RolloutConfig(
+            model_path=model,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            num_gpus=0.5 if on_gpu else None,  # the direct engine takes the other half
+        )
+    )
+    try:
+        result = {"model": model, "dtype": args.dtype, **bench_rollout(pool, args)}
+    finally:
+        pool.shutdown()
+        ray.shutdown()
+    lines = [
+        f"{'rollout':<26} {'tokens/s':>10}",
+        f"{'polyrl RolloutPool':<26} {result['pool_tok_s']:>10.0f}",
+        f"{'vLLM directly (limit)':<26} {result['direct_tok_s']:>10.0f}",
+        f"{'ratio':<26} {result['ratio_pool_to_direct']:>10.3f}",
+    ]
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "table": lines}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

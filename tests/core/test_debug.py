@@ -127,3 +127,32 @@ def test_post_mortem_pauses_where_the_role_raised(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode != 0 and "ZeroDivisionError" in rest
+
+
+def test_driver_prints_the_pause_and_repeats_nobody_attached():
+    import time
+
+    import ray
+    from ray.experimental import internal_kv
+
+    from polyrl.debug import KV_PREFIX, DebugSession
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    said: list[str] = []
+    session = DebugSession(DebugConfig(enabled=True, report_every_s=1.0), echo=said.append)
+    try:
+        record = {"role": "critic", "rank": 1, "where": "/x/workers.py:71", "host": "127.0.0.1"}
+        record |= {"port": 5678, "pid": 42, "since": time.time()}
+        internal_kv._internal_kv_put(f"{KV_PREFIX}42", json.dumps(record))  # what a worker writes
+        deadline = time.monotonic() + 20
+        while len(said) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        internal_kv._internal_kv_del(f"{KV_PREFIX}42")  # attached
+    finally:
+        session.close()
+        ray.shutdown()
+    assert said[0] == "[debug] critic rank 1 paused at /x/workers.py:71; attach to 127.0.0.1:5678"
+    assert said[1].startswith(
+        "[debug] critic rank 1 still paused at /x/workers.py:71: nobody attached for "
+    )
+    assert sys.breakpointhook is sys.__breakpointhook__  # the driver's breakpoint() is back

@@ -49,7 +49,7 @@ __all__ = ["DebugConfig", "DebugSession", "for_debugging", "place", "setup_worke
 
 DEBUG_ENV = "POLYRL_DEBUG"  # the DebugConfig as JSON, in every worker's environment
 KV_PREFIX = "polyrl:debug:"
-ROLES = ("actor", "critic", "reference", "reward", "rollout")
+ROLES = ("actor", "critic", "reference", "reward", "rollout")  # and "task": any other worker
 METHODS = ("forward", "train_step", "sync_weights", "call", "score", "generate")
 RESULT_ALIAS = {
     "score": "scores",

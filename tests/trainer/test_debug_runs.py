@@ -1,6 +1,6 @@
 """`polyrl train --debug` on the tiny model (real vLLM CPU, real Ray): a headless Debug
 Adapter Protocol client attaches to a user reward function's breakpoint() in its reward
-worker, then to a conditional breakpoint in the actor's train_step; a log point in the
+worker, then to a conditional breakpoint in the actor's forward; a log point in the
 rollout server logs without pausing; the run completes."""
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def test_debugger_attaches_to_remote_roles(tmp_path):
         "polyrl.RunConfig.total_steps = 3",
         "polyrl.RunConfig.tensorboard = False",
         "polyrl.RunConfig.reward_workers = 1",
-        'polyrl.DebugConfig.breakpoints = ["actor.train_step if step == 1"]',
+        # once per step (train_step runs once per mini-batch: twice a step here)
+        'polyrl.DebugConfig.breakpoints = ["actor.forward if step == 1"]',
         'polyrl.DebugConfig.log_points = {"rollout.generate": "len(requests)"}',
     ):
         cmd += ["--gin_param", b]
@@ -86,12 +87,12 @@ def test_debugger_attaches_to_remote_roles(tmp_path):
 
         _inspect_and_continue(proc, seen, "reward", in_reward)
 
-        def in_train_step(dap, frame, where, line):
+        def in_forward(dap, frame, where, line):
             assert where.endswith(f"polyrl/workers.py:{line}")
             assert dap.local_variables(frame["id"])["step"] == "1"
-            assert dap.evaluate("len(batch)", frame["id"]) == "64"  # mini-batch 8 x n=8
+            assert dap.evaluate("len(batch)", frame["id"]) == "128"  # 16 prompts x n=8
 
-        _inspect_and_continue(proc, seen, "actor", in_train_step)
+        _inspect_and_continue(proc, seen, "actor", in_forward)
         rest, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()

@@ -292,8 +292,8 @@ class RunConfig:
       ``dump_samples`` decoded samples to ``<run_dir>/rollouts.jsonl`` (``polyrl.dumps``).
     timeline: write each phase of each role as spans to ``<run_dir>/timeline.json``
       (Chrome/Perfetto trace, ``polyrl.timeline``).
-    debug: ``polyrl.debug.DebugConfig`` (breakpoints inside remote roles); filled from the
-      ``polyrl.DebugConfig`` bindings, turned on by ``polyrl train --debug``.
+    debug: ``polyrl.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
+      binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
     """
 
     run_dir: str

@@ -77,10 +77,6 @@ def parse_config(
     if isinstance(cfg, RunConfig):
         cfg = dataclasses.replace(cfg, imports=tuple(dict.fromkeys((*cfg.imports, *imports))))
         import_modules(cfg.imports)
-        if cfg.debug is None:  # polyrl.DebugConfig bindings, without a RunConfig.debug line
-            import gin
-
-            cfg = dataclasses.replace(cfg, debug=gin.get_configurable("polyrl.DebugConfig")())
     return cfg, operative
 
 

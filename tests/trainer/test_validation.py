@@ -36,7 +36,6 @@ def _run(gin_file: str, run_dir: Path, *extra: str) -> list[dict]:
         [
             f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
             "polyrl.RunConfig.total_steps = 3",
-            "polyrl.RunConfig.tensorboard = False",
             *extra,
         ],
     )
@@ -50,7 +49,7 @@ def _training(row: dict) -> dict:
 
 
 def test_validation_logs_val_metrics_and_leaves_training_unchanged(local_ray, tmp_path):
-    plain = _run(GRPO, tmp_path / "plain")
+    plain = _run(GRPO, tmp_path / "plain", "polyrl.RunConfig.tensorboard = False")
     val = _run(
         GRPO_VAL,
         tmp_path / "val",
@@ -73,6 +72,14 @@ def test_validation_logs_val_metrics_and_leaves_training_unchanged(local_ray, tm
     # Same seeds, same data order, same weights: the training numbers are identical
     # (fp32 CPU kernels in one Ray session are deterministic; no tolerance needed).
     assert [_training(r) for r in val[1:]] == [_training(r) for r in plain]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "val" / "tensorboard"))
+    events.Reload()
+    logged = events.Scalars("val/polyrl/copy/pass@1")
+    assert [e.step for e in logged] == [0, 2, 3]
+    assert logged[-1].value == pytest.approx(final["val/polyrl/copy/pass@1"])
 
     samples = [json.loads(x) for x in (tmp_path / "val" / "val_samples" / "step_3.jsonl").open()]
     assert len(samples) == 8

@@ -79,7 +79,7 @@ def _doctor_cluster() -> bool:
         print("  ray cluster   none (RAY_ADDRESS not set; runs start a local Ray)")
         return True
     try:
-        connect(address)
+        connected = connect(address)
     except ConfigError as e:
         print(f"  ray cluster   FAILED: {e.problems[0]}")
         return False
@@ -93,7 +93,8 @@ def _doctor_cluster() -> bool:
             shown = ", ".join(f"{k}={v:g}" for k, v in sorted(res.items()))
             print(f"                {n['ip']} ({n['id'][:8]}): {shown}")
     finally:
-        ray.shutdown()
+        if connected:
+            ray.shutdown()
     return True
 
 
@@ -223,6 +224,8 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
             arithmetic, warnings = arithmetic + lines, warnings + cluster_warnings
     except ConfigError as e:
         _print_problems(what, e.problems)
+        for warning in e.warnings:
+            print(f"  WARNING {warning}", file=sys.stderr)
         return 1
     print(
         f"OK {what}: {spec.name} on {cfg.backend}; roles: actor, rollout, "

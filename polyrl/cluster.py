@@ -26,6 +26,7 @@ __all__ = [
     "gpu_topology",
     "probe_nodes",
     "ray_nodes",
+    "unreachable",
     "versions",
 ]
 
@@ -78,8 +79,26 @@ def _host_port(address: str) -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
-def connect(address: str | None, timeout_s: float = 3.0) -> None:
-    """``ray.init`` to ``address`` after checking that something listens there."""
+def unreachable(address: str, timeout_s: float = 3.0) -> str | None:
+    """Why nothing answers at ``address`` (host:port, optionally ``ray://``), or None."""
+    target = _host_port(address)
+    if target is None:
+        return None
+    try:
+        socket.create_connection(target, timeout=timeout_s).close()
+    except OSError as e:
+        reason = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        return (
+            f"RAY_ADDRESS={address!r}: cannot connect to {target[0]}:{target[1]} ({reason}, "
+            f"tried for {timeout_s:g} s); start the head node there "
+            f"(`ray start --head --port={target[1]}`) or fix RAY_ADDRESS"
+        )
+    return None
+
+
+def connect(address: str | None, timeout_s: float = 3.0) -> bool:
+    """``ray.init`` to ``address`` after checking that something listens there; True
+    when this call connected (the caller then disconnects)."""
     import ray
 
     if not address:
@@ -94,20 +113,13 @@ def connect(address: str | None, timeout_s: float = 3.0) -> None:
         raise ConfigError(
             [f"RAY_ADDRESS={address!r} is not host:port or 'auto'; fix it or unset it"]
         )
-    if target is not None:
-        try:
-            socket.create_connection(target, timeout=timeout_s).close()
-        except OSError as e:
-            reason = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
-            raise ConfigError(
-                [
-                    f"RAY_ADDRESS={address!r}: cannot connect to {target[0]}:{target[1]} "
-                    f"({reason}, tried for {timeout_s:g} s); start the head node there "
-                    f"(`ray start --head --port={target[1]}`) or fix RAY_ADDRESS"
-                ]
-            ) from None
-    if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    problem = unreachable(address, timeout_s)
+    if problem:
+        raise ConfigError([problem])
+    if ray.is_initialized():
+        return False
+    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    return True
 
 
 def ray_nodes() -> list[dict[str, Any]]:
@@ -217,7 +229,7 @@ def check_cluster(cfg: Any, spec: Any, timeout_s: float = 3.0) -> tuple[list[str
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
-    connect(address, timeout_s)
+    connected = connect(address, timeout_s)
     try:
         nodes = ray_nodes()
         problems = _resource_problems(cfg, nodes)
@@ -249,10 +261,11 @@ def check_cluster(cfg: Any, spec: Any, timeout_s: float = 3.0) -> tuple[list[str
                         f"set it in RolloutConfig.env"
                     )
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(problems, warnings)
         return lines, warnings
     finally:
-        ray.shutdown()
+        if connected:
+            ray.shutdown()
 
 
 def gpu_topology() -> list[str]:

@@ -22,8 +22,8 @@ __all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems", "cl
 class ConfigError(ValueError):
     """The configuration cannot run; ``problems`` lists every finding."""
 
-    def __init__(self, problems: list[str]):
-        self.problems = problems
+    def __init__(self, problems: list[str], warnings: list[str] | None = None):
+        self.problems, self.warnings = problems, list(warnings or ())
         super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
 
 
@@ -197,6 +197,11 @@ def check_cluster(cfg: RunConfig) -> list[str]:
         out.append(
             f"RAY_ADDRESS={address!r} is not host:port, 'auto' or 'local'; unset it for a local cluster"
         )
+    elif address and address not in ("auto", "local"):
+        from polyrl.cluster import unreachable
+
+        problem = unreachable(address)
+        out += [problem] if problem else []
     return out
 
 

@@ -253,3 +253,16 @@ def test_each_pitfall_fix_passes(fix, corpus, capsys):
     code, out, err = _run(corpus, gin_file, bindings, capsys)
     assert code == 0, err
     assert out.startswith("OK ") and _fill(expected, corpus) in out, out
+
+
+def test_ray_address_where_nothing_listens(corpus, monkeypatch, capsys):
+    """Before: OK here, then `polyrl train` failed 35-40 s later with a traceback."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    code, _, err = _run(corpus, GRPO, [], capsys)
+    assert code == 1
+    assert f"RAY_ADDRESS='127.0.0.1:{port}': cannot connect to 127.0.0.1:{port}" in err, err

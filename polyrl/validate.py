@@ -275,7 +275,10 @@ def isolation_problems(cfg: RunConfig, spec: Any) -> list[str]:
                 f"applied; add {switch!r}: True to algo_overrides or remove {coef!r}"
             )
     if cfg.reward_model_path and spec.objective == "rl":
-        head = score_head(cfg.reward_model_path)
+        try:
+            head = score_head(cfg.reward_model_path)
+        except (OSError, ValueError) as e:  # unreadable config.json / safetensors header
+            head = f"cannot be read ({e})"
         if head is not None:
             out.append(
                 f"RunConfig.reward_model_path={cfg.reward_model_path!r} {head}: the reward "
@@ -440,7 +443,16 @@ def preflight(cfg: RunConfig) -> tuple[RunConfig, Any, list[str], list[str]]:
     if model_path is None:
         from polyrl.data.tiny import ensure_tiny_model
 
-        model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
+        try:
+            model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
+        except OSError as e:
+            raise ConfigError(
+                problems
+                + [
+                    f"RunConfig.run_dir={cfg.run_dir!r} is not writable ({e}); choose "
+                    f"a directory you can write"
+                ]
+            ) from None
     elif not Path(model_path, "config.json").exists():
         problems.append(
             f"RunConfig.model_path={model_path!r} has no config.json; pass a local Hugging Face "

@@ -118,7 +118,21 @@ def connect(address: str | None, timeout_s: float = 3.0) -> bool:
         raise ConfigError([problem])
     if ray.is_initialized():
         return False
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+    except (ConnectionError, RuntimeError) as e:
+        auth = "Authentication" in repr(e.__cause__) + str(e)
+        hint = (
+            "the cluster uses token authentication: set RAY_AUTH_MODE=token and give the "
+            "cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+            if auth
+            else "check that a Ray head (not another service) listens there"
+        )
+        raise ConfigError(
+            [
+                f"RAY_ADDRESS={address!r}: Ray refused the connection ({str(e).splitlines()[0]}); {hint}"
+            ]
+        ) from None
     return True
 
 

@@ -22,6 +22,7 @@ import pytest
 from polyrl.cli import main
 
 RAY = str(Path(sys.executable).with_name("ray"))
+POLYRL = str(Path(sys.executable).with_name("polyrl"))
 GRPO = "gin/experiments/tiny_grpo.gin"
 FAKE_POLYRL = "9.9.9"
 
@@ -79,7 +80,8 @@ class LocalCluster:
             "    assert time.time() < t, ray.nodes()\n"
             "    time.sleep(0.5)\n"
         )
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=timeout_s + 60)
+        env = os.environ | {"RAY_AUTH_MODE": "token"}
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=timeout_s + 60)
 
     def stop(self) -> None:
         import psutil
@@ -112,8 +114,6 @@ def _gone():
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Head (accel=2) + one worker node (accel=1), both on this machine's versions."""
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "token"  # this process's drivers join the token cluster
     c = LocalCluster()
     try:
         c.add_node({"accel": 1})
@@ -121,10 +121,6 @@ def cluster(tmp_path_factory):
         yield c
     finally:
         c.stop()
-        if saved is None:
-            os.environ.pop("RAY_AUTH_MODE")
-        else:
-            os.environ["RAY_AUTH_MODE"] = saved
 
 
 def _validate(capsys, *params: str) -> tuple[int, str, str]:
@@ -134,6 +130,20 @@ def _validate(capsys, *params: str) -> tuple[int, str, str]:
     code = main(argv)
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def _cli(address: str, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``polyrl ARGV`` as a user runs it against the token-auth cluster (Ray reads
+    RAY_AUTH_MODE once per process, so the driver is a fresh process)."""
+    run_env = os.environ | {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"} | (env or {})
+    return subprocess.run([POLYRL, *argv], env=run_env, capture_output=True, text=True, timeout=300)
+
+
+def _cluster_validate(address: str, tmp_path, pools: str, env: dict | None = None):
+    argv = ["validate-config", "--gin_file", GRPO, "--mode", "cluster"]
+    for p in (_run_dir(tmp_path), pools):
+        argv += ["--gin_param", p]
+    return _cli(address, *argv, env=env)
 
 
 def _run_dir(tmp_path) -> str:
@@ -161,36 +171,42 @@ def test_unreachable_address_is_named_quickly(tmp_path, monkeypatch, capsys):
     )
 
 
-def test_cluster_checks_resources_versions_and_env(cluster, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    # Set on the driver only: the nodes were started without it.
-    monkeypatch.setenv("POLYRL_GUARDS_PROBE", "1")
+def test_cluster_checks_resources_versions_and_env(cluster, tmp_path):
+    # POLYRL_GUARDS_PROBE is set on the driver only: the nodes were started without it.
+    probe = {"POLYRL_GUARDS_PROBE": "1"}
     pools = "polyrl.RunConfig.pools = {'shared': {'CPU': 2, 'accel': 3}}"
-    code, out, err = _validate(capsys, _run_dir(tmp_path), pools)
-    assert code == 0, err
-    assert f"cluster {cluster.address}: 2 node(s)" in out
-    assert (
-        out.count("polyrl ") >= 2 and "WARNING POLYRL_GUARDS_PROBE='1' is set on the driver" in out
-    )
+    run = _cluster_validate(cluster.address, tmp_path, pools, env=probe)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"cluster {cluster.address}: 2 node(s)" in run.stdout
+    assert run.stdout.count("polyrl ") >= 2, run.stdout
+    assert "WARNING POLYRL_GUARDS_PROBE='1' is set on the driver" in run.stdout
 
-    # Ask for more of the custom resource than the nodes have, and a GPU pool.
+    # Ask for more of the custom resource than the nodes have in all, and a GPU pool.
     too_much = "polyrl.RunConfig.pools = {'shared': {'CPU': 2, 'accel': 4}}"
-    code, _, err = _validate(capsys, _run_dir(tmp_path), too_much)
-    assert code == 1
+    run = _cluster_validate(cluster.address, tmp_path, too_much)
+    assert run.returncode == 1
     assert (
-        "RunConfig.pools['shared'] asks for accel=4 x 1 node(s) but the cluster has 3 in all" in err
-    )
-    assert "accel=2" in err and "accel=1" in err  # each node's resources are listed
+        "RunConfig.pools['shared'] asks for accel=4 x 1 node(s) but the cluster has 3 in all"
+        in run.stderr
+    ), run.stderr
+    assert "accel=2" in run.stderr and "accel=1" in run.stderr  # every node's resources
     gpu = "polyrl.RunConfig.pools = {'shared': {'CPU': 1, 'GPU': 1}}"
-    code, _, err = _validate(capsys, _run_dir(tmp_path), gpu)
-    assert code == 1
-    assert "RunConfig.pools['shared']={'CPU': 1, 'GPU': 1} needs 1 node(s) with CPU=1, GPU=1" in err
+    run = _cluster_validate(cluster.address, tmp_path, gpu)
+    assert run.returncode == 1
+    assert (
+        "RunConfig.pools['shared']={'CPU': 1, 'GPU': 1} needs 1 node(s) with CPU=1, GPU=1"
+        in run.stderr
+    ), run.stderr
 
     # doctor lists the nodes and their resources.
-    assert main(["doctor", "--skip-vllm"]) == 0
-    doctor = capsys.readouterr().out
-    assert f"ray cluster   {cluster.address}: 2 node(s)" in doctor and "accel=2" in doctor
-    assert "gpu topology  no GPU (CPU only)" in doctor
+    run = _cli(cluster.address, "doctor", "--skip-vllm")
+    assert run.returncode == 0, run.stdout
+    assert f"ray cluster   {cluster.address}: 2 node(s)" in run.stdout and "accel=2" in run.stdout
+    assert "gpu topology  no GPU (CPU only)" in run.stdout
+
+    # A driver without the cluster's auth mode gets a named error, not a traceback.
+    run = _cli(cluster.address, "doctor", "--skip-vllm", env={"RAY_AUTH_MODE": "disabled"})
+    assert "ray cluster   FAILED" in run.stdout and "RAY_AUTH_MODE=token" in run.stdout
 
     # A third node whose environment reports another polyrl version.
     fake = tmp_path / "fake_site"
@@ -200,11 +216,12 @@ def test_cluster_checks_resources_versions_and_env(cluster, tmp_path, monkeypatc
     path = os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))
     cluster.add_node({"accel": 1}, env={"PYTHONPATH": path})
     cluster.wait_for(3)
-    code, _, err = _validate(capsys, _run_dir(tmp_path), pools)
-    assert code == 1
+    run = _cluster_validate(cluster.address, tmp_path, pools)
+    assert run.returncode == 1
     from polyrl.cluster import versions
 
     mismatch = f"has polyrl {FAKE_POLYRL} but the driver has {versions()['polyrl']}"
-    assert err.count(mismatch) == 1, err  # only the faked node
-    assert "install the same versions on every node" in err
-    assert "has torch" not in err and "has ray" not in err
+    assert run.stderr.count(mismatch) == 1, run.stderr  # only the faked node
+    assert "install the same versions on every node" in run.stderr
+    assert "has torch" not in run.stderr and "has ray" not in run.stderr
+    assert "Traceback" not in run.stderr

@@ -331,7 +331,8 @@ def reference_moved(
 
 
 # ---------------------------------------------------------------- placement by hand
-_DEVICE_KEYS = ("devices", "device_ids", "gpu_ids", "gpus", "cuda_visible_devices")
+_DEVICE_KEYS = ("devices", "device_ids", "gpu_ids", "cuda_visible_devices")
+_RESOURCE_NAMES = {"gpu": "GPU", "gpus": "GPU", "num_gpus": "GPU", "cpu": "CPU", "cpus": "CPU"}
 
 
 def device_problems(cfg: RunConfig) -> list[str]:
@@ -355,6 +356,12 @@ def device_problems(cfg: RunConfig) -> list[str]:
         )
     for name, res in cfg.pools.items():
         for key in res:
+            if key not in ("GPU", "CPU") and key.lower() in _RESOURCE_NAMES:
+                out.append(
+                    f"RunConfig.pools[{name!r}][{key!r}]: Ray calls this resource "
+                    f"{_RESOURCE_NAMES[key.lower()]!r} (a {key!r} key would be a custom resource "
+                    f"no node has); rename it"
+                )
             if key.lower() in _DEVICE_KEYS:
                 out.append(
                     f"RunConfig.pools[{name!r}][{key!r}]={res[key]!r}: device ids cannot be "

@@ -144,6 +144,8 @@ CASES = [
     ("device-ids-in-pool", GRPO,
      ["polyrl.RunConfig.pools = {'shared': {'CPU': 2, 'GPU': 0, 'device_ids': 1}}"],
      "RunConfig.pools['shared']['device_ids']=1: device ids cannot be chosen by hand"),
+    ("pool-resource-lowercase", GRPO, ["polyrl.RunConfig.pools = {'shared': {'CPU': 2, 'gpus': 1}}"],
+     "RunConfig.pools['shared']['gpus']: Ray calls this resource 'GPU'"),
     # pitfall 4: datasets
     ("train-file-missing", GRPO, ["polyrl.RunConfig.train_files = ['{data}/missing.parquet']"],
      "RunConfig.train_files: {data}/missing.parquet: file '{data}/missing.parquet' does not exist"),

@@ -167,6 +167,14 @@ def role_problems(cfg: RunConfig, roles: Mapping[str, RoleSpec]) -> list[str]:
     devices of one node enough for the role's workers there, and every tensor-parallel
     (and torch FSDP) group inside one node."""
     out = []
+    for name, res in cfg.pools.items():
+        nodes = res.get("nodes", 1)
+        if not float(nodes).is_integer() or nodes < 1:
+            out.append(
+                f"RunConfig.pools[{name!r}]['nodes']={nodes!r}: a pool spans a whole number "
+                f"of nodes >= 1; set it to the number of nodes the pool's roles run on"
+            )
+            return out
     for name, role in roles.items():
         if role.pool not in cfg.pools:
             continue  # reported by validate's role_pools check

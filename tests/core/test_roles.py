@@ -90,3 +90,9 @@ def test_uneven_split_over_nodes_names_the_pool(tmp_path):
     cfg, spec = _cfg(tmp_path, *TWO_NODES, "actor/polyrl.ParallelConfig.mesh = {'data': 3}")
     problems = check_run(cfg, spec, cluster=False)
     assert any("3 workers do not split evenly" in p and "['nodes']=2" in p for p in problems)
+
+
+def test_pool_nodes_must_be_a_whole_number(tmp_path):
+    cfg, spec = _cfg(tmp_path, "polyrl.RunConfig.pools = {'shared': {'CPU': 2, 'nodes': 1.5}}")
+    (msg,) = role_problems(cfg, build_roles(cfg, spec))
+    assert "RunConfig.pools['shared']['nodes']=1.5" in msg

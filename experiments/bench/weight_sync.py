@@ -172,7 +172,7 @@ def bench_rollout(pool, args) -> dict:
         .options(
             num_cpus=res["num_cpus"],
             num_gpus=res["num_gpus"],
-            runtime_env={"env_vars": server_env(pool.config, _on_gpu())},
+            runtime_env={"env_vars": server_env(pool.config)},
         )
         .remote(pool.config, _on_gpu())
     )

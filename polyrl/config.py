@@ -163,6 +163,9 @@ class ParallelConfig:
       micro-batches and long ones in small ones. None: ``micro_batch_size`` rows each.
       Like ``micro_batch_size``, it changes speed and memory, never the update.
     cpu_offload: keep parameters/optimizer state in host memory between uses.
+    pack_sequences: run each micro-batch as one row of its real tokens, without padding
+      (per-sequence position ids; attention stays within each sequence). torch_fsdp only
+      (docs/backends.md); same outputs, less padded compute.
     logits_chunk_tokens: response tokens whose logits the LM head computes at once.
       Log-probs and entropy are computed chunk by chunk (each chunk's logits recomputed
       in the backward pass), so the fp32 [tokens x vocab] logits of a micro-batch never
@@ -178,6 +181,7 @@ class ParallelConfig:
     cpu_offload: bool = False
     logits_chunk_tokens: int = 1024
     max_tokens_per_micro_batch: int | None = None
+    pack_sequences: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.mesh) - set(MESH_AXES)

@@ -137,7 +137,12 @@ class TorchFSDPEngine:
         if self.cfg.has_value_head:
             return models.value_outputs(self.model, inputs, scores=self.cfg.role == "reward")
         return models.policy_outputs(
-            self.model, inputs, temperature, entropy, self.cfg.sampling_vocab_size
+            self.model,
+            inputs,
+            temperature,
+            entropy,
+            self.cfg.sampling_vocab_size,
+            pack=self.parallel.pack_sequences,
         )
 
     # --------------------------------------------------------------- forward

@@ -209,30 +209,71 @@ def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(response_mask > 0, x, torch.zeros_like(x))
 
 
+def _packed(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The micro-batch as one row of its real tokens (no padding): ``input_ids`` and
+    ``position_ids`` [1, N] with positions restarting at 0 for every sequence (transformers
+    then masks attention to each sequence: its packed-sequence detection, used when
+    ``attention_mask`` is None), ``keep`` [K + 1] the positions predicting each real
+    response token (plus one more, which the head drops), ``targets`` [1, K] those tokens
+    and ``where`` [B, R] where the K scores go back."""
+    real = inputs["attention_mask"] != 0
+    lengths = real.sum(1)
+    starts = torch.cumsum(lengths, 0) - lengths
+    n = int(lengths.sum())
+    positions = torch.arange(n, device=real.device) - torch.repeat_interleave(starts, lengths)
+    r = inputs["responses"].shape[1]
+    where = real[:, -r:]
+    prompt_len = real[:, :-r].sum(1)
+    predicts = (starts + prompt_len - 1)[:, None] + torch.arange(r, device=real.device)
+    keep = predicts[where]
+    return {
+        "input_ids": inputs["input_ids"][real][None],
+        "position_ids": positions[None],
+        "keep": torch.cat([keep, keep[-1:]]),
+        "targets": inputs["responses"].long()[where][None],
+        "where": where,
+    }
+
+
 def policy_outputs(
     model: nn.Module,
     inputs: dict[str, torch.Tensor],
     temperature: float,
     entropy: bool,
     vocab: int | None = None,
+    pack: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` [B, R] = log_softmax(logits / temperature) at the response tokens (how
     vLLM scores sampled tokens), ``entropy`` [B, R] of that same distribution; 0 where
     ``response_mask`` is 0. Only the positions that predict the response reach the head,
     which scores them in chunks (``lm_head.ChunkedLMHead``): the fp32 [B, R, V] logits
     never exist at once. ``vocab``: the distribution covers ids ``< vocab`` only
-    (ModelConfig.sampling_vocab_size)."""
+    (ModelConfig.sampling_vocab_size). ``pack``: run the micro-batch as one row without
+    padding (:func:`_packed`); same outputs."""
     responses = inputs["responses"].long()
-    R = responses.shape[1]
-    # The last R + 1 positions are P-1 .. L-1; the head drops the last (it predicts nothing).
-    with model.get_output_embeddings().scoring(responses, temperature, entropy, vocab):
-        scores = model(
-            input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
-            position_ids=inputs["position_ids"],
-            logits_to_keep=R + 1,
-            use_cache=False,
-        ).logits
+    head = model.get_output_embeddings()
+    if pack and bool((inputs["attention_mask"][:, -responses.shape[1] :] != 0).any()):
+        packed = _packed(inputs)
+        with head.scoring(packed["targets"], temperature, entropy, vocab):
+            flat = model(
+                input_ids=packed["input_ids"],
+                position_ids=packed["position_ids"],
+                logits_to_keep=packed["keep"],
+                use_cache=False,
+            ).logits[0]
+        scores = flat.new_zeros((*responses.shape, flat.shape[-1])).index_put(
+            (packed["where"],), flat
+        )
+    else:
+        # The last R + 1 positions are P-1 .. L-1; the head drops the last (predicts nothing).
+        with head.scoring(responses, temperature, entropy, vocab):
+            scores = model(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                position_ids=inputs["position_ids"],
+                logits_to_keep=responses.shape[1] + 1,
+                use_cache=False,
+            ).logits
     result = {"log_probs": _mask(scores[..., 0], inputs["response_mask"])}
     if entropy:
         result["entropy"] = _mask(scores[..., 1], inputs["response_mask"])

@@ -288,10 +288,12 @@ def bind(
         raise ConfigError([_call_problem(e, root)]) from None
     operative = gin.operative_config_str()
     used = _operative(operative)
-    other_roots = {"SweepConfig"} if root_name == "RunConfig" else {"RunConfig"}
-    for b in reader.bindings:
+    # Only a run's bindings are all consumed by its root; a sweep's gin files also bind the
+    # RunConfig that each trial builds (and checks) itself.
+    checked = reader.bindings if root_name == "RunConfig" else []
+    for b in checked:
         found = _configurable(b.selector)
-        if (b.scope, found.selector) in used or found.selector.rsplit(".", 1)[-1] in other_roots:
+        if (b.scope, found.selector) in used or found.selector.endswith("SweepConfig"):
             continue
         scopes = sorted({s for s, sel in used if sel == found.selector and s})
         guess = closest(b.scope, scopes) if b.scope else None

@@ -340,18 +340,20 @@ def _precheck(
     """Fail the whole sweep before any trial when a swept binding names nothing (a typo);
     a bad *value* fails only its trial, which records the error. Returns the base RunConfig."""
     from polyrl.launch import parse_config
+    from polyrl.validate import ConfigError
 
+    # Problems that mean the binding's name is wrong (polyrl.bindings' messages).
+    naming = ("no configurable named", "has no parameter", "is never used", "gin syntax error")
     base, _ = parse_config(gin_files, gin_params, imports=imports)
     for binding, spec in bindings.items():
         ((_, args),) = spec.items()
         try:
             parse_config(gin_files, [*gin_params, f"{binding} = {args[0]!r}"])
-        except ValueError as e:
-            message = str(e).splitlines()[0]
-            if "No configurable matching" in message or "have a parameter named" in message:
-                raise ValueError(
-                    f"SweepConfig: swept binding {binding!r}: {message} Check the name "
-                    f"against a run's operative_config.gin"
+        except ConfigError as e:
+            named = [p for p in e.problems if any(n in p for n in naming)]
+            if named:
+                raise ConfigError(
+                    [f"SweepConfig: swept binding {binding!r}: {p}" for p in named]
                 ) from None
     return base
 

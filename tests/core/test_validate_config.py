@@ -268,3 +268,20 @@ def test_ray_address_where_nothing_listens(corpus, monkeypatch, capsys):
     code, _, err = _run(corpus, GRPO, [], capsys)
     assert code == 1
     assert f"RAY_ADDRESS='127.0.0.1:{port}': cannot connect to 127.0.0.1:{port}" in err, err
+
+
+def test_train_and_sweep_run_the_same_checks_first(corpus, capsys):
+    """No worker starts and no traceback: `polyrl train` prints the named problems, and a
+    sweep whose swept binding is misspelled (scope or name) fails before any trial."""
+    model = f"polyrl.RunConfig.model_path = {corpus['model']!r}"
+    run_dir = f"polyrl.RunConfig.run_dir = '{corpus['data']}/train'"
+    argv = ["train", "--gin_file", GRPO, "--gin_param", model, "--gin_param", run_dir]
+    assert main([*argv, "--gin_param", "polyrl.RunConfig.prompts_per_step = 12"]) == 1
+    err = capsys.readouterr().err
+    assert "RunConfig.prompts_per_step=12 is not a multiple of" in err and "Traceback" not in err
+    space = "polyrl.SweepConfig.space = {'actr/polyrl.OptimConfig.lr': {'grid': [1e-3, 3e-3]}}"
+    sweep = ["sweep", "--gin_file", "gin/sweeps/tiny_grpo_lr.gin", "--gin_param", model]
+    assert main([*sweep, "--gin_param", run_dir, "--gin_param", space]) == 1
+    err = capsys.readouterr().err
+    assert "SweepConfig: swept binding 'actr/polyrl.OptimConfig.lr'" in err, err
+    assert "did you mean scope 'actor'?" in err

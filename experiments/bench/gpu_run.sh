@@ -2,7 +2,7 @@
 # On the lent GPU machine, in the repo root: every GPU benchmark, each writing a table
 # to stdout and JSON (+ logs) under $OUT. docs/performance.md says what each measures.
 #
-#   bash experiments/bench/gpu_run.sh                      # all sections (~15 min)
+#   bash experiments/bench/gpu_run.sh                      # the one-GPU sections (~20 min)
 #   bash experiments/bench/gpu_run.sh train_step rollout   # some of them
 #
 # Sections (each under ~4 minutes on one H200):
@@ -12,10 +12,12 @@
 #   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
 #   grpo_jax    the same on the JAX backend, at the experiment's defaults
 #   rollout     RolloutPool vs vLLM directly, the GRPO rollout shape (0.5B, 64 x 8 x 512)
+#   weight_sync sync of a 1.5B-width model per transport vs a device copy (weight_sync.py)
+#   async       async vs sync GRPO step (async_step.py; needs 2 GPUs, not in the default list)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out).
 # Needs the offline bundle unpacked (.gpu/remote/unpack.sh; see ../shared/gpu/README.md).
 set -u
-sections=${*:-tests train_step grpo_torch grpo_jax rollout}
+sections=${*:-tests train_step grpo_torch grpo_jax rollout weight_sync}
 transport=${TRANSPORT:-cuda_ipc}
 source .gpu/remote/env.sh
 export NCCL_NVLS_ENABLE=0
@@ -68,6 +70,15 @@ for s in $sections; do
     model
     timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" \
       2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax rollout)" ;;
+  weight_sync)
+    timeout 300 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
+      --transports object_store,cuda_ipc --out "$OUT/bench_weight_sync.json" 2> "$OUT/weight_sync.log" \
+      | tail -30 | tee -a "$OUT/summary.txt" ;;
+  async)
+    model
+    timeout 560 python3 experiments/bench/async_step.py --work /tmp/bench/async \
+      --gin_param "polyrl.RunConfig.model_path = '$M'" --out "$OUT/bench_async.json" \
+      > "$OUT/async.log" 2>&1; tail -30 "$OUT/async.log" | tee -a "$OUT/summary.txt" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax rollout weight_sync async)" ;;
   esac
 done

@@ -257,8 +257,9 @@ def _stop_here(fn: Callable, ns: dict[str, Any]) -> None:
 def _namespace(fn: Callable, method: str, args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = inspect.signature(fn).bind(*args, **kwargs)
     ns = dict(bound.arguments)
-    batch = next((v for v in ns.values() if hasattr(v, "info")), None)
-    step = batch.info.get("step") if batch is not None else None
+    # A Batch argument carries the training step in its info dict.
+    infos = [v.info for v in ns.values() if isinstance(getattr(v, "info", None), dict)]
+    step = infos[0].get("step") if infos else None
     return ns | {"step": step, "rank": _state["rank"], "role": _state["role"]}
 
 

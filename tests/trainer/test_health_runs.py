@@ -128,7 +128,9 @@ def test_cut_and_stop_at_once_warn(tmp_path, capsys):
 def test_critic_blow_up_warns(tmp_path, capsys):
     rows = _run(
         tmp_path,
-        "polyrl.RunConfig.total_steps = 8",
+        # 3 steps: the warning comes at the first; after 3 non-finite steps the run stops
+        # (RunConfig.max_nonfinite_steps)
+        "polyrl.RunConfig.total_steps = 3",
         "critic/polyrl.OptimConfig.lr = 30.0",
         "critic/polyrl.OptimConfig.grad_clip = None",
         gin="gin/experiments/tiny_ppo.gin",

@@ -405,6 +405,7 @@ def run_sweep(
             "polyrl.SweepConfig.space = {'actor/polyrl.OptimConfig.lr': {'loguniform': [1e-4, 1e-2]}}"
         )
     base = _precheck(gin_files, gin_params, imports, bindings)
+    tune_config = _tune_config(sweep_cfg)  # before Ray starts: its errors are the user's
     imports = list(base.imports)
     root = Path(base.run_dir).resolve()
     root.mkdir(parents=True, exist_ok=True)
@@ -444,7 +445,7 @@ def run_sweep(
         tuner = tune.Tuner(
             trainable,
             param_space=search_space(bindings),
-            tune_config=_tune_config(sweep_cfg),
+            tune_config=tune_config,
             run_config=tune.RunConfig(
                 name="sweep",
                 storage_path=str(storage),
@@ -462,16 +463,16 @@ def _tune_config(sweep_cfg: Any) -> Any:
 
     search = None
     if sweep_cfg.search == "optuna":
-        try:
-            from ray.tune.search.optuna import OptunaSearch
+        import importlib.util
 
-            search = OptunaSearch()
-            search.set_search_properties(sweep_cfg.metric, sweep_cfg.mode, {})
-        except ImportError:
+        if importlib.util.find_spec("optuna") is None:
             raise ValueError(
-                "SweepConfig.search = 'optuna' needs the optuna package "
-                "(pip install optuna); or use search = 'random'"
-            ) from None
+                "SweepConfig.search = 'optuna' needs the optuna package, which the CPU lock "
+                "does not install: pip install optuna, or use SweepConfig.search = 'random'"
+            )
+        from ray.tune.search.optuna import OptunaSearch
+
+        search = OptunaSearch()
     scheduler = None
     if sweep_cfg.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler

@@ -152,3 +152,18 @@ def test_report_into_a_closed_pipe_ends_quietly(tmp_path):
     cmd = f"{sys.executable} -m polyrl.cli report {tmp_path} | head -n 3"
     out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
     assert len(out.stdout.splitlines()) == 3 and out.stderr == "", out.stderr
+
+
+def test_optuna_search_or_a_clear_message_without_it():
+    import importlib.util
+
+    from polyrl.sweep import _tune_config
+
+    cfg = SweepConfig(search="optuna", space={LR: {"loguniform": [1e-4, 1e-2]}})
+    if importlib.util.find_spec("optuna") is None:
+        with pytest.raises(ValueError, match="SweepConfig.search = 'optuna' needs the optuna"):
+            _tune_config(cfg)
+    else:
+        from ray.tune.search.optuna import OptunaSearch
+
+        assert isinstance(_tune_config(cfg).search_alg, OptunaSearch)

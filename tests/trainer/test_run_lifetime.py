@@ -18,17 +18,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(run_dir: Path, *bindings: str, stdout=subprocess.PIPE) -> subprocess.Popen:
+def _start(
+    run_dir: Path, *bindings: str, gin: str = "gin/experiments/tiny_grpo.gin"
+) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "POLYRL_VERBOSE")}
-    cmd = [sys.executable, "-m", "polyrl.cli", "train"]
-    cmd += ["--gin_file", "gin/experiments/tiny_grpo.gin"]
+    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--gin_file", gin]
     for b in (f"polyrl.RunConfig.run_dir = {str(run_dir)!r}", *bindings):
         cmd += ["--gin_param", b]
     return subprocess.Popen(
         cmd,
         cwd=ROOT,
         env=env,
-        stdout=stdout,
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its own process group: a signal to it reaches no test
@@ -90,7 +91,8 @@ def test_ctrl_c_ends_quietly_with_checkpoint_and_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_demo_output_stays_short(tmp_path):
-    proc = _start(tmp_path / "demo", "polyrl.RunConfig.tensorboard = False")
+    # `make demo`: tiny_grpo.gin plus validation every 10 steps
+    proc = _start(tmp_path / "demo", gin="gin/experiments/tiny_grpo_val.gin")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     lines = out.splitlines()

@@ -167,3 +167,24 @@ def test_optuna_search_or_a_clear_message_without_it():
         from ray.tune.search.optuna import OptunaSearch
 
         assert isinstance(_tune_config(cfg).search_alg, OptunaSearch)
+
+
+def test_the_shipped_sweep_file_binds():
+    from polyrl.launch import parse_config
+
+    sweep, _ = parse_config(["gin/sweeps/tiny_grpo_lr.gin"], root="polyrl.SweepConfig")
+    assert sweep.scheduler == "asha" and list(sweep.bindings) == [LR]
+    run, _ = parse_config(["gin/sweeps/tiny_grpo_lr.gin"])
+    assert run.total_steps == 16 and run.pools["shared"]["CPU"] == 1.0
+
+
+def test_a_misspelt_swept_binding_fails_the_sweep_before_any_trial(tmp_path, capsys):
+    from polyrl.cli import main
+
+    bad = "polyrl.SweepConfig.space = {'actor/polyrl.OptimConfig.lrr': {'grid': [1e-3]}}"
+    run_dir = f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"
+    args = ["sweep", "--gin_file", "gin/sweeps/tiny_grpo_lr.gin"]
+    assert main([*args, "--gin_param", bad, "--gin_param", run_dir]) == 1
+    err = capsys.readouterr().err
+    assert "swept binding 'actor/polyrl.OptimConfig.lrr'" in err
+    assert "did you mean 'lr'" in err and not (tmp_path / "tune").exists()

@@ -280,9 +280,6 @@ class RunConfig:
       with a checkpoint (0: never stop). See docs/reliability.md.
     sampling / rollout: ``polyrl.rollout`` SamplingSpec / RolloutConfig (rollout's
       model_path is filled from ``model_path`` when left empty).
-    sample_every / sample_count: every ``sample_every`` steps (and at step 1) print
-      ``sample_count`` decoded samples (prompt, response, ground truth, reward) after the
-      progress line and add them to TensorBoard (text tab); 0 turns it off.
     imports: user modules (``pkg.mod`` names) imported in the driver and in every Ray
       worker before anything runs, e.g. the module that registers an own reward or task
       (``polyrl.user_code``); ``--import`` on the command line adds to them.
@@ -360,8 +357,6 @@ class RunConfig:
     dump_samples: int = 4
     timeline: bool = True
     debug: object = None
-    sample_every: int = 10
-    sample_count: int = 2
 
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")

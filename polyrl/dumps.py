@@ -1,14 +1,17 @@
 """Rollout dumps: decoded samples of a step, to read what the model saw and wrote.
 
-Every ``RunConfig.dump_every`` steps, ``RunConfig.dump_samples`` samples spread over the
-batch go to ``<run_dir>/rollouts.jsonl``, one JSON object per line::
+At step 1 and every ``RunConfig.dump_every`` steps (steps count from 1, as in the
+progress line), ``RunConfig.dump_samples`` samples spread over the batch go to
+``<run_dir>/rollouts.jsonl``, one JSON object per line::
 
     step, index, data_source, prompt (after the chat template, special tokens kept),
     response, ground_truth, reward, advantage (mean over the response tokens),
     prompt_length, response_length, finish_reason ("stop" | "length")
 
-The first dump is also printed, one line per sample, so a run that scores nothing shows
-why at its first step.
+The first dump is also printed in full, one line per sample, so a run that scores
+nothing shows why at its first step; later dumps print their first two samples in one
+short line each (``  [sample] step 10: 'copy 814' -> '3266' (want '814', reward 0.19)``).
+The printed text of a dump stays in ``RolloutDumps.text`` for TensorBoard.
 """
 
 from __future__ import annotations
@@ -65,20 +68,31 @@ class RolloutDumps:
         self.path = Path(run_dir) / "rollouts.jsonl"
         self.tokenizer, self.every, self.samples, self.echo = tokenizer, every, samples, echo
         self.shown = False
+        self.text = ""  # the last dump's printed lines, until the trainer logs them
 
     def write(self, step: int, batch: Any) -> None:
-        if not self.every or step % self.every or "response_text" not in batch:
+        due = self.every and (step == 1 or step % self.every == 0)
+        if not due or "response_text" not in batch:
             return
         rows = dump_rows(batch, self.tokenizer, self.samples, step)
         with self.path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
         if not self.shown:
             self.shown = True
-            self.echo(f"[rollouts] step {step}: {len(rows)} samples (all in {self.path})")
+            lines = [f"[rollouts] step {step}: {len(rows)} samples (all in {self.path})"]
             for r in rows:
                 adv = "" if r["advantage"] is None else f" adv {r['advantage']:+.2f}"
-                self.echo(
+                lines.append(
                     f"  reward {r['reward']:.3g}{adv} len {r['response_length']} "
                     f"({r['finish_reason']}) | {r['prompt']!r} -> {r['response']!r} "
                     f"(truth {r['ground_truth']!r})"
                 )
+        else:
+            lines = [
+                f"  [sample] step {step}: {r['prompt']!r} -> {r['response']!r} "
+                f"(want {r['ground_truth']!r}, reward {r['reward']:.2f})"
+                for r in rows[:2]
+            ]
+        for line in lines:
+            self.echo(line)
+        self.text = "\n".join(lines)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ __all__ = [
     "latest_metrics",
     "plot_run",
     "phase_summary",
-    "format_samples",
 ]
 
 
@@ -111,7 +110,7 @@ class Tracker:
             self._wandb.log(clean, step=step)
 
     def log_text(self, tag: str, text: str, step: int) -> None:
-        """Text (decoded samples) to TensorBoard; the caller prints it to the log."""
+        """Text (the rollout dump's decoded samples) to TensorBoard's text tab."""
         if self._tb is not None:
             self._tb.add_text(tag, f"```\n{text}\n```", step)
             self._tb.flush()
@@ -122,21 +121,6 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
-
-
-def format_samples(
-    step: int,
-    prompts: Sequence[str],
-    responses: Sequence[str],
-    truths: Sequence[str],
-    rewards: Sequence[float],
-) -> str:
-    """A few decoded samples of a step, one line each:
-    ``  [sample] step 10: 'copy 471' -> '471' (want '471', reward 1.00)``."""
-    return "\n".join(
-        f"  [sample] step {step}: {p!r} -> {r!r} (want {t!r}, reward {float(w):.2f})"
-        for p, r, t, w in zip(prompts, responses, truths, rewards)
-    )
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

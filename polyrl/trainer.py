@@ -33,7 +33,6 @@ from polyrl.health import HealthMonitor, explained_variance, response_stats
 from polyrl.metrics import (
     PhaseTimer,
     Tracker,
-    format_samples,
     latest_metrics,
     phase_summary,
     plot_run,
@@ -79,7 +78,6 @@ class Loop(abc.ABC):
         self.turns = Turns(False)  # RLTrainer: colocated roles take turns on shared GPUs
         self.evaluator = None  # RLTrainer with validation data: polyrl.evaluation
         self.start_step = 0
-        self.samples: str | None = None  # decoded samples of this step (RLTrainer.score)
 
     @abc.abstractmethod
     def step(self, step: int) -> dict[str, float]:
@@ -158,10 +156,9 @@ class Loop(abc.ABC):
                 if self.timeline is not None:
                     self.timeline.flush()
                 print(_progress(step, self.cfg.total_steps, metrics), flush=True)
-                if self.samples:
-                    print(self.samples, flush=True)
-                    tracker.log_text("samples", self.samples, step + 1)
-                    self.samples = None
+                if self.dumps.text:  # this step's decoded samples, also to TensorBoard
+                    tracker.log_text("samples", self.dumps.text, done)
+                    self.dumps.text = ""
                 if on_step is not None:
                     on_step(step, metrics)
                 if guard.observe(step, metrics):
@@ -326,7 +323,6 @@ class RLTrainer(Loop):
         staleness = staleness_metrics(batch, step, self.rollouts.limit)
         with phase("reward"):
             batch = self.reward(batch)
-        self.show_samples(step + 1, batch)
         if self.spec.dynamic_sampling:
             with phase("dynamic_sampling"):
                 batch, kept = self.filter_groups(batch, step)
@@ -381,7 +377,7 @@ class RLTrainer(Loop):
     def inspect(self, step: int, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         """Health checks and the rollout dump of one step (docs/debugging.md)."""
         stats = response_stats(batch, self.tokenizer)
-        self.dumps.write(step, batch)
+        self.dumps.write(step + 1, batch)
         return stats | self.health.check(metrics | stats, batch["scores"])
 
     @property
@@ -439,22 +435,6 @@ class RLTrainer(Loop):
         if len(out) == 0:  # nothing informative: the last batch, whose advantages are all 0
             return batch.with_columns(step=step), 0.0
         return out.take(slice(0, want * n)).with_columns(step=step), len(out) / seen
-
-    def show_samples(self, step: int, batch: Batch) -> None:
-        """Every ``sample_every`` steps (and at step 1): the first response of the first
-        ``sample_count`` prompts (each prompt's n responses are in a row), for the log."""
-        every, count = self.cfg.sample_every, self.cfg.sample_count
-        if not (every and count and (step == 1 or step % every == 0)):
-            return
-        picks = list(range(0, len(batch), self.cfg.sampling.n))[:count]
-        rows = [self.prompts.rows[batch["prompt_index"][i]] for i in picks]
-        self.samples = format_samples(
-            step,
-            [row["prompt"][-1]["content"] for row in rows],
-            [batch["response_text"][i] for i in picks],
-            [batch["ground_truth"][i] for i in picks],
-            [batch["scores"][i] for i in picks],
-        )
 
     def reward(self, batch: Batch) -> Batch:
         """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x

@@ -148,10 +148,17 @@ def test_response_stats_by_hand():
 def test_dumps_every_k_steps_and_glance(tmp_path):
     said: list[str] = []
     dumps = RolloutDumps(tmp_path, CharTokenizer(), every=2, samples=2, echo=said.append)
-    for step in range(4):
+    for step in range(1, 5):  # steps count from 1: step 1, then every 2
         dumps.write(step, _batch())
     rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").open()]
-    assert [(r["step"], r["index"]) for r in rows] == [(0, 0), (0, 3), (2, 0), (2, 3)]
+    assert [(r["step"], r["index"]) for r in rows] == [
+        (1, 0),
+        (1, 3),
+        (2, 0),
+        (2, 3),
+        (4, 0),
+        (4, 3),
+    ]
     assert rows[1] | {"step": 0} == {
         "step": 0,
         "index": 3,
@@ -165,8 +172,11 @@ def test_dumps_every_k_steps_and_glance(tmp_path):
         "response_length": 3,
         "finish_reason": "length",
     }
-    assert len(said) == 3 and said[0].startswith("[rollouts] step 0: 2 samples")
+    # the first dump in full, later ones as two short lines each
+    assert len(said) == 7 and said[0].startswith("[rollouts] step 1: 2 samples")
     assert "reward 0.5 adv +2.00 len 3 (length) | 'hi' -> 'abc'" in said[2]
+    assert said[6] == "  [sample] step 4: 'hi' -> 'abc' (want 'ab', reward 0.50)"
+    assert dumps.text == "\n".join(said[5:])
 
 
 def test_timeline_is_a_chrome_trace(tmp_path):

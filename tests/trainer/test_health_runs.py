@@ -79,16 +79,16 @@ def test_healthy_demo_is_silent_and_dumps(tmp_path, capsys, reward_override):
     assert "[health] WARNING" not in out.replace("phase_slow", "")
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]  # the Ray-task reward is real
     dumps = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").open()]
-    assert [d["step"] for d in dumps] == [0] * 4 + [10] * 4  # dump_every 10, 4 samples
+    assert [d["step"] for d in dumps] == [1] * 4 + [10] * 4  # step 1, every 10; 4 samples
     first = dumps[0]
     assert first["prompt"].startswith("<|im_start|>user:copy ")  # after the chat template
     assert first["prompt"].endswith("assistant:")
     assert first["ground_truth"] in first["prompt"]
-    assert "[rollouts] step 0: 4 samples" in out
+    assert "[rollouts] step 1: 4 samples" in out
     events = json.loads((tmp_path / "timeline.json").read_text())
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["name"] for e in spans} >= {"generate", "reward", "update_actor", "sync_weights"}
-    assert sorted({e["args"]["step"] for e in spans}) == list(range(12))
+    assert sorted({e["args"]["step"] for e in spans}) == list(range(1, 13))  # from 1
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
 
 def test_killed_driver_leaves_no_process_and_the_run_was_quiet(tmp_path):
     run = tmp_path / "run"
-    proc = _start(run, "polyrl.RunConfig.total_steps = 1000", "polyrl.RunConfig.sample_every = 3")
+    proc = _start(run, "polyrl.RunConfig.total_steps = 1000", "polyrl.RunConfig.dump_every = 3")
     try:
         _wait_for_steps(run, proc, 4)
         tree = [p for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -63,7 +63,10 @@ def test_killed_driver_leaves_no_process_and_the_run_was_quiet(tmp_path):
     assert "(RolloutServer" not in out and "[generate]" not in out, out  # quiet by default
     steps = [line for line in out.splitlines() if "] step " in line and "/1000" in line]
     assert len(steps) >= 4 and steps[0].startswith("[") and "step 1/1000" in steps[0]
-    assert "[sample] step 1: 'copy " in out and "[sample] step 3:" in out
+    assert (
+        "[rollouts] step 1: 4 samples" in out
+        and "  [sample] step 3: '<|im_start|>user:copy " in out
+    )
     logs = list((run / "logs").glob("worker-*"))
     text = "".join(p.read_text(errors="replace") for p in logs)
     assert "Initializing a V1 LLM engine" in text  # vLLM's full start-up log is kept

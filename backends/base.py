@@ -176,7 +176,9 @@ def _jax_group_env(slot: GroupSlot) -> dict[str, str]:
 
 def _jax_host_env(local_devices: int, on_gpu: bool) -> dict[str, str]:
     if on_gpu:
-        return {}
+        # Pin the platform: a driver that set JAX_PLATFORMS=cpu (a CPU test session, a
+        # laptop's shell) would otherwise hand its GPU workers host devices (seen on 2 x H200).
+        return {"JAX_PLATFORMS": "cuda"}
     # On CPU a host worker gets its share of the mesh as host-platform devices.
     return {
         "JAX_PLATFORMS": "cpu",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import signal
@@ -28,7 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["init_ray", "verbose", "VERBOSE_ENV", "worker_line_matters"]
+__all__ = ["init_ray", "local_cpus", "verbose", "VERBOSE_ENV", "worker_line_matters"]
 
 # Set by ``--verbose`` (and inherited by a sweep's trials): phase lines, all worker output.
 VERBOSE_ENV = "POLYRL_VERBOSE"
@@ -75,7 +76,7 @@ def init_ray(
     from polyrl.user_code import runtime_env
 
     address = os.environ.get("RAY_ADDRESS") or "local"
-    local: dict[str, Any] = {"num_cpus": num_cpus} if address == "local" else {}
+    local: dict[str, Any] = {"num_cpus": local_cpus(num_cpus)} if address == "local" else {}
     env = runtime_env(imports)
     debugging = debug is not None and debug.enabled
     if debugging:
@@ -100,6 +101,13 @@ def init_ray(
         node = ray._private.worker.global_worker.node
         job = ray.get_runtime_context().get_job_id()
         _WorkerLogs(Path(node.get_logs_dir_path()), job, Path(run_dir) / "logs").start()
+
+
+def local_cpus(num_cpus: float | None) -> int | None:
+    """Logical CPUs of a local Ray start, rounded up to a whole number: a raylet given a
+    fractional or float count (e.g. 13.0) never registered on a 32-core GPU host, and
+    ``ray.init`` timed out after 30 s (seen with Ray 2.60 on 2 x H200)."""
+    return None if num_cpus is None else math.ceil(num_cpus)
 
 
 def _start_watchdog(pid: int) -> None:

@@ -15,7 +15,7 @@
 #   weight_sync sync of a 1.5B-width model per transport vs a device copy (weight_sync.py)
 #   async       async vs sync GRPO step (async_step.py; needs 2 GPUs, not in the default list)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out).
-# Needs the offline bundle unpacked (.gpu/remote/unpack.sh; see ../shared/gpu/README.md).
+# Needs the offline bundle unpacked (.gpu/remote/unpack.sh; docs/install.md, "GPU machine without network").
 set -u
 sections=${*:-tests train_step grpo_torch grpo_jax rollout weight_sync}
 transport=${TRANSPORT:-cuda_ipc}

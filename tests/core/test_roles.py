@@ -96,3 +96,25 @@ def test_pool_nodes_must_be_a_whole_number(tmp_path):
     cfg, spec = _cfg(tmp_path, "polyrl.RunConfig.pools = {'shared': {'CPU': 2, 'nodes': 1.5}}")
     (msg,) = role_problems(cfg, build_roles(cfg, spec))
     assert "RunConfig.pools['shared']['nodes']=1.5" in msg
+
+
+def test_gpu_workers_pin_their_platform_whatever_the_driver_set(monkeypatch):
+    """A driver with JAX_PLATFORMS=cpu (this test session has it) must not hand a JAX GPU
+    worker host devices: on 2 x H200 the worker saw 4 CPU devices instead of its 2 GPUs."""
+    from polyrl.backends.base import get_backend
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    jax_model = get_backend("jax_pjit").process
+    assert jax_model.host_env(2, True) == {"JAX_PLATFORMS": "cuda"}
+    cpu = jax_model.host_env(2, False)
+    assert cpu["JAX_PLATFORMS"] == "cpu" and cpu["XLA_FLAGS"].endswith("count=2")
+    assert get_backend("torch_fsdp").process.host_env(1, True) == {}
+
+
+@pytest.mark.parametrize(("given", "want"), [(None, None), (3.0, 3), (13.0, 13), (2.5, 3)])
+def test_a_local_ray_start_gets_a_whole_cpu_count(given, want):
+    """Ray 2.60's raylet never registered when ray.init got num_cpus=13.0 on a GPU host."""
+    from polyrl.ray_session import local_cpus
+
+    got = local_cpus(given)
+    assert got == want and (got is None or type(got) is int)

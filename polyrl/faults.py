@@ -20,8 +20,8 @@ Points and where they fire:
   start of the listed optimizer updates;
 * ``fail_write@run_dir=0`` / ``disk_full@run_dir=0``: the start-up probe of the run dir
   fails with ``ENOSPC`` / sees 0 bytes free;
-* ``fail_write@metrics=<step>`` / ``fail_write@checkpoint=<step>``: writing the metrics
-  line / the checkpoint of trainer step ``step`` raises ``OSError(ENOSPC)``, as a full
+* ``fail_write@metrics=<N>`` / ``fail_write@checkpoint=<N>``: writing the metrics row
+  / the checkpoint after ``N`` steps raises ``OSError(ENOSPC)``, as a full
   disk does.
 """
 

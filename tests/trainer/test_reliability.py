@@ -72,13 +72,13 @@ def test_kill_during_checkpoint_save_then_resume(backend, ray_session, tmp_path)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the killed driver's own Ray processes
     uninterrupted = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in uninterrupted] == [0, 1, 2, 3]
+    assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4]  # row N: after N steps
     assert (run / "checkpoints" / "step_4.tmp" / "actor").is_dir()
     assert not (run / "checkpoints" / "step_4.tmp" / "trainer_state.json").exists()
 
     train([GIN[backend]], common, resume=True)
     resumed = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [0, 1, 2, 3]  # no step skipped or repeated
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # no step skipped or repeated
     for a, b in zip(uninterrupted, resumed):
         for key in KEYS:
             # Same seeds, data order and optimizer state, fp32 CPU kernels: equal up to
@@ -114,8 +114,11 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(ray_session, tmp_path, mo
     assert [r["actor/nonfinite_skipped"] for r in rows] == [0.0, 1.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    "backend", ["torch_fsdp", pytest.param("jax_pjit", marks=pytest.mark.slow)]
+)
 def test_dead_training_worker_stops_the_run_and_resume_continues(
-    ray_session, tmp_path, monkeypatch
+    backend, ray_session, tmp_path, monkeypatch
 ):
     """The actor's worker is SIGKILLed at the start of update 2 (step 1): the run stops
     at once, naming the role and how to resume, and --resume finishes the run."""
@@ -123,20 +126,20 @@ def test_dead_training_worker_stops_the_run_and_resume_continues(
     run = tmp_path / "run"
     params = _params(run, "polyrl.RunConfig.total_steps = 2", "polyrl.RunConfig.save_every = 1")
     with pytest.raises(RunStopped, match=r"role 'actor' worker \(rank 0\) died") as err:
-        train([GIN["torch_fsdp"]], params)
+        train([GIN[backend]], params)
     assert str(run / "checkpoints" / "step_1") in str(err.value) and "--resume" in str(err.value)
     monkeypatch.delenv(faults.ENV)
-    train([GIN["torch_fsdp"]], params, resume=True)
-    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [0, 1]
+    train([GIN[backend]], params, resume=True)
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2]
 
 
 @pytest.mark.parametrize(
-    "target, at", [pytest.param("metrics", 1, marks=pytest.mark.slow), ("checkpoint", 2)]
+    "target, at", [pytest.param("metrics", 2, marks=pytest.mark.slow), ("checkpoint", 2)]
 )
 def test_failed_write_stops_with_the_last_good_checkpoint(
     target, at, ray_session, tmp_path, monkeypatch
 ):
-    """A full disk (ENOSPC, fault hook) when the step-1 metrics line or the step-2
+    """A full disk (ENOSPC, fault hook) when the second step's metrics row or the step-2
     checkpoint is written: the run stops naming the failure and step_1."""
     monkeypatch.setenv(faults.ENV, f"fail_write@{target}={at}")
     run = tmp_path / "run"

@@ -8,7 +8,8 @@ benchmarks); this script sets the engine up like a training run's rollout (model
 shipped GPU experiment's rollout (gin/experiments/gpu_grpo_0p5b.gin: 64 prompts x n=8 x
 512 new tokens, 0.35 of the GPU); on CPU pass small numbers:
 
-    python experiments/bench/rollout.py --prompts 8 --n 2 --new-tokens 16 --dtype float32
+    python experiments/bench/rollout.py --prompts 8 --n 2 --prompt-len 16 --new-tokens 16 \\
+        --dtype float32 --max-model-len 64
     python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --json r.json
 """
 

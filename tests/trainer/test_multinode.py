@@ -54,7 +54,7 @@ def test_grpo_actor_spans_both_worker_nodes(cluster, tmp_path, backend):
     assert result["gcs"].rsplit(":", 1)[1] == cluster.rsplit(":", 1)[1]
     assert sorted(result["actor_nodes"]) == ["node_a", "node_b"]
     last = result["last"]
-    assert last["step"] == 1 and math.isfinite(last["actor/loss"]) and "reward/mean" in last
+    assert last["step"] == 2 and math.isfinite(last["actor/loss"]) and "reward/mean" in last
 
 
 def test_torch_hsdp_over_two_nodes_equals_one_rank(cluster, tmp_path):

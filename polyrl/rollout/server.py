@@ -91,6 +91,9 @@ class RolloutServer:
         self.on_gpu = torch.cuda.is_available()
         for key, value in server_env(config).items():
             os.environ.setdefault(key, value)
+        # vLLM's CPU worker sets VLLM_DIST_IDENT in its own process; one inherited from a
+        # driver that ran vLLM in-process is stale, and vLLM warns about it at start.
+        os.environ.pop("VLLM_DIST_IDENT", None)
         from vllm import LLM
 
         self.llm = LLM(**engine_kwargs(config, self.on_gpu))

@@ -39,3 +39,24 @@ def tiny_model_dir(tmp_path_factory):
     from polyrl.data.tiny import ensure_tiny_model
 
     return ensure_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A private local Ray for a module's tests: 2 logical CPUs (this machine; roles and
+    servers ask for fractions), and ``address="local"`` so that it never joins a cluster
+    some ``ray start`` left on the machine. Shut down after the module if it started it."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    yield ray
+    if started:
+        ray.shutdown()

@@ -23,17 +23,6 @@ def padded_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    if not ray.is_initialized():
-        # 2 logical CPUs = the machine; servers take 0.5 each.
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def pool(ray_session, padded_model_dir):
     from polyrl.rollout import RolloutConfig, RolloutPool
 

@@ -159,18 +159,6 @@ def test_phase_summary_shows_the_overlap():
 # ------------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _params(run_dir, *extra):
     return [
         f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",

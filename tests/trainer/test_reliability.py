@@ -26,18 +26,6 @@ GIN = {
 KEYS = ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss")
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _params(run_dir: Path, *extra: str) -> list[str]:
     return [
         f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",

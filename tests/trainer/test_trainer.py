@@ -21,18 +21,6 @@ GRPO = "gin/experiments/tiny_grpo.gin"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _params(run_dir: Path, *extra: str) -> list[str]:
     return [
         f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",

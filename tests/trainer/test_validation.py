@@ -18,18 +18,6 @@ GRPO = "gin/experiments/tiny_grpo.gin"
 GRPO_VAL = "gin/experiments/tiny_grpo_val.gin"  # the demo: GRPO + validation
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _run(gin_file: str, run_dir: Path, *extra: str) -> list[dict]:
     train(
         [gin_file],
@@ -48,7 +36,7 @@ def _training(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(skip)}
 
 
-def test_validation_logs_val_metrics_and_leaves_training_unchanged(local_ray, tmp_path):
+def test_validation_logs_val_metrics_and_leaves_training_unchanged(ray_session, tmp_path):
     plain = _run(GRPO, tmp_path / "plain", "polyrl.RunConfig.tensorboard = False")
     val = _run(
         GRPO_VAL,

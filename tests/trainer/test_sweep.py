@@ -103,3 +103,48 @@ def test_sweep_from_another_directory_with_a_bad_trial(tmp_path):
     assert good["status"] == "done" and good["steps"] == "2" and good["rank"] == "1"
     assert bad["status"] == "error" and "mini_batch_prompts" in bad["error"], bad
     assert "FAILED" in out.stdout
+
+
+@pytest.mark.slow
+def test_interrupted_sweep_resumes_and_finishes_every_trial(tmp_path):
+    """Ctrl-C a sweep while its trials run, then `polyrl sweep --resume`: every trial ends
+    with all its steps, each step logged once (a resumed trial continues from its
+    checkpoint, it does not start again)."""
+    import signal
+    import time
+
+    root = tmp_path / "sweep"
+    args = [
+        "--gin_file",
+        "gin/sweeps/tiny_grpo_lr.gin",
+        "--gin_param",
+        f"polyrl.RunConfig.run_dir = {str(root)!r}",
+        "--gin_param",
+        "polyrl.SweepConfig.space = {'actor/polyrl.OptimConfig.lr': {'grid': [3e-3, 1e-2]}}",
+        "--gin_param",
+        "polyrl.SweepConfig.scheduler = 'fifo'",
+        "--gin_param",
+        "polyrl.RunConfig.save_every = 2",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    cmd = [sys.executable, "-m", "polyrl.cli", "sweep", *args]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline:  # interrupt once a trial has a checkpoint and more steps
+        logs = list(root.glob("*/metrics.jsonl"))
+        if any(sum(1 for _ in p.open()) >= 5 for p in logs):
+            break
+        time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=300)
+    before = {p.parent.name: sum(1 for _ in p.open()) for p in root.glob("*/metrics.jsonl")}
+    assert before and min(before.values()) < 16, before  # interrupted mid-run
+    out = sweep(*args, "--resume", cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = _table(root)
+    assert len(rows) == 2 and {r["status"] for r in rows} == {"done"}, rows
+    for r in rows:
+        steps = [json.loads(x)["step"] for x in (root / r["trial"] / "metrics.jsonl").open()]
+        assert steps == list(range(1, 17)), (r["trial"], steps)

@@ -210,12 +210,32 @@ def test_malformed_dataset_gets_a_named_error(case, tmp_path, tiny_model_dir, ca
     assert _digest(path) == before, "validate-dataset modified the file"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file regardless of its mode")
-def test_unreadable_file_is_named(tmp_path, capsys):
+def test_unreadable_file_is_named(tmp_path):
+    """A file its reader may not open. Root reads any file whatever its mode, so under root
+    (CI) the command runs without the capabilities that let it (CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH, dropped from its bounding set before exec)."""
+    import ctypes
+    import subprocess
+    import sys
+
     path = write_dataset(_rl(), tmp_path / "x.jsonl")
     path.chmod(0)
-    assert main(["validate-dataset", str(path)]) == 1
-    assert f"file '{path}' is not readable (Permission denied)" in capsys.readouterr().err
+
+    def drop_file_override() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH; PR_CAPBSET_DROP = 24
+            if os.geteuid() == 0 and libc.prctl(24, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    out = subprocess.run(
+        [sys.executable, "-m", "polyrl.cli", "validate-dataset", str(path)],
+        capture_output=True,
+        text=True,
+        preexec_fn=drop_file_override,
+        timeout=120,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"file '{path}' is not readable (Permission denied)" in out.stderr, out.stderr
 
 
 def test_summary_table_counts_rows_dropped_or_truncated(tmp_path, tiny_model_dir, capsys):

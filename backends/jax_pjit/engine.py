@@ -95,6 +95,11 @@ class JaxPjitEngine:
                 f"role {model.role!r} got optim={optim!r}: actor/critic need an OptimConfig, "
                 "reference/reward are frozen and need optim=None"
             )
+        if parallel.pack_sequences:  # built in torch_fsdp only (docs/backends.md)
+            raise ValueError(
+                "ParallelConfig.pack_sequences=True: the jax_pjit backend does not pack "
+                "sequences yet; set it to False (or use the torch_fsdp backend)"
+            )
         distributed.initialize_from_env()  # several hosts: join them before any device use
         self.model_cfg, self.optim, self.parallel = model, optim, parallel
         self.mesh = sharding.make_mesh(parallel, self._devices)

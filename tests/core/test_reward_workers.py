@@ -45,7 +45,7 @@ def test_bad_rewards_name_source_sample_and_value(value, why):
 
 
 def _slow(text, truth, extra):
-    time.sleep(5)
+    time.sleep(60)
     return 1.0
 
 
@@ -57,7 +57,7 @@ def test_timeout_and_exceptions_name_the_sample():
     t0 = time.perf_counter()
     with pytest.raises(RewardError, match=r"sample 0 \(response 'x'\) did not return within 0.2 s"):
         score_items({"s": _slow}, [(0, "x", "y", "s", None)], timeout_s=0.2)
-    assert time.perf_counter() - t0 < 3  # interrupted, not waited out
+    assert time.perf_counter() - t0 < 30  # interrupted, not the 60 s waited out
     with pytest.raises(RewardError, match=r"data_source 's', sample 1 .* raised KeyError: 'b'"):
         score_items({"s": _raises}, [(1, "x", "y", "s", None)], timeout_s=1.0)
 

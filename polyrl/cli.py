@@ -161,7 +161,9 @@ def cmd_validate_dataset(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     kind = None if args.kind == "auto" else args.kind
     try:
-        report = validate_file(args.path, tokenizer, args.max_prompt_tokens, kind, args.overlong)
+        report = validate_file(
+            args.path, tokenizer, args.max_prompt_tokens, kind, args.overlong, "--max-prompt-tokens"
+        )
     except DatasetError as e:
         _print_problems(f"{args.path} ({e.n_rows} rows)", e.problems)
         return 1
@@ -241,6 +243,7 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.checkpoints import CheckpointMismatch
+    from polyrl.data.schema import DatasetError
     from polyrl.launch import train
     from polyrl.reliability import RunStopped
     from polyrl.validate import ConfigError
@@ -260,7 +263,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         _print_problems(", ".join(args.gin_file), e.problems)
         return 1
-    except (FileNotFoundError, CheckpointMismatch, RunStopped, OSError) as e:
+    except (FileNotFoundError, CheckpointMismatch, RunStopped, OSError, DatasetError) as e:
         print(f"polyrl train: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -391,26 +391,40 @@ def device_problems(cfg: RunConfig) -> list[str]:
 
 
 # ---------------------------------------------------------------- datasets
+LIMIT_BINDING = "RolloutConfig.max_prompt_len"  # the binding that holds the prompt limit
+
+
 def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[str], list[str], int]:
     """Pitfall 4: the configured data files exist, parse and pass validate-dataset for the
     algorithm's schema; the overlong policy acts before the limit rejects anything; the
     data covers a step. Returns (problems, warnings, rows that train)."""
     from polyrl.data.schema import DatasetError, validate_rows
     from polyrl.data.schema import load_rows as load
+    from polyrl.data.tasks import TASKS, make_preference_rows, make_rows
 
     kind = "rl" if spec.objective == "rl" else "preference"
     overlong = cfg.rollout.overlong_prompt if cfg.rollout is not None else "error"
     limit = cfg.rollout.prompt_limit if cfg.rollout is not None else None
-    problems, warnings, rows, dropped = [], [], 0, 0
+    problems, warnings, rows, dropped, longest = [], [], 0, 0, 0
     files = {"RunConfig.train_files": tuple(cfg.train_files)}
     for name in ("val_files", "eval_files"):
         if getattr(cfg, name, None):
             files[f"RunConfig.{name}"] = tuple(getattr(cfg, name))
+    if not cfg.train_files and cfg.task not in TASKS:
+        return [f"RunConfig.task={cfg.task!r} is not a task; use one of {sorted(TASKS)}"], [], 0
+    if not cfg.train_files:  # a built-in task: its rows are checked the same way
+        files["RunConfig.task"] = (f"task {cfg.task} (train)",)
+    make = make_rows if kind == "rl" else make_preference_rows
     for binding, paths in files.items():
         for path in paths:
             try:
-                data, lines = load(path)
-                report = validate_rows(data, path, tokenizer, limit, kind, lines, overlong)
+                if binding == "RunConfig.task":
+                    data, lines = make(cfg.task, cfg.n_train_prompts, cfg.seed), None
+                else:
+                    data, lines = load(path)
+                report = validate_rows(
+                    data, path, tokenizer, limit, kind, lines, overlong, LIMIT_BINDING
+                )
             except DatasetError as e:
                 problems += [f"{binding}: {path}: {p}" for p in e.problems]
                 continue
@@ -421,11 +435,22 @@ def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[st
                     f"the prompt limit ({limit} tokens) and will be {verb} "
                     f"(RolloutConfig.overlong_prompt={overlong!r})"
                 )
-            if binding == "RunConfig.train_files":
+            if binding in ("RunConfig.train_files", "RunConfig.task"):
                 rows += report.n_rows
                 dropped += report.over_limit if report.kept is not None else 0
-    if not cfg.train_files:
-        rows = cfg.n_train_prompts
+                longest = max(longest, report.max_prompt_tokens or 0)
+    if not problems and rows and rows == dropped:
+        where = (
+            f"RunConfig.train_files={list(cfg.train_files)}"
+            if cfg.train_files
+            else f"RunConfig.task={cfg.task!r}"
+        )
+        problems.append(
+            f"every one of the {rows} training prompts ({where}) is over {LIMIT_BINDING}="
+            f"{limit} tokens, and RolloutConfig.overlong_prompt='drop' leaves none to train "
+            f"on: raise {LIMIT_BINDING} (the longest prompt is {longest} tokens), shorten the "
+            f"prompts or set overlong_prompt='truncate_left'"
+        )
     rows -= dropped
     if not problems and rows < cfg.prompts_per_step:
         where = "RunConfig.train_files" if cfg.train_files else "RunConfig.n_train_prompts"

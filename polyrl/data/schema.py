@@ -169,6 +169,7 @@ def validate_rows(
     kind: str = "rl",
     lines: Sequence[int] | None = None,
     overlong: str = "error",
+    limit_name: str = "max_prompt_tokens",
 ) -> DatasetReport:
     """Check every row; raise :class:`DatasetError` listing all problems.
 
@@ -179,7 +180,9 @@ def validate_rows(
     With a ``tokenizer`` (transformers), prompts are rendered with its chat template and
     counted. Rows over ``max_prompt_tokens`` (which needs the tokenizer) are problems
     when ``overlong="error"``; with "drop" or "truncate_left" they are counted in the
-    report (``over_limit``; ``kept`` lists the rows a drop keeps).
+    report (``over_limit``; ``kept`` lists the rows a drop keeps). When every row is over
+    the limit under "error", that is one problem naming ``limit_name`` (the setting that
+    holds the limit), its value and the shortest prompt.
     """
     if kind not in KINDS:
         raise ValueError(f"validate_rows: kind={kind!r} is not one of {sorted(KINDS)}")
@@ -205,6 +208,18 @@ def validate_rows(
         longest_tokens = max(lengths)
         if max_prompt_tokens is not None:
             over = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
+        if len(over) == len(rows) and overlong == "error":
+            shortest = min(lengths)
+            raise DatasetError(
+                source,
+                [
+                    f"every prompt ({len(rows)} rows) is over {limit_name}={max_prompt_tokens} "
+                    f"tokens (the shortest is {shortest} tokens after the chat template), so "
+                    f"nothing can be trained: raise {limit_name} to at least {shortest}, "
+                    f"shorten the prompts or set RolloutConfig.overlong_prompt='truncate_left'"
+                ],
+                len(rows),
+            )
         if overlong == "error":
             problems += [
                 f"{_label(i, lines)}: prompt is {lengths[i]} tokens, over max_prompt_tokens="
@@ -297,11 +312,13 @@ def validate_file(
     max_prompt_tokens: int | None = None,
     kind: str | None = None,
     overlong: str = "error",
+    limit_name: str = "max_prompt_tokens",
 ) -> DatasetReport:
     """Read a dataset (a file, a shard directory or a Hugging Face folder; see
     polyrl.data.formats) and :func:`validate_rows` it. ``kind`` None: "preference" if
     any row has ``chosen``/``rejected``, else "rl"."""
     rows, lines = load_rows(path)
+    kind = kind or detect_kind(rows)
     return validate_rows(
-        rows, str(path), tokenizer, max_prompt_tokens, kind or detect_kind(rows), lines, overlong
+        rows, str(path), tokenizer, max_prompt_tokens, kind, lines, overlong, limit_name
     )

@@ -201,8 +201,12 @@ class RolloutPool:
         )
         dropped = sorted(set(range(len(prompts))) - set(kept))
         if not kept:
+            shortest = min(len(p) for p in prompts[PROMPT_KEY])
             raise ValueError(
-                f"RolloutPool.generate: every prompt was dropped as too long ({dropped})"
+                f"RolloutPool.generate: every prompt of the batch ({len(dropped)}) is over "
+                f"RolloutConfig.max_prompt_len={self.config.prompt_limit} tokens and was dropped "
+                f"(the shortest has {shortest}); raise RolloutConfig.max_prompt_len (below "
+                f"max_model_len={self.config.max_model_len}) or shorten the prompts"
             )
         base = prompts.take(kept).with_columns(meta={PROMPT_KEY: ids})
         n = spec.n

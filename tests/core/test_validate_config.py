@@ -158,13 +158,15 @@ CASES = [
     ("dpo-on-rl-file", DPO, ["polyrl.RunConfig.train_files = ['{data}/copy.parquet']"],
      "row 0: missing field 'chosen'"),
     ("long-prompts-error", GRPO, ["polyrl.RunConfig.train_files = ['{data}/long.parquet']"],
-     "(raise the limit, set RolloutConfig.overlong_prompt to 'drop' or 'truncate_left'"),
+     "RunConfig.train_files: {data}/long.parquet: every prompt (32 rows) is over "
+     "RolloutConfig.max_prompt_len=32 tokens (the shortest is 70 tokens after the chat template)"),
     ("drop-leaves-nothing", GRPO, ["polyrl.RunConfig.train_files = ['{data}/long.parquet']",
                                    "polyrl.RolloutConfig.overlong_prompt = 'drop'",
                                    "polyrl.RunConfig.prompts_per_step = 8",
                                    "polyrl.RunConfig.mini_batch_prompts = 8"],
-     "RunConfig.prompts_per_step=8 exceeds the 0 training rows left after overlong_prompt='drop' "
-     "removed 32 (RunConfig.train_files)"),
+     "every one of the 32 training prompts (RunConfig.train_files=['{data}/long.parquet']) is over "
+     "RolloutConfig.max_prompt_len=32 tokens, and RolloutConfig.overlong_prompt='drop' leaves none "
+     "to train on: raise RolloutConfig.max_prompt_len (the longest prompt is 70 tokens)"),
     ("broken-jsonl", GRPO, ["polyrl.RunConfig.train_files = ['{data}/broken.jsonl']"],
      "broken.jsonl: line 3: invalid JSON"),
 ]  # fmt: skip

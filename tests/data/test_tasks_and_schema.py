@@ -91,8 +91,16 @@ def test_validator_counts_tokens_and_flags_long_prompts(tiny_model_dir):
     # "<|im_start|>", "user", ":", "copy", " ", 3 digits, "<|im_end|>", "<|im_start|>",
     # "as", "sistant", ":"  -> 1+1+1+1+1+3+1+1+1+1+1 = 13 tokens
     assert report.max_prompt_tokens == 13
+    rows[1]["prompt"][0]["content"] = "copy 12"  # 12 tokens: under the limit
     with pytest.raises(
-        DatasetError, match=r"row 0: prompt is 13 tokens, over max_prompt_tokens=10"
+        DatasetError, match=r"row 0: prompt is 13 tokens, over max_prompt_tokens=12"
+    ):
+        validate_rows(rows, tokenizer=tok, max_prompt_tokens=12)
+    # every row over: one problem with the shortest prompt, not one a row
+    with pytest.raises(
+        DatasetError,
+        match=r"1 problem\(s\) in 3 rows:\n  every prompt \(3 rows\) is over "
+        r"max_prompt_tokens=10 tokens \(the shortest is 12 tokens",
     ):
         validate_rows(rows, tokenizer=tok, max_prompt_tokens=10)
 

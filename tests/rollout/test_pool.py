@@ -132,6 +132,14 @@ def test_overlong_prompts(pool):
     ):
         pool.generate(prompts, spec)
 
+    with pytest.raises(
+        ValueError,
+        match=r"every prompt of the batch \(2\) is over RolloutConfig.max_prompt_len=160 tokens "
+        r"and was dropped \(the shortest has 170\); raise RolloutConfig.max_prompt_len \(below "
+        r"max_model_len=256\)",
+    ):
+        pool.generate(prompts.take([1, 3]), spec, overlong="drop")
+
     dropped = pool.generate(prompts, spec, overlong="drop")
     assert dropped.info["dropped"] == [1, 3]
     np.testing.assert_array_equal(dropped["task"], [0, 0, 2, 2])

@@ -1,9 +1,12 @@
 """One host of a 2-process JAX run (tests/backends/jax_pjit/test_multihost.py starts two).
 
-Usage: python multihost_host.py MODEL_DIR OUT.npz, with the POLYRL_JAX_* variables of
-``polyrl.backends.base`` in the environment. The host joins jax.distributed, builds the
-actor engine on a global data=2 mesh (one CPU device per process), feeds its half of the
-batch, and writes its forward log-probs, the step metrics and the exported weights.
+Usage: python multihost_host.py MODEL_DIR OUT.npz CKPT_ONE CKPT_TWO, with the POLYRL_JAX_*
+variables of ``polyrl.backends.base`` in the environment. The host joins jax.distributed,
+builds the actor engine on a global data=2 mesh (one CPU device per process), feeds its
+half of the batch, and writes its forward log-probs, the step metrics and the exported
+weights. Then the checkpoint round trip, every part on both hosts: save to CKPT_TWO,
+offload, reload, one more step; a fresh engine loads CKPT_ONE (written by one process
+driving both devices) and then CKPT_TWO, one more step.
 """
 
 from __future__ import annotations
@@ -29,30 +32,66 @@ def rl_batch(seed: int = 0, n: int = 8):
     return b.with_columns({"old_log_probs": old, "ref_log_probs": ref, "advantages": adv})
 
 
-def run(engine, batch, steps: int = 2) -> dict[str, np.ndarray]:
-    """Forward, then ``steps`` GRPO actor steps; what the test compares."""
+def _loss():
     from polyrl.algos.registry import get_algorithm
 
-    loss = get_algorithm("grpo").make_actor_loss(entropy_coef=0.01)
+    return get_algorithm("grpo").make_actor_loss(entropy_coef=0.01)
+
+
+def weights(engine, prefix: str = "w/") -> dict[str, np.ndarray]:
+    """The engine's exported weights (what a weight sync pushes), as numpy."""
+    return {
+        f"{prefix}{k}": np.asarray(v)
+        for bucket in engine.export_weights(1 << 20)
+        for k, v in bucket
+    }
+
+
+def step(engine, batch, prefix: str) -> dict[str, np.ndarray]:
+    """One more GRPO step: its loss and the weights after it, under ``prefix``."""
+    loss = engine.train_step(batch, _loss(), entropy=True)["loss"]
+    return {f"{prefix}loss": np.array(loss), **weights(engine, f"{prefix}w/")}
+
+
+def run(engine, batch, steps: int = 2) -> dict[str, np.ndarray]:
+    """Forward, then ``steps`` GRPO actor steps; what the test compares."""
     out = {"log_probs": engine.forward(batch)["log_probs"]}
-    metrics = [engine.train_step(batch, loss, entropy=True) for _ in range(steps)]
+    metrics = [engine.train_step(batch, _loss(), entropy=True) for _ in range(steps)]
     out["loss"] = np.array([m["loss"] for m in metrics])
     out["grad_norm"] = np.array([m["grad_norm"] for m in metrics])
-    for bucket in engine.export_weights(1 << 20):
-        out.update({f"w/{k}": np.asarray(v) for k, v in bucket})
+    out.update(weights(engine))
     return out
 
 
-def main(model_dir: str, out_path: str) -> None:
+def main(model_dir: str, out_path: str, ckpt_one: str, ckpt_two: str) -> None:
     from polyrl.backends.jax_pjit.engine import JaxPjitEngine
     from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 
     rank = int(os.environ["POLYRL_JAX_PROCESS_ID"])
-    engine = JaxPjitEngine()
-    optim = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
-    engine.init(ModelConfig(model_dir), optim, ParallelConfig(mesh={"data": 2}, micro_batch_size=2))
-    np.savez(out_path, **run(engine, rl_batch().split(2)[rank]))
+
+    def engine():
+        e = JaxPjitEngine()
+        optim = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.5)
+        e.init(ModelConfig(model_dir), optim, ParallelConfig(mesh={"data": 2}, micro_batch_size=2))
+        return e
+
+    shard = rl_batch().split(2)[rank]
+    first = engine()
+    out = run(first, shard)
+    first.save(ckpt_two)
+    first.offload()
+    first.reload()
+    out.update(step(first, shard, "reloaded/"))
+    fresh = engine()
+    fresh.load(ckpt_one)
+    out["from_one/step"] = np.array(fresh.step)
+    out.update(weights(fresh, "from_one/w/"))
+    out.update(step(fresh, shard, "from_one/next/"))
+    fresh.load(ckpt_two)
+    out.update(weights(fresh, "loaded/w/"))
+    out.update(step(fresh, shard, "resumed/"))
+    np.savez(out_path, **out)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:5])

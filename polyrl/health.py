@@ -261,7 +261,8 @@ class HealthMonitor:
         import numpy as np
 
         worst, detail = 0.0, ""
-        for key in sorted(k for k in m if k.startswith("time/") and k != "time/step"):
+        totals = ("time/step", "time/overhead")
+        for key in sorted(k for k in m if k.startswith("time/") and k not in totals):
             past = self._seen(key, m[key])
             if len(past) >= 5 and m[key] >= self.slow_min_s:
                 ratio = m[key] / max(float(np.median(past)), 1e-6)

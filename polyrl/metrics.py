@@ -29,19 +29,35 @@ __all__ = [
 class PhaseTimer:
     """Wall-clock time per named phase of the current step (steps count from 1, as in
     the progress line, metrics.jsonl and checkpoints/step_N). ``echo``: print each phase;
-    None: only with ``--verbose``."""
+    None: only with ``--verbose``.
+
+    Phases may overlap (forwards of roles on different GPUs run at once: :meth:`record`
+    takes a span measured by the caller), so the step's framework overhead is the step
+    time outside the *union* of its compute phases' spans, not step time minus their sum.
+    """
 
     def __init__(self, echo: bool | None = None):
         from polyrl.ray_session import verbose
 
         self.echo = verbose() if echo is None else echo
         self.times: dict[str, float] = {}
-        self.step = 0
+        self.spans: list[tuple[str, float, float]] = []  # (phase, start, end) of this step
+        self.step, self.t0 = 0, time.perf_counter()
         # Called as listener(phase, start perf_counter, seconds, step), e.g. Timeline.add.
         self.listeners: list[Callable[[str, float, float, int], Any]] = []
 
     def start_step(self, step: int) -> None:
-        self.step, self.times = step, {}
+        self.step, self.times, self.spans = step, {}, []
+        self.t0 = time.perf_counter()
+
+    def record(self, name: str, t0: float, dt: float) -> None:
+        """A span of phase ``name`` that began at ``time.perf_counter()`` value ``t0``."""
+        self.times[name] = self.times.get(name, 0.0) + dt
+        self.spans.append((name, t0, t0 + dt))
+        for listener in self.listeners:
+            listener(name, t0, dt, self.step)
+        if self.echo:
+            print(f"[{name}] step {self.step}: {dt:.2f} s", flush=True)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -49,15 +65,29 @@ class PhaseTimer:
         try:
             yield
         finally:
-            dt = time.perf_counter() - t0
-            self.times[name] = self.times.get(name, 0.0) + dt
-            for listener in self.listeners:
-                listener(name, t0, dt, self.step)
-            if self.echo:
-                print(f"[{name}] step {self.step}: {dt:.2f} s", flush=True)
+            self.record(name, t0, time.perf_counter() - t0)
 
-    def metrics(self) -> dict[str, float]:
-        return {f"time/{k}": v for k, v in self.times.items()}
+    def metrics(self, compute: tuple[str, ...] = ()) -> dict[str, float]:
+        """``time/<phase>`` for every phase so far, ``time/step`` (since
+        :meth:`start_step`) and ``time/overhead``: the step's time outside every span of
+        the ``compute`` phases (reloads, offloads, sleeps, weight sync, rewards, the
+        controller's own work)."""
+        step = time.perf_counter() - self.t0
+        busy = covered([(a, b) for name, a, b in self.spans if name in compute])
+        return {f"time/{k}": v for k, v in self.times.items()} | {
+            "time/step": step,
+            "time/overhead": max(step - busy, 0.0),
+        }
+
+
+def covered(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 class Tracker:
@@ -170,7 +200,8 @@ def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
     ax = axes[-1]
-    phases = sorted({k for r in rows for k in r if k.startswith("time/") and k != "time/step"})
+    totals = ("time/step", "time/overhead")  # not phases: a step's whole and its remainder
+    phases = sorted({k for r in rows for k in r if k.startswith("time/") and k not in totals})
     bottom = [0.0] * len(rows)
     for key in phases:
         vals = [r.get(key, 0.0) for r in rows]
@@ -189,7 +220,8 @@ def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
 
 def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -> str:
     """Per-phase share of wall time over the run, and framework overhead: step time
-    minus the compute phases (generation, forward passes, training)."""
+    outside the compute phases (generation, forward passes, training); ``time/overhead``
+    where the rows have it (overlapping phases), else step time minus their sum."""
     totals: dict[str, float] = {}
     for r in rows:
         for k, v in r.items():
@@ -197,14 +229,15 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
                 totals[k[5:]] = totals.get(k[5:], 0.0) + v
     step_total = totals.pop("step", sum(totals.values()))
     validate = totals.pop("validate", None)  # runs between steps, outside time/step
+    logged = totals.pop("overhead", None)
     steps = sum("time/step" in r for r in rows)
     lines = [f"phase times over {steps} steps ({step_total:.1f} s):"]
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<16} {t:8.2f} s  {100 * t / max(step_total, 1e-9):5.1f}%")
     compute = sum(t for k, t in totals.items() if k in compute_phases)
-    overhead = step_total - compute
+    overhead = step_total - compute if logged is None else logged
     lines.append(
-        f"  framework overhead (step time - {'/'.join(compute_phases)}): {overhead:.2f} s "
+        f"  framework overhead (step time outside {'/'.join(compute_phases)}): {overhead:.2f} s "
         f"({100 * overhead / max(step_total, 1e-9):.1f}%)"
     )
     if validate is not None:

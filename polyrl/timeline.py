@@ -27,6 +27,8 @@ PHASE_ROLES = {
     "update_actor": "actor",
     "update_critic": "critic",
     "sync_weights": "actor",
+    "rollout_sleep": "rollout",
+    "rollout_wake": "rollout",
     "data": "driver",
     "advantages": "driver",
 }

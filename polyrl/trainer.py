@@ -15,6 +15,7 @@ frozen engine, never the actor's object. The run directory holds the operative c
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import dataclasses
 import time
@@ -38,9 +39,10 @@ from polyrl.metrics import (
     plot_run,
     read_jsonl,
 )
+from polyrl.residency import turn_roles
 from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.timeline import Timeline
-from polyrl.workers import WorkerGroup
+from polyrl.workers import WorkerGroup, gather
 
 __all__ = ["Loop", "RLTrainer", "PreferenceTrainer"]
 
@@ -75,7 +77,7 @@ class Loop(abc.ABC):
         self.actor = self._group("actor")
         self.reference = self._group("reference") if "reference" in self.roles else None
         self.critic = None
-        self.turns = Turns(False)  # RLTrainer: colocated roles take turns on shared GPUs
+        self.turns = Turns()  # RLTrainer: colocated roles take turns on shared GPUs
         self.evaluator = None  # RLTrainer with validation data: polyrl.evaluation
         self.start_step = 0
 
@@ -275,7 +277,8 @@ class RLTrainer(Loop):
         # GPU transports retain nothing: a restarted server is re-synced from the actor.
         self.pool.resync_source = self._host_weights
         self.syncer.ensure_group(self.actor.form_weight_group)  # "nccl": the broadcast group
-        self.turns = Turns(self._offloading(), self.pool)
+        roles, sleeps = turn_roles(cfg, self.roles, self.placement.shares, self._gpu_memory)
+        self.turns = Turns(roles, self.pool, sleeps, self.timer)
         if components.val_prompts is not None:
             from polyrl.evaluation import Evaluator
 
@@ -285,12 +288,11 @@ class RLTrainer(Loop):
         # RunConfig.async_rollout: batch k+1 is generated while the actor trains on k.
         self.rollouts = Rollouts(self.collect, cfg.total_steps, cfg.async_rollout)
 
-    def _offloading(self) -> bool:
-        """RunConfig.offload_colocated, or by default: the actor shares GPUs with others."""
-        if self.cfg.offload_colocated is not None:
-            return self.cfg.offload_colocated
-        pool = self.cfg.pools[self.placement.shares["actor"].pool]
-        return self.placement.is_colocated("actor") and float(pool.get("GPU", 0)) > 0
+    def _gpu_memory(self, role: str) -> list[dict[str, Any] | None]:
+        group = {"actor": self.actor, "reference": self.reference, "critic": self.critic}.get(
+            role, self.reward_model
+        )
+        return group.gpu_memory()
 
     def extra_state(self) -> dict[str, Any]:
         return {"kl_state": dataclasses.asdict(self.kl_state) if self.kl_state else None}
@@ -317,7 +319,7 @@ class RLTrainer(Loop):
 
     def step(self, step: int) -> dict[str, float]:
         self.timer.start_step(step + 1)
-        t0, turns, phase = time.perf_counter(), self.turns, self.timer.phase
+        turns, phase = self.turns, self.timer.phase
         with phase("generate"):
             batch = self.rollouts.take(step)
         staleness = staleness_metrics(batch, step, self.rollouts.limit)
@@ -327,24 +329,8 @@ class RLTrainer(Loop):
             with phase("dynamic_sampling"):
                 batch, kept = self.filter_groups(batch, step)
         turns.rollout_sleep()
-        if self.reference is not None:
-            with phase("reference"), turns.resident(self.reference):
-                batch = batch.with_columns(
-                    {
-                        "ref_log_probs": self.reference.forward(
-                            batch, temperature=self.temperature
-                        )["log_probs"]
-                    }
-                )
-        with turns.resident(self.actor):
-            with phase("old_log_probs"):
-                out = self.actor.forward(batch, temperature=self.temperature, entropy=True)
-                batch = batch.with_columns(
-                    {"old_log_probs": out["log_probs"], "old_entropy": out["entropy"]}
-                )
-            if self.critic is not None:
-                with phase("values"), turns.resident(self.critic):
-                    batch = batch.with_columns({"values": self.critic.forward(batch)["values"]})
+        with contextlib.ExitStack() as actor_turn:  # the actor, once reloaded, stays to sync
+            batch = self.score(batch, actor_turn)
             with phase("advantages"):
                 batch, metrics = self.advantages(batch)
             metrics |= mismatch_metrics(batch)
@@ -362,7 +348,7 @@ class RLTrainer(Loop):
             if self.reference is not None and step == self.start_step:
                 self.check_reference(batch, {"temperature": self.temperature})
             if self.critic is not None:
-                with phase("update_critic"), turns.resident(self.critic):
+                with turns.resident(self.critic), phase("update_critic"):
                     metrics |= self.update(
                         self.critic, self.critic_loss, batch, "critic", False, self.mini_rows
                     )
@@ -371,8 +357,57 @@ class RLTrainer(Loop):
                 metrics |= self.rollouts.settle() | staleness
             with phase("sync_weights"):
                 metrics |= self.sync_weights(version=step + 1)
-        metrics |= self.timer.metrics() | {"time/step": time.perf_counter() - t0}
+        metrics |= self.timer.metrics(COMPUTE_PHASES)
         return metrics | self.inspect(step, batch, metrics)
+
+    def score(self, batch: Batch, actor_turn: contextlib.ExitStack) -> Batch:
+        """Reference log-probs, old log-probs (with entropy) and values. Forwards of roles
+        that stay resident (``polyrl.residency``) run at once, each timed from their common
+        start to its own result; roles taking turns run one after another, reloaded around
+        their forward (the actor stays on ``actor_turn`` for the update)."""
+        kw = {"temperature": self.temperature}
+        calls = {
+            name: (group, args)
+            for name, group, args in (
+                ("reference", self.reference, kw),
+                ("old_log_probs", self.actor, kw | {"entropy": True}),
+                ("values", self.critic, {}),
+            )
+            if group is not None
+        }
+        t0 = time.perf_counter()
+        pending = {
+            name: group.submit_forward(batch, **args)
+            for name, (group, args) in calls.items()
+            if not self.turns.takes_turns(group)
+        }
+        outs = {}
+        with concurrent.futures.ThreadPoolExecutor(1) as waiter:
+            # Their finish times are read as they come, while the turns below run.
+            done = waiter.submit(
+                lambda: [(name, out, time.perf_counter()) for name, out in gather(pending)]
+            )
+            for name, (group, args) in calls.items():
+                if name not in pending:
+                    turn = self.turns.resident(group)
+                    if group is self.actor:  # reloaded here, offloaded after the sync
+                        actor_turn.enter_context(turn)
+                        turn = contextlib.nullcontext()
+                    with turn, self.timer.phase(name):
+                        outs[name] = group.forward(batch, **args)
+            for name, out, end in done.result():
+                self.timer.record(name, t0, end - t0)
+                outs[name] = out
+        columns = {}
+        if "reference" in outs:
+            columns["ref_log_probs"] = outs["reference"]["log_probs"]
+        columns |= {
+            "old_log_probs": outs["old_log_probs"]["log_probs"],
+            "old_entropy": outs["old_log_probs"]["entropy"],
+        }
+        if "values" in outs:
+            columns["values"] = outs["values"]["values"]
+        return batch.with_columns(columns)
 
     def inspect(self, step: int, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         """Health checks and the rollout dump of one step (docs/debugging.md)."""
@@ -532,35 +567,52 @@ class RLTrainer(Loop):
 
 
 class Turns:
-    """Colocated roles taking turns on shared GPUs (DESIGN.md "Placement").
+    """Colocated roles taking turns on shared GPUs (DESIGN.md "Placement"), only where the
+    placement needs it (``polyrl.residency.turn_roles``).
 
-    When ``enabled``, every trainer engine lives in host memory except while a phase uses
-    it (``resident``: reload, run, offload), and the rollout servers sleep (vLLM sleep
-    mode, level 1: weights kept in host memory) from the end of generation until just
-    before the weight sync. Disabled, every call is a no-op.
+    A trainer role in ``roles`` lives in host memory except while a phase uses it
+    (``resident``: reload, run, offload); the others stay resident. With ``sleeps`` the
+    rollout servers sleep (vLLM sleep mode, level 1: weights kept in host memory) from the
+    end of generation until just before the weight sync. Each reload, offload, sleep and
+    wake is timed on ``timer`` as a phase of its own (framework overhead, outside every
+    compute phase). Built with no roles, every call is a no-op.
     """
 
-    def __init__(self, enabled: bool, pool: Any = None):
-        self.enabled, self.pool = enabled, pool
+    def __init__(
+        self,
+        roles: frozenset[str] = frozenset(),
+        pool: Any = None,
+        sleeps: bool = False,
+        timer: PhaseTimer | None = None,
+    ):
+        self.roles, self.pool, self.sleeps = roles, pool, sleeps
+        self.timer = timer or PhaseTimer(echo=False)
+
+    def takes_turns(self, group: WorkerGroup | None) -> bool:
+        return group is not None and group.spec.name in self.roles
 
     @contextlib.contextmanager
     def resident(self, group: WorkerGroup | None) -> Iterator[None]:
-        if not self.enabled or group is None:
+        if not self.takes_turns(group):
             yield
             return
-        group.call_all("reload")
+        with self.timer.phase("reload"):
+            group.call_all("reload")
         try:
             yield
         finally:
-            group.call_all("offload")
+            with self.timer.phase("offload"):
+                group.call_all("offload")
 
     def rollout_sleep(self) -> None:
-        if self.enabled:
-            self.pool.sleep(level=1)
+        if self.sleeps:
+            with self.timer.phase("rollout_sleep"):
+                self.pool.sleep(level=1)
 
     def rollout_wake(self) -> None:
-        if self.enabled:
-            self.pool.wake_up()
+        if self.sleeps:
+            with self.timer.phase("rollout_wake"):
+                self.pool.wake_up()
 
 
 class PreferenceTrainer(Loop):
@@ -570,7 +622,6 @@ class PreferenceTrainer(Loop):
 
     def step(self, step: int) -> dict[str, float]:
         self.timer.start_step(step + 1)
-        t0 = time.perf_counter()
         with self.timer.phase("data"):
             batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
         with self.timer.phase("reference"):
@@ -591,7 +642,7 @@ class PreferenceTrainer(Loop):
             self.check_reference(batch, {})
         lengths = batch["response_mask"].sum(-1)
         metrics |= {"response/length_mean": float(lengths.mean())}
-        return metrics | self.timer.metrics() | {"time/step": time.perf_counter() - t0}
+        return metrics | self.timer.metrics(COMPUTE_PHASES)
 
 
 def _progress(step: int, total: int, m: dict[str, float]) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -109,6 +109,32 @@ class EngineWorker:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.engine, method)(*args)
 
+    def gpu_memory(self) -> dict[str, Any] | None:
+        """This worker's first GPU, device-wide (every process on it): ``{"gpu": node:index,
+        "used": bytes, "total": bytes}``, from nvidia-smi so that no framework is asked;
+        None without a GPU or nvidia-smi."""
+        import subprocess
+
+        import ray
+
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        if not gpu:
+            return None
+        query = [
+            "nvidia-smi",
+            "--query-gpu=memory.used,memory.total",
+            "--format=csv,noheader,nounits",
+        ]
+        try:
+            out = subprocess.run(
+                [*query, "-i", gpu], capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+            used, total = (int(float(v)) * 2**20 for v in out.strip().splitlines()[0].split(","))
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            return None
+        node = ray.get_runtime_context().get_node_id()
+        return {"gpu": f"{node}:{gpu}", "used": used, "total": total}
+
     def ping(self) -> int:
         return os.getpid()
 
@@ -118,6 +144,48 @@ class EngineWorker:
 
         node = ray.get_runtime_context().get_node_id()
         return {"node": node, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+
+
+class Pending:
+    """One role's Ray calls in flight (``WorkerGroup.submit_forward``)."""
+
+    def __init__(self, group: WorkerGroup, refs: list[Any]):
+        self.group, self.refs = group, refs
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Wait for every worker; outputs concatenated in rank order (a dead worker raises
+        :class:`WorkerDied`)."""
+        outs = self.group._get(self.refs)
+        return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+
+
+def gather(pending: Mapping[str, Pending]) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    """``(name, result)`` of each pending call as it completes (first done, first out), so a
+    caller can time each of several calls that run at once. A call whose worker failed is
+    raised as soon as it fails (its other workers may wait forever in a collective)."""
+    import ray
+
+    left = dict(pending)
+    while left:
+        refs = [r for p in left.values() for r in p.refs]
+        ray.wait(refs, num_returns=1)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for name, p in list(left.items()):
+            done = [r for r in p.refs if r in ready]
+            if len(done) == len(p.refs) or _failed(done):
+                del left[name]
+                yield name, p.result()
+
+
+def _failed(refs: list[Any]) -> bool:
+    import ray
+
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except Exception:
+            return True
+    return False
 
 
 class WorkerGroup:
@@ -199,11 +267,13 @@ class WorkerGroup:
         return batch.split(self.num_workers) if self.num_workers > 1 else [batch]
 
     def forward(self, batch: Batch, **kwargs: Any) -> dict[str, np.ndarray]:
+        return self.submit_forward(batch, **kwargs).result()
 
-        outs = self._get(
-            [w.forward.remote(s, kwargs) for w, s in zip(self.workers, self._shards(batch))]
-        )
-        return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
+    def submit_forward(self, batch: Batch, **kwargs: Any) -> Pending:
+        """Start :meth:`forward` without waiting: forwards of roles on different devices
+        run at once (``gather``)."""
+        refs = [w.forward.remote(s, kwargs) for w, s in zip(self.workers, self._shards(batch))]
+        return Pending(self, refs)
 
     def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
 
@@ -214,6 +284,12 @@ class WorkerGroup:
             ]
         )
         return outs[0]
+
+    def gpu_memory(self) -> list[dict[str, Any] | None]:
+        """Each worker's ``EngineWorker.gpu_memory``."""
+        import ray
+
+        return ray.get([w.gpu_memory.remote() for w in self.workers])
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
 

@@ -219,7 +219,9 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
     """offload_colocated: engines are offloaded outside their phases and the rollout
     sleeps while the trainer works. On CPU the moves are host -> host, so every metric
     must equal the run without turns, and the engines must really be offloaded after a
-    step (a direct forward is refused)."""
+    step (a direct forward is refused). Without turns (the CPU default) the reference and
+    old log-prob forwards run at once, with the same numbers as one after the other, and
+    no reload, offload or sleep happens at all."""
     from polyrl.launch import _components, prepare
     from polyrl.trainer import RLTrainer
 
@@ -247,3 +249,19 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
     ):
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss"):
             assert a[key] == b[key], (a["step"], key)
+    moves = ("time/reload", "time/offload", "time/rollout_sleep", "time/rollout_wake")
+    for row in read_jsonl(plain / "metrics.jsonl"):
+        assert not [k for k in moves if k in row] and 0 < row["time/overhead"] < row["time/step"]
+    for row in read_jsonl(tmp_path / "turns" / "metrics.jsonl"):  # no sleep mode on CPU
+        assert "time/reload" in row and "time/offload" in row and "time/rollout_sleep" not in row
+
+    def spans(run):
+        events = json.loads((run / "timeline.json").read_text())
+        return {(e["args"]["step"], e["name"]): e for e in events if e.get("ph") == "X"}
+
+    together, serial = spans(plain), spans(tmp_path / "turns")
+    for step in (1, 2, 3):
+        ref, old = together[step, "reference"], together[step, "old_log_probs"]
+        assert ref["ts"] == old["ts"] and ref["tid"] != old["tid"]  # one start, two tracks
+        ref, old = serial[step, "reference"], serial[step, "old_log_probs"]
+        assert ref["ts"] + ref["dur"] <= old["ts"]

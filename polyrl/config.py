@@ -264,10 +264,11 @@ class RunConfig:
       ``AutoModelForSequenceClassification``; same tokenizer as the policy) run as the
       frozen reward role; a response's reward is its rule reward + ``reward_model_coef``
       x the model's score at the last token. None: rule rewards only.
-    offload_colocated: colocated roles take turns: engines stay in host memory except
-      during their phases and the rollout servers sleep while the trainer works (needs
-      RolloutConfig.enable_sleep_mode for the servers). None: on when the actor shares a
-      GPU pool with other roles.
+    offload_colocated: colocated roles take turns: engines that share a GPU pool with
+      another role stay in host memory except during their phases, and rollout servers
+      that share it sleep while the trainer works (with RolloutConfig.enable_sleep_mode).
+      False: every engine stays resident. None: take turns unless everything fits side
+      by side on the GPUs, measured after start-up (``polyrl.residency``).
     model_dtype / gradient_checkpointing: the trained and reference engines' parameter
       dtype ("bfloat16" on GPU) and activation checkpointing.
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),

@@ -12,7 +12,7 @@ import pytest
 
 from polyrl.algos import get_algorithm
 from polyrl.launch import parse_config
-from polyrl.metrics import PhaseTimer, covered, phase_summary, read_jsonl
+from polyrl.metrics import PhaseTimer, covered, phase_summary
 from polyrl.placement import plan_shares
 from polyrl.residency import fits_resident, param_count, turn_roles
 from polyrl.roles import build_roles

@@ -23,7 +23,14 @@ from typing import Any
 
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
 
-__all__ = ["RoleSpec", "PoolShape", "pool_shape", "build_roles", "role_problems"]
+__all__ = [
+    "RoleSpec",
+    "PoolShape",
+    "pool_shape",
+    "build_roles",
+    "role_problems",
+    "tensor_split_problem",
+]
 
 # Keys of a pool entry that are not Ray resources.
 POOL_KEYS = ("nodes",)
@@ -162,6 +169,51 @@ def build_roles(cfg: RunConfig, spec: Any) -> dict[str, RoleSpec]:
     return roles
 
 
+# Model sizes (config.json) a ``tensor`` mesh axis splits: both backends shard attention
+# heads, key/value heads and the MLP width over it (config.DEFAULT_LOGICAL_RULES).
+TENSOR_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def tensor_split_problem(shape: Mapping[str, Any], tensor: int, where: str) -> str | None:
+    """Why a model of ``shape`` (``checkpoints.model_shape``) cannot split over a
+    ``tensor`` axis of this size (None: it can); ``where`` names the mesh binding."""
+    sizes = {k: shape.get(k) for k in TENSOR_SPLIT_KEYS}
+    if not sizes["num_key_value_heads"]:  # multi-head attention: as many as query heads
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    sizes = {k: int(v) for k, v in sizes.items() if v}
+    bad = {k: v for k, v in sizes.items() if v % tensor}
+    if tensor == 1 or not bad:
+        return None
+    common = math.gcd(*sizes.values())
+    fits = [t for t in range(1, min(common, 8) + 1) if common % t == 0]
+    return (
+        f"{where} tensor={tensor}: the model's "
+        + ", ".join(f"{k}={v}" for k, v in bad.items())
+        + f" does not split over {tensor} tensor-parallel ranks; set tensor to one of {fits} "
+        "and give the other devices to fsdp/data"
+    )
+
+
+def _tensor_problems(name: str, role: RoleSpec, shape: PoolShape) -> list[str]:
+    """The role's tensor-parallel group fits in one node and splits its model evenly."""
+    from polyrl.checkpoints import model_shape
+
+    tensor = role.parallel.mesh["tensor"]
+    where = f"{name}/ParallelConfig.mesh"
+    out = []
+    if shape.gpus and tensor > shape.gpus:
+        out.append(
+            f"{where} tensor={tensor}: a tensor-parallel group would span nodes, but pool "
+            f"{role.pool!r} has {shape.gpus:g} GPUs per node; tensor parallelism stays inside "
+            f"a node: set tensor <= {shape.gpus:g} and use fsdp/data across nodes"
+        )
+    try:
+        problem = tensor_split_problem(model_shape(role.model.path), tensor, where)
+    except (OSError, ValueError):  # no readable config.json: reported by preflight
+        problem = None
+    return out + ([problem] if problem else [])
+
+
 def role_problems(cfg: RunConfig, roles: Mapping[str, RoleSpec]) -> list[str]:
     """Each role fits its pool: pool known, workers split evenly over the nodes, the
     devices of one node enough for the role's workers there, and every tensor-parallel
@@ -180,6 +232,8 @@ def role_problems(cfg: RunConfig, roles: Mapping[str, RoleSpec]) -> list[str]:
             continue  # reported by validate's role_pools check
         shape = pool_shape(cfg.pools[role.pool])
         where = f"{name}_parallel mesh {dict(role.parallel.mesh)}" if role.parallel else name
+        if role.parallel is not None and role.parallel.mesh["tensor"] > 1:
+            out += _tensor_problems(name, role, shape)
         if role.num_workers % role.hosts:
             out.append(
                 f"{where}: {role.num_workers} workers do not split evenly over the "

@@ -4,7 +4,9 @@ One engine = one role's model on one rank. ``init`` loads the model (``models``)
 it over the DeviceMesh built from ``ParallelConfig`` (``sharding``) and builds AdamW for
 trainable roles; ``forward``/``train_step`` follow the loss contract of
 ``backends/base.py``; ``export_weights``/``save_hf`` gather HF-named full tensors
-(``weights``); ``save``/``load`` are DCP checkpoints (``checkpoint``).
+(``weights``); ``save``/``load`` are DCP checkpoints (``checkpoint``). With a
+``tensor`` mesh axis the ranks of a tensor-parallel group gather their shards and compute
+on the group's rows (``tensor_parallel``); each returns the outputs of its own rows.
 
 Shapes: B samples on this rank, P prompt / R response tokens (``polyrl.batch``).
 """
@@ -17,9 +19,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from polyrl import checkpoints, faults, micro_batch
+from polyrl import checkpoints, faults, micro_batch, roles
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
-from polyrl.backends.torch_fsdp import checkpoint, models, sharding, weights
+from polyrl.backends.torch_fsdp import checkpoint, models, sharding, tensor_parallel, weights
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 
@@ -43,6 +45,7 @@ class TorchFSDPEngine:
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.step = 0
+        self.tp_mesh = None  # the tensor-parallel sub-mesh (None: no tensor parallelism)
         self._offloaded = False
 
     # ------------------------------------------------------------------ init
@@ -62,9 +65,19 @@ class TorchFSDPEngine:
         # Trainable roles keep fp32 masters and let FSDP's mixed precision compute in
         # dtype; frozen roles are loaded in dtype directly.
         master = torch.float32 if model.trainable else compute_dtype
-        plan = sharding.build_plan(  # first: a bad mesh fails before any weight is read
+        # First: a bad mesh fails before any weight is read.
+        if parallel.mesh["tensor"] > 1:
+            problem = roles.tensor_split_problem(
+                checkpoints.model_shape(models.check_path(model)),
+                parallel.mesh["tensor"],
+                f"{model.role}/ParallelConfig.mesh",
+            )
+            if problem:
+                raise ValueError(problem)
+        plan = sharding.build_plan(
             parallel, self.env, compute_dtype if model.trainable else torch.float32
         )
+        self.tp_mesh = plan.tp_mesh
         self.tokenizer = models.load_tokenizer(model)
         loaded = models.load_model(model, master, parallel.logits_chunk_tokens)
         self.hf_config = loaded.hf_config
@@ -104,6 +117,13 @@ class TorchFSDPEngine:
                 f"{who}: ranks hold different batch sizes {sizes.long().tolist()}; give every "
                 "rank an equal shard (Batch.pad_to_multiple(world) then Batch.split(world))"
             )
+
+    def _group_rows(self, batch: Batch) -> Batch:
+        """The rows this rank computes on: its own shard, or with tensor parallelism the
+        shards of its whole tensor-parallel group (``tensor_parallel.gather_rows``)."""
+        if self.tp_mesh is None:
+            return batch
+        return tensor_parallel.gather_rows(batch, self.tp_mesh)
 
     def _rank_onehot(self, value: int) -> torch.Tensor:
         out = torch.zeros(self.env.world_size, dtype=torch.float64, device=self.env.device)
@@ -156,11 +176,16 @@ class TorchFSDPEngine:
         self._check_usable("forward")
         self._check_batch(batch, who="TorchFSDPEngine.forward")
         self.model.eval()
+        rows = self._group_rows(batch.select(*MODEL_COLUMNS))
         parts = []
-        for idx, mb in self._micro_batches(batch.select(*MODEL_COLUMNS)):
+        for idx, mb in self._micro_batches(rows):
             outputs = self._outputs(self._to_device(mb), temperature, entropy)
             parts.append((idx, {k: v.float().cpu().numpy() for k, v in outputs.items()}))
-        return micro_batch.scatter(parts, *batch["responses"].shape)
+        out = micro_batch.scatter(parts, *rows["responses"].shape)
+        if self.tp_mesh is None:
+            return out
+        own = tensor_parallel.own_rows(self.tp_mesh, len(batch))
+        return {k: v[own] for k, v in out.items()}
 
     # ------------------------------------------------------------ train_step
     def _loss_context(self, mask: np.ndarray, temperature: float) -> LossContext:
@@ -198,7 +223,7 @@ class TorchFSDPEngine:
             )
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        for _, mb in self._micro_batches(batch):
+        for _, mb in self._micro_batches(self._group_rows(batch)):
             inputs = self._to_device(mb)
             loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
             loss.backward()
@@ -221,6 +246,9 @@ class TorchFSDPEngine:
         update is skipped on every rank (both numbers are global, so all ranks agree),
         leaving weights and optimizer state untouched; the step counter still advances."""
         self._inject_faults(sums)
+        if self.tp_mesh is not None and self.tp_mesh.get_local_rank() != 0:
+            # The group computed one loss over its rows: count it once, from group rank 0.
+            sums = {k: torch.zeros_like(v) for k, v in sums.items()}
         keys = sorted(sums)
         totals = dict(
             zip(keys, sharding.all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist())

@@ -34,6 +34,7 @@ __all__ = [
     "LoadedModel",
     "load_model",
     "load_tokenizer",
+    "check_path",
     "find_value_head",
     "policy_outputs",
     "value_outputs",
@@ -81,7 +82,7 @@ class LoadedModel:
     hf_config: object
 
 
-def _check_path(cfg: ModelConfig) -> Path:
+def check_path(cfg: ModelConfig) -> Path:
     path = Path(cfg.path)
     if not (path / "config.json").is_file():
         what = "does not exist" if not path.exists() else "has no config.json"
@@ -97,7 +98,7 @@ def load_tokenizer(cfg: ModelConfig):
     """The tokenizer saved next to the model; a clear error when it is missing."""
     from transformers import AutoTokenizer
 
-    path = _check_path(cfg)
+    path = check_path(cfg)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((path / n).is_file() for n in names):
         raise FileNotFoundError(
@@ -183,7 +184,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    _check_path(cfg)
+    check_path(cfg)
     if cfg.has_value_head:
         module: nn.Module = _value_model(cfg, master_dtype)
         backbone = module.model

@@ -6,15 +6,16 @@
   set it makes a world of one in-process, so a plain script or test needs no launcher.
   gloo on CPU, NCCL on GPU.
 * :func:`build_plan` checks the mesh against the world and the logical-axis rules and
-  returns a :class:`ShardingPlan`: the DeviceMesh (1-D ``fsdp``, or 2-D ``(data, fsdp)``
-  = HSDP: replicate over ``data``, shard over ``fsdp``) and the ``fully_shard`` keyword
-  arguments (mixed precision, CPU offload).
-* :func:`shard_model` applies FSDP2 ``fully_shard`` to each decoder layer, then the
+  returns a :class:`ShardingPlan`: the DeviceMesh over the axes larger than one, in the
+  order ``(data, fsdp, tensor)`` (``fsdp`` always present): ``(fsdp,)`` = FSDP,
+  ``(data, fsdp)`` = HSDP (replicate over ``data``, shard over ``fsdp``), with a trailing
+  ``tensor`` axis for tensor parallelism (consecutive ranks, so a group sits on one
+  node); and the ``fully_shard`` keyword arguments over the data-parallel sub-mesh
+  (mixed precision, CPU offload).
+* :func:`shard_model` splits each decoder layer over the ``tensor`` axis
+  (``tensor_parallel``), applies FSDP2 ``fully_shard`` to each decoder layer, then the
   root, and makes gradient reduction a SUM (see there).
 * :func:`clip_grad_norm` is the global pre-clip gradient norm over DTensor shards.
-
-Tensor parallelism (a ``tensor`` mesh axis > 1) is not built yet: it is refused with a
-message rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from polyrl.backends.torch_fsdp import tensor_parallel
 from polyrl.config import ParallelConfig
 
 __all__ = [
@@ -99,10 +101,12 @@ def init_distributed() -> DistEnv:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPlan:
-    """What :func:`shard_model` needs: the mesh and ``fully_shard`` keyword arguments."""
+    """What :func:`shard_model` needs: the mesh, ``fully_shard`` keyword arguments (over
+    the data-parallel sub-mesh) and the tensor-parallel sub-mesh (None: no TP)."""
 
     mesh: DeviceMesh
     fsdp_kwargs: dict[str, Any]
+    tp_mesh: DeviceMesh | None = None
 
 
 def _check_rules(parallel: ParallelConfig) -> None:
@@ -130,26 +134,26 @@ def build_plan(parallel: ParallelConfig, env: DistEnv, param_dtype: torch.dtype)
     computed in ``param_dtype`` while gradients are reduced in fp32 (sharded master
     weights stay fp32: they are what the optimizer updates).
     """
-    if parallel.mesh["tensor"] > 1:
-        raise ValueError(
-            f"ParallelConfig.mesh tensor={parallel.mesh['tensor']}: tensor parallelism is not "
-            "implemented in the torch_fsdp backend; set tensor=1 and use fsdp/data for the devices"
-        )
     parallel.check_devices(env.world_size, where="ParallelConfig.mesh (torch_fsdp world size)")
     _check_rules(parallel)
-    data, fsdp = parallel.mesh["data"], parallel.mesh["fsdp"]
-    if data > 1:
-        mesh = init_device_mesh(env.device.type, (data, fsdp), mesh_dim_names=("data", "fsdp"))
-    else:
-        mesh = init_device_mesh(env.device.type, (fsdp,), mesh_dim_names=("fsdp",))
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": True}
+    names = tuple(a for a in ("data", "fsdp", "tensor") if a == "fsdp" or parallel.mesh[a] > 1)
+    mesh = init_device_mesh(
+        env.device.type, tuple(parallel.mesh[a] for a in names), mesh_dim_names=names
+    )
+    tp_mesh = mesh["tensor"] if "tensor" in names else None
+    if tp_mesh is not None and len(names) > 1:
+        # A flattened view of the whole mesh lets DTensor reduce a value partial over every
+        # axis (the gradient norm) in one all-reduce instead of one per axis.
+        mesh._flatten("_".join(names))
+    dp_mesh = mesh if tp_mesh is None else mesh[tuple(a for a in names if a != "tensor")]
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": True}
     if param_dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32
         )
     if parallel.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=env.device.type == "cuda")
-    return ShardingPlan(mesh, kwargs)
+    return ShardingPlan(mesh, kwargs, tp_mesh)
 
 
 def _decoder_layers(model: nn.Module, layer_names: set[str]) -> list[nn.Module]:
@@ -163,7 +167,8 @@ def _decoder_layers(model: nn.Module, layer_names: set[str]) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, plan: ShardingPlan, layer_names: set[str]) -> nn.Module:
-    """``fully_shard`` each decoder layer (classes ``layer_names``) and then the root.
+    """Split each decoder layer (classes ``layer_names``) over the tensor-parallel mesh
+    (if any), then ``fully_shard`` each layer and the root over the data-parallel mesh.
 
     Gradients are reduced with a SUM over ranks (divide factor 1): the loss contract
     (backends/base.py) already divides by global counts, so FSDP's default mean over
@@ -171,7 +176,10 @@ def shard_model(model: nn.Module, plan: ShardingPlan, layer_names: set[str]) -> 
     are forced because gloo has no PREMUL_SUM (which a custom factor uses by default;
     older torch without the switch only runs it on NCCL, which has PREMUL_SUM).
     """
-    for layer in _decoder_layers(model, layer_names):
+    layers = _decoder_layers(model, layer_names)
+    if plan.tp_mesh is not None:
+        tensor_parallel.parallelize_layers(layers, plan.tp_mesh)
+    for layer in layers:
         fully_shard(layer, **plan.fsdp_kwargs)
     fully_shard(model, **plan.fsdp_kwargs)
     for module in model.modules():
@@ -185,15 +193,25 @@ def shard_model(model: nn.Module, plan: ShardingPlan, layer_names: set[str]) -> 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """Global L2 norm of the gradients (before clipping) and clip them in place to
     ``max_norm`` (None: only measure). Gradients are DTensor shards: the per-shard
-    norm is a partial value, ``full_tensor()`` reduces it over the mesh."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    norm is a partial value, ``full_tensor()`` reduces it over the mesh. With tensor
+    parallelism the split layers' gradients live on the (data-parallel x tensor) mesh
+    and the rest on the data-parallel mesh; DTensor cannot combine the two, so each
+    mesh's norm is reduced on its own and the squares are summed."""
+    by_mesh: dict[Any, list[nn.Parameter]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(p)
+    if not by_mesh:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
     if max_norm is not None and torch.isfinite(total):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

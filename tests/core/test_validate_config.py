@@ -129,6 +129,13 @@ CASES = [
     ("mesh-over-pool", GRPO, [*GPU_POOLS, "actor/polyrl.ParallelConfig.mesh = {'fsdp': 4}"],
      "actor_parallel mesh {'data': 1, 'fsdp': 4, 'tensor': 1} puts 4 devices on each of its 1 "
      "node(s) but pool 'train' has 2 GPUs per node"),
+    ("train-tp-spans-node", GRPO, [*GPU_POOLS, "actor/polyrl.ParallelConfig.mesh = {'tensor': 4}"],
+     "actor/ParallelConfig.mesh tensor=4: a tensor-parallel group would span nodes, but pool "
+     "'train' has 2 GPUs per node; tensor parallelism stays inside a node: set tensor <= 2"),
+    ("train-tp-splits-heads", GRPO, ["reference/polyrl.ParallelConfig.mesh = {'tensor': 3}"],
+     "reference/ParallelConfig.mesh tensor=3: the model's num_attention_heads=4, "
+     "num_key_value_heads=2, intermediate_size=256 does not split over 3 tensor-parallel ranks; "
+     "set tensor to one of [1, 2]"),
     ("tp-not-dividing-pool", GRPO, [*GPU_POOLS, "polyrl.RolloutConfig.tensor_parallel_size = 3"],
      "RolloutConfig.tensor_parallel_size=3 does not divide pool 'gen' (4 GPUs per node): 4 % 3 = "
      "1 GPUs would idle and a group cannot leave its node; use one of [1, 2, 4]"),

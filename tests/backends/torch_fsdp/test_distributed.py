@@ -3,19 +3,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from torch_fsdp_helpers import (
-    actor,
-    free_port,
-    full_weights,
-    nll_loss,
-    random_batch,
-    two_rank_worker,
-)
+from torch_fsdp_helpers import actor, full_weights, nll_loss, random_batch, spawn, two_rank_worker
 
 # Two ranks sum gradients of their halves in a different order than one process sums the
 # whole batch: loss/grad norm agree to ~1e-7 relative (1e-5 asserted); weights after one
@@ -26,22 +16,7 @@ RTOL, ATOL_W = 1e-5, 1e-6
 @pytest.fixture(scope="module")
 def two_rank_results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    # Children read OMP_NUM_THREADS at start-up: one thread each (see conftest.py).
-    threads = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.start_processes(
-            two_rank_worker,
-            args=(2, free_port(), str(tiny_model_dir), str(out)),
-            nprocs=2,
-            join=True,
-            start_method="spawn",
-        )
-    finally:
-        if threads is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = threads
+    spawn(two_rank_worker, 2, str(tiny_model_dir), str(out))
     return torch.load(out / "results.pt", weights_only=False), out
 
 

@@ -56,10 +56,25 @@ def test_optimizer_must_match_role(tiny_model_dir):
 def test_mesh_must_fit_the_world(tiny_model_dir):
     with pytest.raises(ValueError, match=r"fsdp=2.*= 2 devices, but 1 are available"):
         _init(tiny_model_dir, parallel=ParallelConfig(mesh={"fsdp": 2}))
-    with pytest.raises(
-        ValueError, match=r"tensor=2: tensor parallelism is not implemented.*set tensor=1"
-    ):
+    with pytest.raises(ValueError, match=r"tensor=2.*= 2 devices, but 1 are available"):
         _init(tiny_model_dir, parallel=ParallelConfig(mesh={"tensor": 2}))
+
+
+def test_tensor_axis_must_split_the_heads(tiny_model_dir):
+    """The tiny model has 4 query heads, 2 key/value heads and an MLP width of 256."""
+    with pytest.raises(
+        ValueError,
+        match=r"^actor/ParallelConfig.mesh tensor=3: the model's num_attention_heads=4, "
+        r"num_key_value_heads=2, intermediate_size=256 does not split over 3 tensor-parallel "
+        r"ranks; set tensor to one of \[1, 2\]",
+    ):
+        _init(tiny_model_dir, parallel=ParallelConfig(mesh={"tensor": 3}))
+    with pytest.raises(
+        ValueError,
+        match=r"^critic/ParallelConfig.mesh tensor=4: the model's "
+        r"num_key_value_heads=2 does not split",
+    ):
+        _init(tiny_model_dir, role="critic", parallel=ParallelConfig(mesh={"tensor": 4}))
 
 
 def test_value_head_path_without_a_head(tiny_model_dir):

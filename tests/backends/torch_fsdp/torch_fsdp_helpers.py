@@ -42,17 +42,29 @@ def nll_loss(outputs, batch, ctx):
 PARITY_EPS = 1e-4
 
 
-def actor(path, micro_batch_size: int = 8, lr: float = 1e-3, mesh=None, **optim):
-    """An actor engine on the tiny model; ``optim`` overrides OptimConfig fields."""
+def actor(
+    path,
+    micro_batch_size: int = 8,
+    lr: float = 1e-3,
+    mesh=None,
+    role: str = "actor",
+    parallel: dict | None = None,
+    **optim,
+):
+    """An engine of ``role`` (frozen roles get no optimizer) on the tiny model; ``optim``
+    overrides OptimConfig fields, ``parallel`` other ParallelConfig fields."""
     from polyrl.backends import get_engine
 
     optim.setdefault("eps", PARITY_EPS)
+    model = ModelConfig(str(path), role=role)
     engine = get_engine("torch_fsdp")()
     engine.init(
-        ModelConfig(str(path)),
-        OptimConfig(lr=lr, **optim),
+        model,
+        OptimConfig(lr=lr, **optim) if model.trainable else None,
         ParallelConfig(
-            mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1}, micro_batch_size=micro_batch_size
+            mesh=mesh or {"data": 1, "fsdp": 1, "tensor": 1},
+            micro_batch_size=micro_batch_size,
+            **(parallel or {}),
         ),
     )
     return engine
@@ -69,9 +81,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_rank_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    """One gloo rank: a train step on its half of ``random_batch(8)`` under mesh fsdp=2
-    and under data=2 (HSDP), saving metrics/weights (rank 0) and a DCP checkpoint."""
+def spawn(fn, nprocs: int, *args) -> None:
+    """Run ``fn(rank, nprocs, free port, *args)`` in ``nprocs`` spawned processes (gloo
+    ranks), one OpenMP thread each (children read OMP_NUM_THREADS at start-up)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        torch.multiprocessing.start_processes(
+            fn, args=(nprocs, free_port(), *args), nprocs=nprocs, join=True, start_method="spawn"
+        )
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS")
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
+
+
+def join_group(rank: int, world: int, port: int) -> None:
+    """The torch.distributed environment of one gloo rank (torchrun's variables)."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -80,6 +107,12 @@ def two_rank_worker(rank: int, world: int, port: int, model_dir: str, out_dir: s
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+
+
+def two_rank_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    """One gloo rank: a train step on its half of ``random_batch(8)`` under mesh fsdp=2
+    and under data=2 (HSDP), saving metrics/weights (rank 0) and a DCP checkpoint."""
+    join_group(rank, world, port)
     shard = random_batch(8).split(world)[rank]
     results = {}
     for name, mesh in (("fsdp", {"fsdp": 2}), ("hsdp", {"data": 2})):

@@ -48,7 +48,9 @@ __all__ = [
     "TRANSPORTS",
     "SyncStats",
     "group_broadcast",
+    "ipc_peers",
     "join_group",
+    "local_gpu_uuids",
     "transport_problems",
     "TensorMeta",
     "WeightSyncer",
@@ -281,14 +283,13 @@ class WeightSyncer:
         self.group_boots: tuple[str, ...] | None = None
 
     def on_this_gpu(self) -> WeightSyncer:
-        """A copy that pushes only to the servers on this process's GPU (CUDA IPC from
-        every trainer rank: each rank shares its own device memory)."""
+        """A copy that pushes only to the servers on this process's GPUs (CUDA IPC from
+        every trainer worker: each shares its own device memory; a torch rank has one
+        GPU, a JAX host worker every GPU of its share of the mesh)."""
         import copy
 
-        import torch
-
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        mine = [i for i, d in enumerate(self.devices) if d == uuid]
+        peers = ipc_peers(self.devices, local_gpu_uuids())
+        mine = sorted(i for servers in peers.values() for i in servers)
         local = copy.copy(self)
         local.servers = [self.servers[i] for i in mine]
         local.devices = [self.devices[i] for i in mine]
@@ -388,10 +389,18 @@ class WeightSyncer:
                 f"WeightSyncer(transport='cuda_ipc'): bucket tensors are on {flat.device}, "
                 f"CUDA IPC needs CUDA tensors; use transport='object_store' for host tensors"
             )
-        uuid = str(torch.cuda.get_device_properties(flat.device).uuid)
-        handles = {uuid: reduce_tensor(flat)}
-        torch.cuda.synchronize(flat.device)  # the copy into flat must land before workers read
-        return [s.load_bucket_ipc.remote(handles, metas) for s in self.servers], flat, metas
+        # One buffer on each of this process's GPUs that holds a server (a JAX host worker
+        # drives several; its buckets are gathered onto the first): a device-to-device copy.
+        uuids = local_gpu_uuids()
+        copies = {flat.device.index: flat}
+        for ordinal in ipc_peers(self.devices, uuids):
+            if ordinal not in copies:
+                copies[ordinal] = flat.to(torch.device("cuda", ordinal))
+        handles = {uuids[o]: reduce_tensor(t) for o, t in copies.items()}
+        for t in copies.values():  # the copies must land before the workers read them
+            torch.cuda.synchronize(t.device)
+        refs = [s.load_bucket_ipc.remote(handles, metas) for s in self.servers]
+        return refs, list(copies.values()), metas
 
     def _send_nccl(self, bucket):
         if self.group not in _GROUPS:
@@ -469,6 +478,26 @@ class WeightSyncer:
 # pickled and the syncer reaches the trainer anew at every sync, so the group lives here,
 # in the trainer's rank-0 process and in every rollout worker (``worker_ext``).
 _GROUPS: dict[str, Any] = {}
+
+
+def local_gpu_uuids() -> list[str]:
+    """The UUIDs of this process's visible GPUs, by CUDA ordinal (none without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+
+
+def ipc_peers(server_devices: Sequence[str | None], local: Sequence[str]) -> dict[int, list[int]]:
+    """CUDA IPC peers: ordinal of each of this process's GPUs (``local``, their UUIDs) ->
+    the servers (indices into ``server_devices``, each server's GPU UUID) on that GPU.
+    A server on a GPU this process does not see is another trainer worker's peer."""
+    peers: dict[int, list[int]] = {}
+    for i, device in enumerate(server_devices):
+        if device in local:
+            peers.setdefault(list(local).index(device), []).append(i)
+    return peers
 
 
 def _local_device():

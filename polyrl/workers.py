@@ -30,7 +30,7 @@ from polyrl.debug import place, setup_worker
 from polyrl.reliability import WorkerDied
 from polyrl.roles import RoleSpec
 
-__all__ = ["WorkerGroup", "EngineWorker"]
+__all__ = ["WorkerGroup", "EngineWorker", "worker_options"]
 
 
 class EngineWorker:
@@ -139,11 +139,40 @@ class EngineWorker:
         return os.getpid()
 
     def where(self) -> dict[str, str]:
-        """The Ray node this worker runs on and the GPUs it sees (CUDA_VISIBLE_DEVICES)."""
+        """The Ray node this worker runs on, the GPUs it sees (CUDA_VISIBLE_DEVICES) and
+        the JAX platform it is pinned to (JAX_PLATFORMS)."""
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        return {"node": node, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+        env = os.environ.get
+        return {
+            "node": node,
+            "gpus": env("CUDA_VISIBLE_DEVICES", ""),
+            "jax": env("JAX_PLATFORMS", ""),
+        }
+
+
+def worker_options(
+    spec: RoleSpec,
+    options: Callable[[int], dict[str, Any]],
+    env: Mapping[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Ray actor options of each worker of ``spec``, in rank order: ``options(rank)``
+    (resources, scheduling strategy, maybe the worker's own GPUs in ``runtime_env``) and a
+    ``runtime_env`` holding the process model's host environment (e.g. ``JAX_PLATFORMS``
+    pinned to the worker's platform), ``env``, then the rank's own variables."""
+    on_gpu = bool(options(0).get("num_gpus"))
+    base_env = {**spec.process.host_env(spec.local_devices, on_gpu), **(env or {})}
+    if os.environ.get(faults.ENV):  # test-only fault hooks reach the workers too
+        base_env.setdefault(faults.ENV, os.environ[faults.ENV])
+    out = []
+    for rank in range(spec.num_workers):
+        opts = dict(options(rank))
+        runtime = opts.pop("runtime_env", {})
+        out.append(
+            {**opts, "runtime_env": {"env_vars": {**base_env, **runtime.get("env_vars", {})}}}
+        )
+    return out
 
 
 class Pending:
@@ -211,19 +240,11 @@ class WorkerGroup:
         self.spec = spec
         world, process = spec.num_workers, spec.process
         options = options or (lambda rank: {"num_cpus": 0.5})
-        on_gpu = bool(options(0).get("num_gpus"))
-        base_env = {**process.host_env(spec.local_devices, on_gpu), **(env or {})}
-        if os.environ.get(faults.ENV):  # test-only fault hooks reach the workers too
-            base_env.setdefault(faults.ENV, os.environ[faults.ENV])
         remote = ray.remote(EngineWorker)
-        self.workers = []
-        for rank in range(world):
-            opts = dict(options(rank))
-            runtime = opts.pop("runtime_env", {})
-            rank_env = {**base_env, **runtime.get("env_vars", {})}
-            self.workers.append(
-                remote.options(**opts, runtime_env={"env_vars": rank_env}).remote(spec.backend)
-            )
+        self.workers = [
+            remote.options(**opts).remote(spec.backend)
+            for opts in worker_options(spec, options, env)
+        ]
         # The workers of a group initialise together (the group needs every member).
         try:
             addr, port = ray.get(self.workers[0].rendezvous.remote(), timeout=ready_timeout_s)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from polyrl.rollout.sampling import OVERLONG_POLICIES, RolloutConfig, SamplingSp
 from polyrl.rollout.server import RolloutServer, StaleWeightsError, server_env
 from polyrl.weight_sync import SyncStats, WeightSyncer
 
-__all__ = ["RolloutPool", "PROMPT_KEY", "apply_overlong_policy"]
+__all__ = ["RolloutPool", "PROMPT_KEY", "apply_overlong_policy", "server_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,20 @@ def apply_overlong_policy(
     bad = {i for i, _ in long}
     kept = [i for i in range(len(prompts)) if not (policy == "drop" and i in bad)]
     return kept, [list(map(int, prompts[i]))[-limit:] for i in kept]
+
+
+def server_options(config: RolloutConfig, placement: Mapping[str, Any]) -> dict[str, Any]:
+    """Ray actor options of one server: ``placement``'s resources and scheduling, and a
+    ``runtime_env`` with :func:`server_env` plus the placement's variables (the server's
+    own GPUs: ``CUDA_VISIBLE_DEVICES``)."""
+    opts = dict(placement)
+    env = {**server_env(config), **opts.pop("runtime_env", {}).get("env_vars", {})}
+    return {
+        **opts,
+        "max_restarts": config.max_restarts,
+        "max_task_retries": 0,
+        "runtime_env": {"env_vars": env},
+    }
 
 
 class RolloutPool:
@@ -145,21 +159,12 @@ class RolloutPool:
                     f"or RolloutConfig.{key}, or start Ray with more {ray_key}s"
                 )
         actor = ray.remote(RolloutServer)
-        env = server_env(c)
-        servers = []
-        for i in range(c.num_servers):
-            opts = dict(self.placement(i) if self.placement else res)
-            # The placement may add the server's own devices (CUDA_VISIBLE_DEVICES).
-            env_i = {**env, **opts.pop("runtime_env", {}).get("env_vars", {})}
-            servers.append(
-                actor.options(
-                    **opts,
-                    max_restarts=c.max_restarts,
-                    max_task_retries=0,
-                    runtime_env={"env_vars": env_i},
-                ).remote(c, i)
+        return [
+            actor.options(**server_options(c, self.placement(i) if self.placement else res)).remote(
+                c, i
             )
-        return servers
+            for i in range(c.num_servers)
+        ]
 
     def _wait_ready(self) -> list[dict[str, Any]]:
         import ray

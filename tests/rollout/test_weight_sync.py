@@ -96,6 +96,15 @@ def test_syncer_errors_name_the_fix():
         ws.pack_flat([])
 
 
+def test_ipc_peers_pick_the_servers_on_this_process_gpus():
+    servers = ["GPU-b", "GPU-a", None, "GPU-c", "GPU-a"]  # each server's (first) GPU UUID
+    # a torch rank sees one GPU: the servers on it, under CUDA ordinal 0
+    assert ws.ipc_peers(servers, ["GPU-a"]) == {0: [1, 4]}
+    # a JAX host worker sees several: each server under the ordinal of its own GPU
+    assert ws.ipc_peers(servers, ["GPU-a", "GPU-b"]) == {0: [1, 4], 1: [0]}
+    assert ws.ipc_peers(servers, ["GPU-d"]) == {} and ws.ipc_peers(servers, []) == {}
+
+
 def test_stats_report_rate():
     s = ws.SyncStats(version=1, transport="object_store", bytes=2_000_000_000, seconds=2.0)
     assert s.gbps == pytest.approx(1.0) and s.summary()["gbps"] == pytest.approx(1.0)

@@ -37,13 +37,12 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _node_cmd(
-    temp_dir: str, cpus: float, resources: Mapping[str, float], head_port: int, head: bool
-) -> list[str]:
+def _node_cmd(temp_dir: str, res: Mapping[str, float], head_port: int, head: bool) -> list[str]:
     ports = _free_ports(6)
+    custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
     cmd = [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
-    cmd += [f"--num-cpus={int(cpus)}"]
-    cmd += ["--num-gpus=0", f"--resources={json.dumps(dict(resources))}"]
+    cmd += [f"--num-cpus={int(res.get('CPU', 0))}", f"--num-gpus={int(res.get('GPU', 0))}"]
+    cmd += [f"--resources={json.dumps(custom)}"]
     cmd += [
         f"--object-manager-port={ports[0]}",
         f"--node-manager-port={ports[1]}",
@@ -106,8 +105,9 @@ def local_cluster(
 ) -> Iterator[str]:
     """Start the cluster, yield its address (``127.0.0.1:port``), stop every process.
 
-    head / workers: each node's resources: ``CPU`` and custom ones (e.g. ``{"CPU": 1,
-    "node_a": 1}``)."""
+    head / workers: each node's resources: ``CPU``, ``GPU`` (declared: Ray hands out GPU
+    ids and ``CUDA_VISIBLE_DEVICES`` on a machine without any) and custom ones (e.g.
+    ``{"CPU": 1, "node_a": 1}``)."""
     temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # unix sockets: keep it short
     (port,) = _free_ports(1)
     address = f"127.0.0.1:{port}"
@@ -115,8 +115,7 @@ def local_cluster(
     env = cluster_env("")
 
     def start(res: Mapping[str, float], is_head: bool) -> None:
-        custom = {k: v for k, v in res.items() if k != "CPU"}
-        cmd = _node_cmd(temp_dir, res.get("CPU", 0), custom, port, is_head)
+        cmd = _node_cmd(temp_dir, res, port, is_head)
         log = open(Path(temp_dir, f"node{len(procs)}.log"), "w")  # noqa: SIM115 (closed with the dir)
         procs.append(
             subprocess.Popen(

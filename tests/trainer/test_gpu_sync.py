@@ -1,5 +1,6 @@
 """Weight sync on GPU placements, end to end (`polyrl train` on the tiny model; 2 GPUs):
-CUDA IPC from every rank of a 2-rank FSDP actor to the server on its own GPU, and the
+CUDA IPC from every rank of a 2-rank FSDP actor to the server on its own GPU (and from
+the one JAX host worker over both GPUs to the servers on each), and the
 NCCL broadcast group of a disaggregated run (rollout on GPU 1, trainer on GPU 0, with the
 asynchronous mode). Each step's `rollout/log_prob_diff_mean` (|trainer - rollout| log-probs
 of the sampled tokens) shows the servers hold the trainer's weights: a server left on old
@@ -57,10 +58,14 @@ def _run(tmp_path, *params):
     return read_jsonl(run / "metrics.jsonl")
 
 
-def test_cuda_ipc_from_every_rank(ray_gpu, tmp_path):
+@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+def test_cuda_ipc_from_every_rank(ray_gpu, tmp_path, backend):
+    """torch: each of the two ranks pushes to the server on its GPU; JAX: the one host
+    worker drives both GPUs and pushes to both servers (a copy of each bucket per GPU)."""
     _two_gpus()
     rows = _run(
         tmp_path,
+        f"polyrl.RunConfig.backend = {backend!r}",
         'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
         'polyrl.RunConfig.role_pools = {"actor": "gpu", "reference": "gpu", "rollout": "gpu"}',
         "polyrl.RunConfig.weight_transport = 'cuda_ipc'",

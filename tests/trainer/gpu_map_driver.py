@@ -1,0 +1,93 @@
+"""Where polyrl puts each worker's GPUs, on a cluster that declares GPUs without having
+any (tests/trainer/test_gpu_map.py runs it with RAY_ADDRESS set): for each layout (JSON
+on argv: name -> gin overrides of tiny_grpo.gin), build the role table and the
+Placement as ``polyrl train`` does, start every role worker (the real EngineWorker, never
+started, so nothing imports torch or jax or touches CUDA) and a stand-in for every rollout
+server with the Ray options polyrl computes, and report what each one got. Prints one
+JSON line: layout -> role -> [{"node", "gpus", "jax", "num_gpus"} per worker].
+
+Usage: python gpu_map_driver.py RUN_DIR LAYOUTS_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+class ServerStandIn:
+    """Stands where a RolloutServer would (its vLLM would need the GPUs it only sees)."""
+
+    def where(self) -> dict[str, str]:
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        env = os.environ.get
+        return {
+            "node": node,
+            "gpus": env("CUDA_VISIBLE_DEVICES", ""),
+            "jax": env("JAX_PLATFORMS", ""),
+        }
+
+
+def layout(run_dir: str, params: list[str]) -> dict[str, list[dict]]:
+    import ray
+
+    from polyrl.launch import parse_config, prepare
+    from polyrl.placement import Placement
+    from polyrl.roles import build_roles
+    from polyrl.rollout.pool import server_options
+    from polyrl.workers import EngineWorker, worker_options
+
+    cfg, _ = parse_config(
+        ["gin/experiments/tiny_grpo.gin"], [f"polyrl.RunConfig.run_dir = {run_dir!r}", *params]
+    )
+    cfg, spec = prepare(cfg)
+    roles = build_roles(cfg, spec)
+    placement = Placement(cfg.pools, roles)
+    out, actors = {}, []
+    try:
+        for name, role in roles.items():
+            if name == "rollout":
+                cls, arg = ServerStandIn, ()
+                opts = [
+                    server_options(cfg.rollout, placement.options(name, i))
+                    for i in range(role.num_workers)
+                ]
+            else:
+                cls, arg = EngineWorker, (role.backend,)
+                opts = worker_options(role, lambda rank, n=name: placement.options(n, rank))
+            handles = [ray.remote(cls).options(**o).remote(*arg) for o in opts]
+            actors += handles
+            where = ray.get([h.where.remote() for h in handles], timeout=300)
+            out[name] = [{**w, "num_gpus": o.get("num_gpus", 0)} for w, o in zip(where, opts)]
+    finally:
+        for a in actors:
+            ray.kill(a)
+        for pg in placement.groups.values():
+            ray.util.remove_placement_group(pg)
+    return out
+
+
+def main(run_dir: str, layouts: str) -> None:
+    import ray
+
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    names = {
+        n["NodeID"]: next((k for k in n["Resources"] if k.startswith("node_")), "head")
+        for n in ray.nodes()
+        if n["Alive"]
+    }
+    result = {}
+    for name, params in json.loads(layouts).items():
+        found = layout(os.path.join(run_dir, name), params)
+        result[name] = {
+            role: [{**w, "node": names[w["node"]]} for w in workers]
+            for role, workers in found.items()
+        }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

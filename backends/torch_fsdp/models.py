@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from polyrl.backends.torch_fsdp import lm_head
+from polyrl.backends.torch_fsdp import attention, lm_head
 from polyrl.config import ModelConfig
 
 __all__ = [
@@ -185,6 +185,8 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     check_path(cfg)
+    if cfg.attn_implementation == attention.NAME:
+        attention.register()
     if cfg.has_value_head:
         module: nn.Module = _value_model(cfg, master_dtype)
         backbone = module.model
@@ -214,9 +216,11 @@ def _packed(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The micro-batch as one row of its real tokens (no padding): ``input_ids`` and
     ``position_ids`` [1, N] with positions restarting at 0 for every sequence (transformers
     then masks attention to each sequence: its packed-sequence detection, used when
-    ``attention_mask`` is None), ``keep`` [K + 1] the positions predicting each real
-    response token (plus one more, which the head drops), ``targets`` [1, K] those tokens
-    and ``where`` [B, R] where the K scores go back."""
+    ``attention_mask`` is None), ``varlen`` the sequence boundaries for the
+    ``polyrl_varlen`` attention (``attention.py``; other implementations ignore them),
+    ``keep`` [K + 1] the positions predicting each real response token (plus one more,
+    which the head drops), ``targets`` [1, K] those tokens and ``where`` [B, R] where the
+    K scores go back."""
     real = inputs["attention_mask"] != 0
     lengths = real.sum(1)
     starts = torch.cumsum(lengths, 0) - lengths
@@ -227,9 +231,17 @@ def _packed(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     prompt_len = real[:, :-r].sum(1)
     predicts = (starts + prompt_len - 1)[:, None] + torch.arange(r, device=real.device)
     keep = predicts[where]
+    cu = attention.cu_seqlens(lengths[lengths > 0])  # empty rows are no sequence
+    max_len = int(lengths.max())
     return {
         "input_ids": inputs["input_ids"][real][None],
         "position_ids": positions[None],
+        "varlen": {
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max_len,
+            "max_length_k": max_len,
+        },
         "keep": torch.cat([keep, keep[-1:]]),
         "targets": inputs["responses"].long()[where][None],
         "where": where,
@@ -261,6 +273,7 @@ def policy_outputs(
                 position_ids=packed["position_ids"],
                 logits_to_keep=packed["keep"],
                 use_cache=False,
+                **packed["varlen"],
             ).logits[0]
         scores = flat.new_zeros((*responses.shape, flat.shape[-1])).index_put(
             (packed["where"],), flat

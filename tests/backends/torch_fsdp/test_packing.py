@@ -27,6 +27,9 @@ def test_packed_layout_by_hand():
     assert packed["keep"].tolist() == [1, 3, 4, 5, 5]
     assert packed["targets"].tolist() == [[8, 9, 10, 11]]
     assert packed["where"].tolist() == [[True, False, False], [True, True, True]]
+    # sequence boundaries for the polyrl_varlen attention: lengths 3 and 4
+    assert packed["varlen"]["cu_seq_lens_q"].tolist() == [0, 3, 7]
+    assert packed["varlen"]["max_length_q"] == 4
 
 
 def _engine(path, pack: bool):

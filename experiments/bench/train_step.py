@@ -18,6 +18,17 @@ JAX backend with ``XLA_PYTHON_CLIENT_ALLOCATOR=bfc`` instead of the backend's de
         --response-len 1024 --dtype bfloat16 --grad-ckpt --json out.json   # 0.5B shape
     torchrun --nproc-per-node 2 experiments/bench/train_step.py ...       # FSDP over 2 GPUs
 
+Attention and padding (docs/performance.md, "Attention kernels and packing"): ``--attn``
+is ``ModelConfig.attn_implementation`` (torch: ``sdpa``, ``polyrl_varlen``,
+``flex_attention``; JAX: ``sdpa`` = cuDNN where it applies, else XLA, ``cudnn``, ``xla``),
+``--pack`` turns on ``ParallelConfig.pack_sequences`` and ``--ragged`` draws each
+sample's prompt length in [P/2, P] and response length in [R/8, R] (a padded batch
+whose padding packing removes; tokens/s and MFU count real tokens only). A suite entry
+may carry them per run: ``BACKEND[:ALLOCATOR][@ATTN][+pack]``, e.g.
+
+    python experiments/bench/train_step.py --ragged --suite \
+        torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit@xla,jax_pjit+pack,hf_torch ...
+
 Under torchrun each rank gets ``--batch / WORLD_SIZE`` samples and the mesh is
 ``fsdp = WORLD_SIZE`` unless ``--mesh`` says otherwise.
 """
@@ -60,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", default="torch_fsdp", choices=[*sorted(ENGINES), "hf_torch"])
     p.add_argument("--suite", help="comma-separated backends, each run in its own process")
     p.add_argument("--max-tokens", type=int, help="ParallelConfig.max_tokens_per_micro_batch")
+    p.add_argument("--attn", default="sdpa", help="ModelConfig.attn_implementation")
+    p.add_argument("--pack", action="store_true", help="ParallelConfig.pack_sequences")
+    p.add_argument("--ragged", action="store_true", help="ragged prompt/response lengths")
     p.add_argument(
         "--logits-chunk", type=int, default=1024, help="ParallelConfig.logits_chunk_tokens"
     )
@@ -115,12 +129,25 @@ def build_model(args, root: Path) -> Path:
     return out
 
 
-def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int) -> Batch:
-    """Full-length random samples (no padding), so every token is real work."""
+def make_batch(
+    n: int, prompt_len: int, response_len: int, vocab: int, seed: int, ragged: bool = False
+) -> Batch:
+    """Random samples: full length (no padding, every token is real work), or with
+    ``ragged`` prompt lengths in [P/2, P] and response lengths in [R/8, R]."""
     rng = np.random.default_rng(seed)
-    prompts = rng.integers(1, vocab, (n, prompt_len)).tolist()
-    responses = rng.integers(1, vocab, (n, response_len)).tolist()
-    return from_token_lists(prompts, responses, pad_id=0)
+    p_lens = (
+        rng.integers(max(1, prompt_len // 2), prompt_len + 1, n) if ragged else [prompt_len] * n
+    )
+    r_lens = (
+        rng.integers(max(1, response_len // 8), response_len + 1, n)
+        if ragged
+        else [response_len] * n
+    )
+    prompts = [rng.integers(1, vocab, int(k)).tolist() for k in p_lens]
+    responses = [rng.integers(1, vocab, int(k)).tolist() for k in r_lens]
+    return from_token_lists(
+        prompts, responses, pad_id=0, prompt_len=prompt_len, response_len=response_len
+    )
 
 
 def nll_loss(outputs, batch, ctx):
@@ -151,9 +178,10 @@ def accelerator() -> tuple[str, float | None]:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", None
 
 
-def train_flops(cfg: dict, tokens: int, seq_len: int) -> float:
-    """6 * params * tokens for the matmuls + 12 * layers * hidden * seq_len * tokens for
-    attention scores (forward + backward; no recompute counted: MFU, not HFU)."""
+def train_flops(cfg: dict, lengths: np.ndarray) -> float:
+    """6 * params * tokens for the matmuls + 12 * layers * hidden * sum(length^2) for
+    attention scores (forward + backward; no recompute counted: MFU, not HFU), over the
+    real tokens of sequences of ``lengths``."""
     h, layers, inter, vocab = (
         cfg["hidden_size"],
         cfg["num_hidden_layers"],
@@ -163,7 +191,8 @@ def train_flops(cfg: dict, tokens: int, seq_len: int) -> float:
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter
     params = layers * per_layer + h * vocab
-    return 6.0 * params * tokens + 12.0 * layers * h * seq_len * tokens
+    tokens, squares = float(lengths.sum()), float((lengths.astype(np.float64) ** 2).sum())
+    return 6.0 * params * tokens + 12.0 * layers * h * squares
 
 
 def hf_torch_step(args, path: Path, batch: Batch):
@@ -176,18 +205,21 @@ def hf_torch_step(args, path: Path, batch: Batch):
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
     ).to(device)
+    mask = torch.from_numpy(batch["attention_mask"]).long().to(device)
     model.config.use_cache = False
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     ids = torch.from_numpy(batch["input_ids"]).long().to(device)
-    labels = ids.clone()
-    labels[:, : args.prompt_len] = -100  # the loss covers the response tokens
+    labels = torch.full_like(ids, -100)  # the loss covers the real response tokens
+    response = torch.from_numpy(batch["response_mask"]).bool().to(device)
+    labels[:, -response.shape[1] :][response] = ids[:, -response.shape[1] :][response]
     rows = args.micro_batch
 
     def step() -> dict:
         for i in range(0, len(ids), rows):
-            loss = model(input_ids=ids[i : i + rows], labels=labels[i : i + rows]).loss
+            part = slice(i, i + rows)
+            loss = model(input_ids=ids[part], attention_mask=mask[part], labels=labels[part]).loss
             (loss * len(ids[i : i + rows]) / len(ids)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -207,13 +239,20 @@ def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(args, Path(os.environ.get("POLYRL_BENCH_DIR", tmp)))
         config = json.loads((path / "config.json").read_text())
-        batch = make_batch(args.batch, args.prompt_len, args.response_len, config["vocab_size"], 0)
+        batch = make_batch(
+            args.batch, args.prompt_len, args.response_len, config["vocab_size"], 0, args.ragged
+        )
         if args.backend == "hf_torch":
             step = hf_torch_step(args, path, batch)
         else:
             engine = get_engine(args.backend)()
             engine.init(
-                ModelConfig(str(path), dtype=args.dtype, gradient_checkpointing=args.grad_ckpt),
+                ModelConfig(
+                    str(path),
+                    dtype=args.dtype,
+                    gradient_checkpointing=args.grad_ckpt,
+                    attn_implementation=args.attn,
+                ),
                 OptimConfig(lr=1e-5),
                 ParallelConfig(
                     mesh=mesh,
@@ -221,6 +260,7 @@ def run(args) -> dict:
                     cpu_offload=args.cpu_offload,
                     max_tokens_per_micro_batch=args.max_tokens,
                     logits_chunk_tokens=args.logits_chunk,
+                    pack_sequences=args.pack,
                 ),
             )
             local = args.batch // world
@@ -234,9 +274,10 @@ def run(args) -> dict:
         metrics = step()  # returns host floats: synchronised
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
-    tokens = args.batch * (args.prompt_len + args.response_len)
+    lengths = batch["attention_mask"].sum(1)
+    tokens = int(lengths.sum())  # real tokens: padding is not work
     device, peak = accelerator()
-    flops = train_flops(config, tokens, args.prompt_len + args.response_len)
+    flops = train_flops(config, lengths)
     result = {
         "backend": args.backend,
         "device": device,
@@ -250,6 +291,11 @@ def run(args) -> dict:
         "prompt_len": args.prompt_len,
         "response_len": args.response_len,
         "max_tokens_per_micro_batch": args.max_tokens,
+        "attn_implementation": args.attn,
+        "pack_sequences": args.pack,
+        "ragged": args.ragged,
+        "real_tokens": tokens,
+        "padded_tokens": int(batch["attention_mask"].size),
         "xla_allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR"),
         "step_s_median": step_s,
         "step_s_all": times,
@@ -276,30 +322,36 @@ def suite(args, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         shared = os.environ.get("POLYRL_BENCH_DIR", tmp)  # the model is built once
         for entry in args.suite.split(","):
-            name, _, allocator = entry.partition(":")
+            name, pack = entry.removesuffix("+pack"), entry.endswith("+pack")
+            name, _, attn = name.partition("@")
+            name, _, allocator = name.partition(":")
             out = Path(tmp) / f"{len(runs)}.json"
             env = {**os.environ, "POLYRL_BENCH_DIR": shared}
             if allocator:
                 env["XLA_PYTHON_CLIENT_ALLOCATOR"] = allocator
-            cmd = [sys.executable, __file__, *child_argv, "--backend", name, "--json", str(out)]
+            extra = ["--attn", attn] * bool(attn) + ["--pack"] * pack
+            cmd = [sys.executable, __file__, *child_argv, *extra, "--backend", name]
+            cmd += ["--json", str(out)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode or not out.exists():
                 runs.append({"backend": entry, "error": proc.stderr[-2000:]})
             else:
                 runs.append({**json.loads(out.read_text()), "backend": entry})
     ref = next((r for r in runs if r["backend"] == "hf_torch" and "error" not in r), None)
+    width = max(14, *(len(r["backend"]) for r in runs))
     lines = [
-        f"{'backend':<14} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak GiB':>9} {'vs hf_torch':>12}"
+        f"{'backend':<{width}} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak GiB':>9} "
+        f"{'vs hf_torch':>12}"
     ]
     for r in runs:
         if "error" in r:
-            lines.append(f"{r['backend']:<14} FAILED: {r['error'].strip().splitlines()[-1:]}")
+            lines.append(f"{r['backend']:<{width}} FAILED: {r['error'].strip().splitlines()[-1:]}")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         vs = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
         peak = r.get("device_peak_gib", r["host_peak_rss_gib"])
         lines.append(
-            f"{r['backend']:<14} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
+            f"{r['backend']:<{width}} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
             f"{peak:>9.1f} {vs:>12}"
         )
     print("\n".join(lines))

@@ -34,9 +34,9 @@ from flax import nnx
 
 from polyrl import checkpoints, faults, micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
-from polyrl.backends.jax_pjit import checkpoint, distributed, sharding
+from polyrl.backends.jax_pjit import attention, checkpoint, distributed, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
-from polyrl.backends.jax_pjit.shapes import micro_rows, pad_batch
+from polyrl.backends.jax_pjit.shapes import micro_rows, pack_rows, pad_batch
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -95,12 +95,12 @@ class JaxPjitEngine:
                 f"role {model.role!r} got optim={optim!r}: actor/critic need an OptimConfig, "
                 "reference/reward are frozen and need optim=None"
             )
-        if parallel.pack_sequences:  # built in torch_fsdp only (docs/backends.md)
-            raise ValueError(
-                "ParallelConfig.pack_sequences=True: the jax_pjit backend does not pack "
-                "sequences yet; set it to False (or use the torch_fsdp backend)"
-            )
         distributed.initialize_from_env()  # several hosts: join them before any device use
+        if parallel.pack_sequences and jax.process_count() > 1:
+            raise ValueError(
+                f"ParallelConfig.pack_sequences=True: packed rows differ between the "
+                f"{jax.process_count()} hosts of a multi-host JAX role; set it to False"
+            )
         self.model_cfg, self.optim, self.parallel = model, optim, parallel
         self.mesh = sharding.make_mesh(parallel, self._devices)
         self.config = TransformerConfig.from_hf(
@@ -109,6 +109,9 @@ class JaxPjitEngine:
         self.with_lm = not model.has_value_head
         # trainable roles keep fp32 master weights and compute in model.dtype (as torch_fsdp)
         self.compute_dtype = jnp.dtype(model.dtype)
+        self.attention = attention.resolve(
+            model.attn_implementation, self.mesh.devices.flat[0].platform, self.compute_dtype
+        )
         dtype = jnp.dtype(jnp.float32) if model.trainable else self.compute_dtype
         abstract = nnx.eval_shape(
             lambda: CausalLM(
@@ -119,6 +122,7 @@ class JaxPjitEngine:
                 with_value_head=model.has_value_head,
                 constrain=sharding.ActivationSharding(self.mesh, parallel.rules),
                 remat=model.gradient_checkpointing,
+                attention=self.attention,
             )
         )
         self._graphdef, abs_state = nnx.split(abstract)
@@ -141,10 +145,11 @@ class JaxPjitEngine:
         else:
             self.tx = None
         log.info(
-            "jax_pjit %s: %s on mesh %s, %d params",
+            "jax_pjit %s: %s on mesh %s, %s attention, %d params",
             model.role,
             self.config.architecture,
             dict(self.mesh.shape),
+            self.attention,
             sum(int(np.prod(s)) for s in shapes.values()),
         )
 
@@ -180,14 +185,37 @@ class JaxPjitEngine:
         )
         return nnx.merge(self._graphdef, state)
 
-    def _outputs(self, params, arrays, temperature, entropy: bool) -> dict[str, jax.Array]:
-        """Per-token outputs [B, R] of one (padded) micro-batch; see module docstring."""
-        model = self._module(params)
+    def _hidden(self, model: CausalLM, arrays) -> tuple[jax.Array, jax.Array]:
+        """(hidden [B, R, E] at the positions predicting each response token, hidden [B, E]
+        at each sample's last real token) of a padded or packed (``pack_rows``)
+        micro-batch."""
+        b, r = arrays["responses"].shape
+        if "packed_ids" in arrays:
+            rows = arrays["packed_ids"].shape[0]
+            hidden = model(
+                arrays["packed_ids"],
+                arrays["packed_segments"],
+                arrays["packed_positions"],
+                b // rows,
+            )
+            pick = lambda index: jnp.take_along_axis(  # noqa: E731
+                hidden, index.reshape(rows, -1)[..., None], axis=1
+            )
+            return pick(arrays["packed_index"]).reshape(b, r, -1), pick(
+                arrays["packed_last"]
+            ).reshape(b, -1)
         ids, attn = arrays["input_ids"], arrays["attention_mask"]
         hidden = model(ids, attn, arrays["position_ids"])
-        r = arrays["responses"].shape[1]
         p = ids.shape[1] - r
-        h = hidden[:, p - 1 : p - 1 + r]  # position P-1+t predicts responses[:, t]
+        last = ids.shape[1] - 1 - jnp.argmax(attn[:, ::-1] != 0, axis=1)
+        # position P-1+t predicts responses[:, t]
+        return hidden[:, p - 1 : p - 1 + r], hidden[jnp.arange(b), last]
+
+    def _outputs(self, params, arrays, temperature, entropy: bool) -> dict[str, jax.Array]:
+        """Per-token outputs [B, R] of one (padded or packed) micro-batch; see module
+        docstring."""
+        model = self._module(params)
+        h, last_hidden = self._hidden(model, arrays)
         keep = arrays["response_mask"] != 0
         out = {}
         if self.with_lm:
@@ -206,20 +234,25 @@ class JaxPjitEngine:
         else:
             out["values"] = jnp.where(keep, model.values(h), 0.0)
             if self.model_cfg.role == "reward":
-                last = ids.shape[1] - 1 - jnp.argmax(attn[:, ::-1] != 0, axis=1)
-                out["scores"] = model.values(hidden[jnp.arange(ids.shape[0]), last])
+                out["scores"] = model.values(last_hidden)
         return out
 
     def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, dict[str, jax.Array]]]:
         """(row indices, padded global micro-batch) pairs. Fixed ``micro_batch_size``: the
         whole batch padded once (shapes.py) and cut into equal micro-batches (one shape);
         token budget (``max_tokens_per_micro_batch`` per data shard): ``polyrl.micro_batch``'s
-        groups, each trimmed and padded to its own shape.
+        groups, each trimmed and padded to its own shape. ``pack_sequences``: each padded
+        micro-batch's sequences packed into one row per data shard (``shapes.pack_rows``).
 
         With several hosts (distributed.py) ``batch`` is this host's shard: every host pads
         to the same shapes and feeds its rows of each global micro-batch."""
         par = self.parallel
-        put = lambda arrays: {k: distributed.global_rows(self._rows, v) for k, v in arrays.items()}  # noqa: E731
+
+        def put(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+            if par.pack_sequences:
+                arrays = pack_rows(arrays, par.dp_size, self.min_padded_len)
+            return {k: distributed.global_rows(self._rows, v) for k, v in arrays.items()}
+
         if par.max_tokens_per_micro_batch is None:
             r = batch["responses"].shape[1]
             agreed = distributed.agree([len(batch), batch["input_ids"].shape[1] - r, r], "max")

@@ -8,9 +8,11 @@ size, ``H`` query heads, ``K`` key/value heads, ``D`` head size, ``V`` vocabular
 
 Numerics follow transformers' eager code path: RMSNorm and softmax in fp32, RoPE with
 ``rotate_half`` and HF's inverse frequencies (default, linear, llama3, yarn), GQA by
-grouping query heads over shared key/value heads. Padding is handled only through
-``attention_mask`` (keys) and explicit ``position_ids`` (polyrl.batch's layout), so left-
-and right-padded rows give the same outputs on their real tokens as unpadded ones.
+grouping query heads over shared key/value heads. Which tokens attend to which is given
+by ``segment_ids`` (``attention.py``: an ``attention_mask`` is one, a packed row numbers
+its sequences) and explicit ``position_ids`` (polyrl.batch's layout, or restarting per
+packed sequence), so left- and right-padded or packed rows give the same outputs on
+their real tokens as unpadded ones.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from polyrl.backends.jax_pjit.attention import attend
 from polyrl.tensor import log_probs_and_entropy
 
 __all__ = [
@@ -240,9 +243,17 @@ class Embedding(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Causal GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm)."""
+    """Causal GQA self-attention with RoPE (and Qwen3's per-head q/k RMSNorm) within
+    segments; ``implementation``: ``attention.resolve``'s choice."""
 
-    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain):
+    def __init__(
+        self,
+        c: TransformerConfig,
+        dtype: Any,
+        rngs: nnx.Rngs,
+        constrain: Constrain,
+        implementation: str = "xla",
+    ):
         e, d = c.hidden_size, c.head_dim
         self.q_proj = Linear(e, c.num_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(e, c.num_kv_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
@@ -251,13 +262,15 @@ class Attention(nnx.Module):
         if c.qk_norm:
             self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype)
-        self.c, self.constrain = c, constrain
+        self.c, self.constrain, self.implementation = c, constrain, implementation
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        """x [B, T, E]; cos/sin [B, T, D]; mask [B, T, T] bool (query, key) -> [B, T, E]."""
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: tuple[jax.Array, int]
+    ) -> jax.Array:
+        """x [B, T, E]; cos/sin [B, T, D]; segments: (segment_ids [B, T], most sequences
+        per row) -> [B, T, E]."""
         c = self.c
         b, t, _ = x.shape
-        g = c.num_heads // c.num_kv_heads
         q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
         k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -266,17 +279,17 @@ class Attention(nnx.Module):
         cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        q = self.constrain(
-            q.reshape(b, t, c.num_kv_heads, g, c.head_dim),
-            ("batch", "length", "kv_heads", None, None),
+        q = self.constrain(q, ("batch", "length", "heads", None))
+        out = attend(
+            q,
+            k,
+            v,
+            segments[0],
+            scale=c.head_dim**-0.5,
+            implementation=self.implementation,
+            slots=segments[1],
         )
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (c.head_dim**-0.5)
-        # a finite minimum (not -inf) keeps fully masked rows (left padding) NaN-free
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, c.num_heads * c.head_dim)
-        return self.o_proj(out)
+        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
 
 
 class MLP(nnx.Module):
@@ -295,14 +308,16 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain):
-        self.self_attn = Attention(c, dtype, rngs, constrain)
+    def __init__(
+        self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain, attn: str
+    ):
+        self.self_attn = Attention(c, dtype, rngs, constrain, attn)
         self.mlp = MLP(c, dtype, rngs, constrain)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
 
-    def __call__(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def __call__(self, x, cos, sin, segments):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -310,32 +325,37 @@ class Backbone(nnx.Module):
     """HF's ``model``: embeddings, decoder layers, final norm -> hidden states [B, T, E]."""
 
     def __init__(
-        self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain, remat: bool
+        self,
+        c: TransformerConfig,
+        dtype: Any,
+        rngs: nnx.Rngs,
+        constrain: Constrain,
+        remat: bool,
+        attn: str,
     ):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, rngs)
         self.layers = nnx.List(
-            [DecoderLayer(c, dtype, rngs, constrain) for _ in range(c.num_layers)]
+            [DecoderLayer(c, dtype, rngs, constrain, attn) for _ in range(c.num_layers)]
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         inv_freq, scale = rope_inv_freq(c)
         self.inv_freq, self.rope_scale = tuple(inv_freq.tolist()), scale
         self.constrain, self.remat = constrain, remat
 
-    def __call__(self, input_ids, attention_mask, position_ids) -> jax.Array:
-        """input_ids, attention_mask, position_ids [B, T] int -> hidden [B, T, E]."""
-        t = input_ids.shape[1]
+    def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1) -> jax.Array:
+        """input_ids, segment_ids (or attention_mask), position_ids [B, T] int -> hidden
+        [B, T, E]; ``slots``: most sequences in one row (static)."""
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         angles = position_ids.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
         angles = jnp.concatenate([angles, angles], axis=-1)
         cos, sin = jnp.cos(angles) * self.rope_scale, jnp.sin(angles) * self.rope_scale
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        mask = causal[None] & (attention_mask[:, None, :] != 0)
+        segments = (segment_ids.astype(jnp.int32), slots)
         x = self.constrain(self.embed_tokens(input_ids), ("batch", "length", None))
         for layer in self.layers:
             if self.remat:  # gradient checkpointing: keep only each layer's input
-                x = nnx.remat(lambda lyr, h: lyr(h, cos, sin, mask))(layer, x)
+                x = nnx.remat(lambda lyr, h: lyr(h, cos, sin, segments))(layer, x)
             else:
-                x = layer(x, cos, sin, mask)
+                x = layer(x, cos, sin, segments)
             x = self.constrain(x, ("batch", "length", None))
         return self.norm(x)
 
@@ -344,7 +364,8 @@ class CausalLM(nnx.Module):
     """Backbone + output heads. ``lm_head`` (absent when tied: logits use the embedding
     matrix, as HF) and/or ``score``, a ``[E, 1]`` value head (HF's
     ``*ForTokenClassification`` / ``*ForSequenceClassification`` name) for critics and
-    reward models. ``with_lm_head=False`` builds a critic/reward model without logits."""
+    reward models. ``with_lm_head=False`` builds a critic/reward model without logits.
+    ``attention``: ``xla``, ``cudnn`` or ``auto`` (``attention.resolve``)."""
 
     def __init__(
         self,
@@ -356,9 +377,10 @@ class CausalLM(nnx.Module):
         with_value_head: bool = False,
         constrain: Constrain | None = None,
         remat: bool = False,
+        attention: str = "xla",
     ):
         constrain = constrain or _no_constraint
-        self.model = Backbone(c, dtype, rngs, constrain, remat)
+        self.model = Backbone(c, dtype, rngs, constrain, remat, attention)
         self.lm_head = (
             Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype, rngs=rngs)
             if with_lm_head and not c.tie_word_embeddings
@@ -378,8 +400,8 @@ class CausalLM(nnx.Module):
         )
         self.config, self.with_lm_head = c, with_lm_head
 
-    def __call__(self, input_ids, attention_mask, position_ids) -> jax.Array:
-        return self.model(input_ids, attention_mask, position_ids)
+    def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1) -> jax.Array:
+        return self.model(input_ids, segment_ids, position_ids, slots)
 
     def head_kernel(self) -> jax.Array:
         """The LM head as [E, V]: ``lm_head.kernel``, or the embedding transposed when tied."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from polyrl.batch import Batch
 
-__all__ = ["Padded", "pow2_len", "micro_rows", "pad_batch"]
+__all__ = ["Padded", "pow2_len", "micro_rows", "pad_batch", "pack_rows"]
 
 SEQUENCE = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
 REQUIRED = (*SEQUENCE, "responses", "response_mask")
@@ -101,3 +101,45 @@ def pad_batch(
         rows = (-max(b, at_least[0])) % rows_multiple + max(0, at_least[0] - b)
         out[name] = np.pad(x, [(0, rows)] + [(0, 0)] * (x.ndim - 1)) if rows else x
     return Padded(out, b, r)
+
+
+def pack_rows(arrays: dict[str, np.ndarray], shards: int, min_len: int) -> dict[str, np.ndarray]:
+    """One padded micro-batch (``B`` rows, a multiple of ``shards``) -> the same columns
+    with the sequence columns replaced by ``shards`` packed rows: shard ``j``'s samples
+    (rows ``j * B / shards`` onwards) laid end to end without padding, the row length
+    padded to a power of two (>= ``min_len``; the longest shard's tokens).
+
+    ``packed_ids`` / ``packed_positions`` [shards, T] (positions as in the batch, i.e.
+    restarting per sequence), ``packed_segments`` [shards, T] (k + 1 for the shard's k-th
+    sample, 0 = padding), ``packed_index`` [B, R] (where in its shard's row each response
+    token is predicted, i.e. the packed ``P - 1 + t``; a real position of the sample for
+    padded response columns) and ``packed_last`` [B] (its last real token)."""
+    mask = arrays["attention_mask"] != 0
+    b, full = mask.shape
+    r = arrays["responses"].shape[1]
+    per = b // shards
+    lengths = mask.sum(1)
+    t = pow2_len(lengths.reshape(shards, per).sum(1).max(), min_len)
+    ids, positions, segments = (np.zeros((shards, t), np.int32) for _ in range(3))
+    index, last = np.zeros((b, r), np.int32), np.zeros(b, np.int32)
+    start = 0
+    for i in range(b):
+        row, k = divmod(i, per)
+        start = 0 if k == 0 else start
+        n = int(lengths[i])
+        span = slice(start, start + n)
+        ids[row, span] = arrays["input_ids"][i][mask[i]]
+        positions[row, span] = arrays["position_ids"][i][mask[i]]
+        segments[row, span] = k + 1
+        predicts = start + mask[i, : full - r].sum() - 1 + np.arange(r)
+        index[i] = np.clip(predicts, start, max(start, start + n - 1))
+        last[i] = max(start, start + n - 1)
+        start += n
+    out = {k: v for k, v in arrays.items() if k not in SEQUENCE}
+    return out | {
+        "packed_ids": ids,
+        "packed_positions": positions,
+        "packed_segments": segments,
+        "packed_index": index,
+        "packed_last": last,
+    }

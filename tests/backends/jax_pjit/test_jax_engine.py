@@ -219,12 +219,3 @@ def test_gradient_checkpointing_changes_memory_not_results(tiny_model_dir):
     remat = eng.train_step(batch, LOSS, entropy=True)
     for key in ("loss", "grad_norm"):  # recompute reorders nothing but fusion: see TOL_MESH
         assert remat[key] == pytest.approx(plain[key], abs=TOL_MESH)
-
-
-def test_packing_is_refused_not_ignored(tiny_model_dir):
-    """Sequence packing exists in torch_fsdp only: asking the JAX backend for it is an error."""
-    parallel = ParallelConfig(pack_sequences=True)
-    with pytest.raises(ValueError, match="pack_sequences=True: the jax_pjit backend"):
-        JaxPjitEngine(devices=jax.devices()[:1]).init(
-            ModelConfig(str(tiny_model_dir)), OPTIM, parallel
-        )

@@ -1,0 +1,143 @@
+"""Causal attention within segments for the JAX models: cuDNN flash attention on GPU, XLA
+elsewhere.
+
+A row of ``segment_ids`` [B, T] (int) holds one or more sequences: equal non-zero ids are
+one sequence (contiguous), 0 is padding. A padded batch has ``segment_ids =
+attention_mask`` (one sequence per row, padding on either side); a packed row
+(``ParallelConfig.pack_sequences``) numbers its sequences 1, 2, ... A query attends to
+the keys of its own sequence at or before it; padded queries produce zeros.
+
+Implementations (``ModelConfig.attn_implementation`` through :func:`resolve`):
+
+* ``xla``: ``jax.nn.dot_product_attention(implementation="xla")`` with the boolean mask
+  causal & same segment (the [B, 1, T, T] mask and fp32 scores are materialised).
+* ``cudnn``: cuDNN's fused flash attention (``jax._src.cudnn.fused_attention_stablehlo``,
+  the kernel behind ``jax.nn.dot_product_attention(implementation="cudnn")``) in its
+  packed layout: per row, each sequence's start (``q_offsets``) and length
+  (``q_seqlen``), causal within each sequence, no dense mask. The public function takes
+  only one right-padded sequence per row, which neither the left-padded prompts of a
+  padded batch nor a packed row are, so the packed-layout entry point is called with at
+  least 2 segment slots per row (1-slot calls take cuDNN's unpacked path, which ignores
+  offsets). Needs a GPU, bf16/fp16, head dim <= 256 (Hopper) / 128 and a multiple of 8,
+  Hopper or newer for the packed layout, cuDNN >= 9.6.
+* ``auto`` (the default ``sdpa`` and every other name): ``cudnn`` where it applies, else
+  ``xla``; the reason it does not apply is logged once (and kept in :data:`fallbacks`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["resolve", "attend", "segment_bounds", "causal_segment_mask", "fallbacks"]
+
+log = logging.getLogger(__name__)
+
+# reason -> times cuDNN was not used for it (each reason logged once)
+fallbacks: collections.Counter[str] = collections.Counter()
+NAMES = {"xla": "xla", "eager": "xla", "cudnn": "cudnn"}
+
+
+def _fall_back(reason: str) -> None:
+    if not fallbacks[reason]:
+        log.info("jax_pjit attention: XLA instead of cuDNN (%s)", reason)
+    fallbacks[reason] += 1
+
+
+def resolve(attn_implementation: str, platform: str, dtype) -> str:
+    """``xla``, ``cudnn`` (forced) or ``auto`` (cuDNN, XLA if the traced shapes do not
+    fit) for ``ModelConfig.attn_implementation`` on ``platform`` with compute ``dtype``.
+    A forced ``cudnn`` that cannot run raises with the reason, here or when the step is
+    traced (shape limits: head dim, GPU generation, :func:`attend`); ``auto`` falls back
+    to ``xla``."""
+    wanted = NAMES.get(attn_implementation, "auto")
+    if wanted == "xla":
+        return "xla"
+    reason = None
+    if platform != "gpu":
+        reason = f"platform is {platform!r}, cuDNN needs a CUDA GPU"
+    elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        reason = f"compute dtype is {jnp.dtype(dtype).name}, cuDNN attention needs bfloat16/float16"
+    if reason is None:
+        return wanted
+    if wanted == "cudnn":
+        raise ValueError(
+            f"ModelConfig.attn_implementation='cudnn': {reason}; use 'xla' or the default "
+            "'sdpa' (cuDNN where it applies, XLA elsewhere)"
+        )
+    _fall_back(reason)
+    return "xla"
+
+
+def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] -> [B, 1, T, T] bool: key at or before the query, same non-zero segment."""
+    t = segment_ids.shape[1]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask = same & (segment_ids[:, None, :] != 0) & jnp.tril(jnp.ones((t, t), bool))
+    return mask[:, None]
+
+
+def segment_bounds(segment_ids: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """[B, T] segment ids -> (starts [B, slots + 1], lengths [B, slots]) int32, -1 where a
+    row has fewer sequences (cuDNN's packed-layout arguments). At most ``slots``
+    sequences per row."""
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))
+    is_start = (segment_ids != 0) & (segment_ids != prev)
+    starts = jax.vmap(lambda r: jnp.nonzero(r, size=slots + 1, fill_value=-1)[0])(is_start)
+    starts = starts.astype(jnp.int32)
+    first = jnp.take_along_axis(segment_ids, jnp.maximum(starts[:, :slots], 0), axis=1)
+    lengths = (segment_ids[:, None, :] == first[:, :, None]).sum(-1, dtype=jnp.int32)
+    return starts, jnp.where(starts[:, :slots] >= 0, lengths, -1)
+
+
+def _cudnn(q, k, v, segment_ids, scale: float, slots: int) -> jax.Array:
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+    starts, lengths = segment_bounds(segment_ids, max(2, slots))
+    out = cudnn_attention(
+        q,
+        k,
+        v,
+        q_seqlen=lengths,
+        kv_seqlen=lengths,
+        q_offsets=starts,
+        kv_offsets=starts,
+        scale=scale,
+        mask_type=MaskType.PADDING_CAUSAL,
+        qkv_layout="BTNH",
+    )
+    # positions outside every sequence are not written by the kernel
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, 0)
+
+
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    scale: float,
+    implementation: str,
+    slots: int = 1,
+) -> jax.Array:
+    """q [B, T, H, D], k/v [B, T, K, D] (K divides H) -> [B, T, H, D]. ``slots``: most
+    sequences in one row (static; 1 for a padded batch). ``implementation``: from
+    :func:`resolve`."""
+    if implementation in ("cudnn", "auto"):
+        try:
+            return _cudnn(q, k, v, segment_ids, scale, slots)
+        except (NotImplementedError, ValueError, RuntimeError) as e:  # checked while tracing
+            if implementation == "cudnn":
+                raise ValueError(
+                    f"ModelConfig.attn_implementation='cudnn': cuDNN cannot run this "
+                    f"attention ({type(e).__name__}: {e}); use 'xla' or the default 'sdpa'"
+                ) from e
+            _fall_back(f"{type(e).__name__}: {e}")
+    out = jax.nn.dot_product_attention(
+        q, k, v, mask=causal_segment_mask(segment_ids), scale=scale, implementation="xla"
+    )
+    return jnp.where((segment_ids != 0)[:, :, None, None], out, 0)

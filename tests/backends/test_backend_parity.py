@@ -49,9 +49,9 @@ def _batch():
     return b.with_columns({"old_log_probs": old, "ref_log_probs": ref, "advantages": adv})
 
 
-def _jax_engine(path):
+def _jax_engine(path, pack: bool = False):
     eng = get_engine("jax_pjit")(devices=jax.devices()[:1])
-    eng.init(ModelConfig(str(path)), OPTIM, ParallelConfig(micro_batch_size=4))
+    eng.init(ModelConfig(str(path)), OPTIM, ParallelConfig(micro_batch_size=4, pack_sequences=pack))
     return eng
 
 
@@ -125,11 +125,17 @@ def test_jax_engine_matches_transformers_and_torch_adamw(tiny_model_dir):
 
 
 def test_jax_engine_matches_torch_engine(tiny_model_dir):
+    """Both packed (the torch engine with its varlen attention): each backend's packed =
+    padded is tested on its own, and padded JAX = transformers above."""
     batch = _batch()
     torch_engine = get_engine("torch_fsdp")()
-    torch_engine.init(ModelConfig(str(tiny_model_dir)), OPTIM, ParallelConfig(micro_batch_size=4))
+    torch_engine.init(
+        ModelConfig(str(tiny_model_dir), attn_implementation="polyrl_varlen"),
+        OPTIM,
+        ParallelConfig(micro_batch_size=4, pack_sequences=True),
+    )
     t_fwd, t_metrics, t_weights = _run(torch_engine, batch)
-    j_fwd, j_metrics, j_weights = _run(_jax_engine(tiny_model_dir), batch)
+    j_fwd, j_metrics, j_weights = _run(_jax_engine(tiny_model_dir, pack=True), batch)
     np.testing.assert_allclose(j_fwd["entropy"], t_fwd["entropy"], atol=TOL)
     for key in ("pg_loss", "kl_loss", "entropy", "clipfrac", "global_tokens", "global_seqs"):
         assert j_metrics[key] == pytest.approx(t_metrics[key], abs=TOL), key

@@ -70,6 +70,9 @@ class ModelConfig:
     value_head_path: for critic/reward, a checkpoint whose ``score``/``value_head``
       weights initialise the head (e.g. a reward model); None -> zero-initialised head.
     dtype: parameter dtype ("float32" on CPU; "bfloat16" on GPU with fp32 reductions).
+    attn_implementation: torch: transformers' name (``sdpa``, ``polyrl_varlen``,
+      ``flex_attention``, ...); JAX: ``cudnn``, ``xla``, anything else = cuDNN where it
+      applies (docs/backends.md, "Attention kernels").
     sampling_vocab_size: score tokens over the first N ids only: the rollout servers
       sample only the tokenizer's ids when the embedding is padded past it (Qwen2), so
       the trainer's log-softmax must cover the same ids (RolloutPool.sampling_vocab_size).
@@ -163,9 +166,10 @@ class ParallelConfig:
       micro-batches and long ones in small ones. None: ``micro_batch_size`` rows each.
       Like ``micro_batch_size``, it changes speed and memory, never the update.
     cpu_offload: keep parameters/optimizer state in host memory between uses.
-    pack_sequences: run each micro-batch as one row of its real tokens, without padding
-      (per-sequence position ids; attention stays within each sequence). torch_fsdp only
-      (docs/backends.md); same outputs, less padded compute.
+    pack_sequences: run each micro-batch as one row of its real tokens (JAX: one row per
+      data shard), without padding (per-sequence position ids; attention stays within
+      each sequence). Same outputs, less padded compute; pair it with a varlen attention
+      on torch (``attn_implementation="polyrl_varlen"``, docs/backends.md).
     logits_chunk_tokens: response tokens whose logits the LM head computes at once.
       Log-probs and entropy are computed chunk by chunk (each chunk's logits recomputed
       in the backward pass), so the fp32 [tokens x vocab] logits of a micro-batch never

@@ -130,7 +130,8 @@ def attend(
     if implementation in ("cudnn", "auto"):
         try:
             return _cudnn(q, k, v, segment_ids, scale, slots)
-        except (NotImplementedError, ValueError, RuntimeError) as e:  # checked while tracing
+        # checked while tracing (TypeError/ImportError: a JAX without this entry point)
+        except (NotImplementedError, ValueError, RuntimeError, TypeError, ImportError) as e:
             if implementation == "cudnn":
                 raise ValueError(
                     f"ModelConfig.attn_implementation='cudnn': cuDNN cannot run this "

@@ -14,6 +14,11 @@
 #   rollout     RolloutPool vs vLLM directly, the GRPO rollout shape (0.5B, 64 x 8 x 512)
 #   weight_sync sync of a 1.5B-width model per transport vs a device copy (weight_sync.py)
 #   async       async vs sync GRPO step (async_step.py; needs 2 GPUs, not in the default list)
+#   attention   train_step.py on the 1.5B shape, 8 x 2048 full-length tokens, per attention
+#               kernel and packing (docs/performance.md "Attention kernels and packing")
+#   ragged      the same with ragged lengths (prompts 512-1024, responses 128-1024 tokens),
+#               where packing removes padding
+#   (attention and ragged are not in the default list: ~7 minutes each)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out).
 # Needs the offline bundle unpacked (.gpu/remote/unpack.sh; docs/install.md, "GPU machine without network").
 set -u
@@ -36,6 +41,12 @@ ln -sfn ../backends polyrl/backends; ln -sfn ../algos polyrl/algos
 export PYTHONPATH=$PWD:$PYTHONPATH POLYRL_BENCH_DIR=/tmp/bench
 mkdir -p $POLYRL_BENCH_DIR
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
+python3 - >> "$OUT/gpu.txt" 2>&1 <<'PY'  # the versions the attention kernels depend on
+import jax, torch, transformers
+from jax._src.lib import cuda_versions
+print("torch", torch.__version__, "jax", jax.__version__, "transformers", transformers.__version__,
+      "cudnn(jax)", cuda_versions.cudnn_get_version() if cuda_versions else None)
+PY
 M=/tmp/models/qwen2-0.5b-random
 model() {
   [ -d $M ] || python3 .gpu/remote/make_models.py /tmp/models 0.5b > "$OUT/make_models.log" 2>&1
@@ -79,6 +90,13 @@ for s in $sections; do
     timeout 560 python3 experiments/bench/async_step.py --work /tmp/bench/async \
       --gin_param "polyrl.RunConfig.model_path = '$M'" --out "$OUT/bench_async.json" \
       > "$OUT/async.log" 2>&1; tail -30 "$OUT/async.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax rollout weight_sync async)" ;;
+  attention|ragged)
+    shape="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
+      --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1"
+    runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc@xla,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
+    flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
+    timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
+      --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax rollout weight_sync async attention ragged)" ;;
   esac
 done

@@ -195,6 +195,21 @@ def train_flops(cfg: dict, lengths: np.ndarray) -> float:
     return 6.0 * params * tokens + 12.0 * layers * h * squares
 
 
+def attention_kernel(args, engine) -> str:
+    """The attention kernel that ran: torch's ``polyrl_varlen`` kernels by their call
+    counts, the JAX backend's cuDNN/XLA choice (with XLA's reason when cuDNN was wanted),
+    else the ``--attn`` name given to transformers."""
+    torch_attn = sys.modules.get("polyrl.backends.torch_fsdp.attention")
+    if torch_attn is not None and torch_attn.kernel_calls:
+        return ",".join(sorted(torch_attn.kernel_calls))
+    jax_attn = sys.modules.get("polyrl.backends.jax_pjit.attention")
+    if jax_attn is not None and engine is not None:
+        if jax_attn.fallbacks:
+            return "xla (" + "; ".join(jax_attn.fallbacks) + ")"
+        return "xla" if engine.attention == "xla" else "cudnn"
+    return args.attn
+
+
 def hf_torch_step(args, path: Path, batch: Batch):
     """The hand-written reference: a transformers model on one device, HF's own
     cross-entropy over the response tokens, AdamW (fused on GPU). Returns step()."""
@@ -242,6 +257,7 @@ def run(args) -> dict:
         batch = make_batch(
             args.batch, args.prompt_len, args.response_len, config["vocab_size"], 0, args.ragged
         )
+        engine = None
         if args.backend == "hf_torch":
             step = hf_torch_step(args, path, batch)
         else:
@@ -292,6 +308,7 @@ def run(args) -> dict:
         "response_len": args.response_len,
         "max_tokens_per_micro_batch": args.max_tokens,
         "attn_implementation": args.attn,
+        "attention_kernel": attention_kernel(args, engine),
         "pack_sequences": args.pack,
         "ragged": args.ragged,
         "real_tokens": tokens,
@@ -341,7 +358,7 @@ def suite(args, argv: list[str]) -> dict:
     width = max(14, *(len(r["backend"]) for r in runs))
     lines = [
         f"{'backend':<{width}} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak GiB':>9} "
-        f"{'vs hf_torch':>12}"
+        f"{'vs hf_torch':>12}  attention"
     ]
     for r in runs:
         if "error" in r:
@@ -352,7 +369,7 @@ def suite(args, argv: list[str]) -> dict:
         peak = r.get("device_peak_gib", r["host_peak_rss_gib"])
         lines.append(
             f"{r['backend']:<{width}} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
-            f"{peak:>9.1f} {vs:>12}"
+            f"{peak:>9.1f} {vs:>12}  {r.get('attention_kernel', '-')}"
         )
     print("\n".join(lines))
     return {"runs": runs, "reference": "hf_torch", "table": lines}

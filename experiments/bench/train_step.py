@@ -17,6 +17,10 @@ JAX backend with ``XLA_PYTHON_CLIENT_ALLOCATOR=bfc`` instead of the backend's de
         --kv-heads 2 --intermediate 4864 --vocab 151936 --batch 8 --prompt-len 1024 \\
         --response-len 1024 --dtype bfloat16 --grad-ckpt --json out.json   # 0.5B shape
     torchrun --nproc-per-node 2 experiments/bench/train_step.py ...       # FSDP over 2 GPUs
+    python experiments/bench/train_step.py --suite torch_fsdp,jax_pjit --profile prof/
+
+``--profile DIR`` traces one more step after the timed ones with the backend's profiler
+(torch.profiler / jax.profiler, ``profiling.py``) and prints its top ops by time.
 
 Attention and padding (docs/performance.md, "Attention kernels and packing"): ``--attn``
 is ``ModelConfig.attn_implementation`` (torch: ``sdpa``, ``polyrl_varlen``,
@@ -39,6 +43,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -52,6 +57,9 @@ from polyrl.backends import ENGINES, get_engine
 from polyrl.batch import Batch, from_token_lists
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 from polyrl.tensor import masked_sum
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiling import format_top, profile_call  # noqa: E402
 
 SHAPE_KEYS = (
     "hidden_size",
@@ -92,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--mesh", help='e.g. "data=1,fsdp=2" (default: fsdp = world size)')
     p.add_argument("--json", help="write the result here")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="trace one more step with the backend's profiler into DIR (profiling.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -290,6 +303,10 @@ def run(args) -> dict:
         metrics = step()  # returns host floats: synchronised
         times.append(time.perf_counter() - start)
     step_s = float(np.median(times))
+    profiled = None
+    if args.profile:
+        framework = "jax" if args.backend.startswith("jax") else "torch"
+        profiled = profile_call(framework, args.profile, f"rank{rank}", step)
     lengths = batch["attention_mask"].sum(1)
     tokens = int(lengths.sum())  # real tokens: padding is not work
     device, peak = accelerator()
@@ -322,6 +339,10 @@ def run(args) -> dict:
         "last_loss": metrics["loss"],
         **peak_memory(),
     }
+    if profiled is not None:
+        result["profile"] = profiled
+        if rank == 0:
+            print("\n".join(format_top(profiled, f"{args.backend}: top ops")), file=sys.stderr)
     return result
 
 
@@ -331,9 +352,9 @@ def suite(args, argv: list[str]) -> dict:
     for a in argv:  # the same flags minus --suite/--json
         if skip:
             skip = False
-        elif a in ("--suite", "--json"):
+        elif a in ("--suite", "--json", "--profile"):
             skip = True
-        elif not a.startswith(("--suite=", "--json=")):
+        elif not a.startswith(("--suite=", "--json=", "--profile=")):
             child_argv.append(a)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -349,6 +370,8 @@ def suite(args, argv: list[str]) -> dict:
             extra = ["--attn", attn] * bool(attn) + ["--pack"] * pack
             cmd = [sys.executable, __file__, *child_argv, *extra, "--backend", name]
             cmd += ["--json", str(out)]
+            if args.profile:
+                cmd += ["--profile", str(Path(args.profile) / re.sub(r"[:@+]", "_", entry))]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode or not out.exists():
                 runs.append({"backend": entry, "error": proc.stderr[-2000:]})
@@ -371,6 +394,9 @@ def suite(args, argv: list[str]) -> dict:
             f"{r['backend']:<{width}} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
             f"{peak:>9.1f} {vs:>12}  {r.get('attention_kernel', '-')}"
         )
+    for r in runs:
+        if "profile" in r:
+            lines += format_top(r["profile"], f"{r['backend']}: top ops")
     print("\n".join(lines))
     return {"runs": runs, "reference": "hf_torch", "table": lines}
 

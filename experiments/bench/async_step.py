@@ -12,6 +12,9 @@ Prints a table, then one JSON object (also written to --out)::
     python experiments/bench/async_step.py --gin_param "polyrl.RunConfig.model_path = '/tmp/models/qwen2-0.5b-random'"
     # CPU smoke test on the tiny model (2 cores: generation and training share them)
     python experiments/bench/async_step.py --gin gin/experiments/tiny_grpo.gin --steps 6
+
+``--profile DIR`` keeps both runs' ``timeline.json`` (every phase of every role as spans;
+ui.perfetto.dev) under DIR and prints each phase's share of the measured steps.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiling import format_top, phase_table  # noqa: E402
 
 
 def run(gin: str, params: list[str], run_dir: Path, async_on: bool, steps: int) -> list[dict]:
@@ -55,6 +61,7 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
     p.add_argument("--work", default="runs/bench_async_step")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", metavar="DIR", help="keep both runs' timeline traces here")
     args = p.parse_args()
     work = Path(args.work)
     sync = run(args.gin, args.gin_param, work / "sync", False, args.steps)
@@ -94,6 +101,11 @@ def main() -> None:
     ):
         print(f"{label:<28}{value:>10.2f}")
     print(f"async / limit = {step_async / limit:.3f} (goal <= 1.1)")
+    if args.profile:  # where each run's step went, phase by phase (sync's phases run in turn)
+        for name in ("sync", "async"):
+            prof = phase_table(work / name / "timeline.json", Path(args.profile) / name, args.skip)
+            result[f"profile_{name}"] = prof
+            print("\n".join(format_top(prof, f"{name} run: phase (all roles' tracks)")))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

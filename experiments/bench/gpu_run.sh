@@ -11,6 +11,8 @@
 #               default platform allocator and bfc) and the hand-written HF loop (the limit)
 #   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
 #   grpo_jax    the same on the JAX backend, at the experiment's defaults
+#   grpo_split  the torch GRPO step on 2 GPUs: actor + rollout on one, the reference on the
+#               other (its forward overlaps old log-probs; needs 2 GPUs, not in the default list)
 #   rollout     RolloutPool vs vLLM directly, the GRPO rollout shape (0.5B, 64 x 8 x 512)
 #   weight_sync sync of a 1.5B-width model per transport vs a device copy (weight_sync.py)
 #   async       async vs sync GRPO step (async_step.py; needs 2 GPUs, not in the default list)
@@ -20,6 +22,8 @@
 #               where packing removes padding
 #   (attention and ragged are not in the default list: ~7 minutes each)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out).
+# Every section also writes a profiler trace of one step (or the run's phase timeline)
+# under $OUT/prof/<section> and prints its top ops (experiments/bench/profiling.py).
 # Needs the offline bundle unpacked (.gpu/remote/unpack.sh; docs/install.md, "GPU machine without network").
 set -u
 sections=${*:-tests train_step grpo_torch grpo_jax rollout weight_sync}
@@ -69,26 +73,31 @@ for s in $sections; do
     timeout 300 python3 experiments/bench/train_step.py --suite torch_fsdp,jax_pjit,jax_pjit:bfc,hf_torch \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
-      --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" 2> "$OUT/train_step.log" | tee -a "$OUT/summary.txt" ;;
-  grpo_torch|grpo_jax)
+      --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
+      2> "$OUT/train_step.log" | tee -a "$OUT/summary.txt" ;;
+  grpo_torch|grpo_jax|grpo_split)
     model; backend=torch_fsdp; [ $s = grpo_jax ] && backend=jax_pjit
+    split=()
+    [ $s = grpo_split ] && split=(--gin_param 'polyrl.RunConfig.pools = {"a": {"CPU": 6, "GPU": 1}, "b": {"CPU": 6, "GPU": 1}}'
+      --gin_param 'polyrl.RunConfig.role_pools = {"actor": "a", "rollout": "a", "reference": "b"}')
     timeout 420 python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
       --backend $backend --steps 4 --skip 1 --timeout 400 \
       --gin_param "polyrl.RunConfig.model_path = '$M'" \
-      --gin_param "polyrl.RunConfig.weight_transport = '$transport'" \
-      --log "$OUT/$s.log" --json "$OUT/bench_$s.json" 2>&1 | tail -30 | tee -a "$OUT/summary.txt" ;;
+      --gin_param "polyrl.RunConfig.weight_transport = '$transport'" ${split[@]+"${split[@]}"} \
+      --log "$OUT/$s.log" --json "$OUT/bench_$s.json" --profile "$OUT/prof/$s" 2>&1 | tail -30 | tee -a "$OUT/summary.txt" ;;
   rollout)
     model
     timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" \
       2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
   weight_sync)
     timeout 300 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
-      --transports object_store,cuda_ipc --out "$OUT/bench_weight_sync.json" 2> "$OUT/weight_sync.log" \
+      --transports object_store,cuda_ipc --out "$OUT/bench_weight_sync.json" --profile "$OUT/prof/weight_sync" \
+      2> "$OUT/weight_sync.log" \
       | tail -30 | tee -a "$OUT/summary.txt" ;;
   async)
     model
     timeout 560 python3 experiments/bench/async_step.py --work /tmp/bench/async \
-      --gin_param "polyrl.RunConfig.model_path = '$M'" --out "$OUT/bench_async.json" \
+      --gin_param "polyrl.RunConfig.model_path = '$M'" --out "$OUT/bench_async.json" --profile "$OUT/prof/async" \
       > "$OUT/async.log" 2>&1; tail -30 "$OUT/async.log" | tee -a "$OUT/summary.txt" ;;
   attention|ragged)
     shape="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
@@ -97,6 +106,6 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax rollout weight_sync async attention ragged)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged)" ;;
   esac
 done

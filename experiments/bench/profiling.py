@@ -5,7 +5,8 @@ short table of where its time goes.
   (Chrome trace: https://ui.perfetto.dev or chrome://tracing); the table is the top ops
   by self time on the device (GPU) or the host (CPU), from the profiler's own averages.
 - jax: ``jax.profiler.trace`` -> ``DIR/<name>/plugins/profile/<run>/`` with
-  ``*.xplane.pb`` (TensorBoard's profile plugin) and ``perfetto_trace.json.gz``
+  ``*.xplane.pb`` (TensorBoard's profile plugin; dropped above 16 MB) and
+  ``perfetto_trace.json.gz``
   (ui.perfetto.dev); the table sums the trace's op spans on the device (GPU) or on XLA's
   host threads (CPU) by name.
 - phases: a ``polyrl train`` run's ``timeline.json`` (``polyrl.timeline``: each phase of
@@ -26,6 +27,7 @@ from typing import Any
 __all__ = ["profile_call", "phase_table", "format_top"]
 
 TOP = 15
+MAX_XPLANE_MB = 16
 
 
 def profile_call(framework: str, out_dir: str | Path, name: str, fn: Callable[[], Any]) -> dict:
@@ -44,7 +46,10 @@ def profile_call(framework: str, out_dir: str | Path, name: str, fn: Callable[[]
             fn()
         wall = time.perf_counter() - t0
         trace = max((out / name).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
-        top = _jax_top(trace)
+        ops = _jax_ops(trace)
+        for xplane in trace.parent.glob("*.xplane.pb"):  # the same events, TensorBoard's format
+            if xplane.stat().st_size > MAX_XPLANE_MB * 1e6:
+                xplane.unlink()  # too big to bring back from a lent machine: keep the perfetto one
     else:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -64,17 +69,28 @@ def profile_call(framework: str, out_dir: str | Path, name: str, fn: Callable[[]
             shutil.copyfileobj(src, dst)
         raw.unlink()
         attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr))
-        top = [(e.key, getattr(e, attr) / 1e3) for e in events[:TOP]]
-    return {
+        ops = {e.key: getattr(e, attr) / 1e3 for e in prof.key_averages()}
+    return _summary(trace, wall, ops, outside=True)
+
+
+def _summary(trace: Path, wall: float, ms: dict[str, float], outside: bool) -> dict:
+    """The top entries of ``ms`` (name -> milliseconds) with shares of ``wall``; with
+    ``outside``, also the share of the wall time in no entry at all (entries that do not
+    overlap: self times, or one device's kernels): host Python, Ray and waits, or an idle
+    GPU."""
+    top = sorted(ms.items(), key=lambda kv: -kv[1])[:TOP]
+    out = {
         "trace": str(trace),
         "trace_mb": trace.stat().st_size / 1e6,
         "wall_s": wall,
-        "top": [{"name": n, "ms": ms, "share": ms / 1e3 / wall} for n, ms in top],
+        "top": [{"name": n, "ms": v, "share": v / 1e3 / wall} for n, v in top],
     }
+    if outside:
+        out["outside_share"] = max(0.0, 1 - sum(ms.values()) / 1e3 / wall)
+    return out
 
 
-def _jax_top(trace: Path) -> list[tuple[str, float]]:
+def _jax_ops(trace: Path) -> dict[str, float]:
     """Op spans summed by name on the GPU streams (or, on CPU, XLA's host threads)."""
     with gzip.open(trace) as f:
         data = json.loads(f.read())
@@ -102,7 +118,7 @@ def _jax_top(trace: Path) -> list[tuple[str, float]]:
     for e in events:  # (XLA:CPU's ThunkExecutor spans wrap the ops: not ops themselves)
         if e.get("ph") == "X" and ops(e) and not e["name"].startswith("ThunkExecutor"):
             sums[e["name"]] = sums.get(e["name"], 0.0) + float(e.get("dur", 0)) / 1e3
-    return sorted(sums.items(), key=lambda kv: -kv[1])[:TOP]
+    return sums
 
 
 def phase_table(timeline: str | Path, out_dir: str | Path, skip_steps: int = 1) -> dict:
@@ -117,18 +133,12 @@ def phase_table(timeline: str | Path, out_dir: str | Path, skip_steps: int = 1) 
     with gzip.open(trace, "wt") as f:
         json.dump(events, f)
     if not spans:
-        return {"trace": str(trace), "wall_s": 0.0, "top": []}
+        return _summary(trace, 1.0, {}, outside=False)
     wall = (max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)) / 1e6
     sums: dict[str, float] = {}
-    for e in spans:
+    for e in spans:  # phases of different roles may overlap: no "outside" share
         sums[e["name"]] = sums.get(e["name"], 0.0) + e["dur"] / 1e3
-    top = sorted(sums.items(), key=lambda kv: -kv[1])[:TOP]
-    return {
-        "trace": str(trace),
-        "trace_mb": trace.stat().st_size / 1e6,
-        "wall_s": wall,
-        "top": [{"name": n, "ms": ms, "share": ms / 1e3 / wall} for n, ms in top],
-    }
+    return _summary(trace, wall, sums, outside=False)
 
 
 def format_top(profile: dict, what: str = "op") -> list[str]:
@@ -140,4 +150,10 @@ def format_top(profile: dict, what: str = "op") -> list[str]:
     ]
     for row in profile["top"]:
         lines.append(f"  {row['name'][:48]:<48} {row['ms']:>10.2f} {100 * row['share']:>6.1f}%")
+    if "outside_share" in profile:
+        share = profile["outside_share"]
+        lines.append(
+            f"  {'(outside every op: Python, Ray, waits / GPU idle)':<48} "
+            f"{1e3 * share * profile['wall_s']:>10.2f} {100 * share:>6.1f}%"
+        )
     return lines

@@ -17,6 +17,10 @@ servers on one, this process - the trainer's rank 0 - and its tensors on the oth
 CPU ``nccl`` runs the same broadcast group over gloo).
 
     python experiments/bench/weight_sync.py --hidden 512 --layers 8 --out runs/bench_sync.json
+    python experiments/bench/weight_sync.py --transports object_store,cuda_ipc --profile prof/
+
+``--profile DIR`` traces one more push of each row with torch.profiler (jax.profiler for
+the jax source) and prints its top ops (profiling.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+from profiling import format_top
 
 
 def build_model(work: Path, hidden: int, layers: int) -> Path:
@@ -82,7 +88,18 @@ def memcpy_gbps(tensors: dict, repeats: int) -> float:
     return sum(t.nbytes for t in src) / statistics.median(times[1:]) / 1e9
 
 
-def bench_sync(pool, sources: dict, transports: list[str], bucket_bytes: int, repeats: int) -> list:
+def bench_sync(
+    pool,
+    sources: dict,
+    transports: list[str],
+    bucket_bytes: int,
+    repeats: int,
+    profile: str | None = None,
+) -> list:
+    """One row per transport and source; ``profile``: a directory to trace one more push
+    of each into (this process's side of it: bucketing, copies, IPC handles, sends)."""
+    from profiling import profile_call
+
     from polyrl.weight_sync import iter_buckets
 
     rows = []
@@ -109,6 +126,15 @@ def bench_sync(pool, sources: dict, transports: list[str], bucket_bytes: int, re
                     "ratio_to_memcpy": gbps / copy,
                 }
             )
+            if profile:
+                rows[-1]["profile"] = profile_call(
+                    "jax" if backend == "jax" else "torch",
+                    profile,
+                    f"sync_{transport}_{backend}",
+                    lambda sd=sd, t=transport: pool.update_weights(
+                        iter_buckets(sd.items(), bucket_bytes), t
+                    ),
+                )
     return rows
 
 
@@ -248,6 +274,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--num-cpus", type=int, default=os.cpu_count())
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", metavar="DIR", help="trace one more push per row (profiling.py)")
     args = p.parse_args()
 
     import ray
@@ -282,7 +309,12 @@ def main() -> None:
             "params": sum(int(t.numel()) for t in sources["torch"].values()),
         },
         "sync": bench_sync(
-            pool, sources, args.transports.split(","), int(args.bucket_mb * 2**20), args.repeats
+            pool,
+            sources,
+            args.transports.split(","),
+            int(args.bucket_mb * 2**20),
+            args.repeats,
+            args.profile,
         ),
         "rollout": bench_rollout(pool, args),
     }
@@ -290,6 +322,13 @@ def main() -> None:
     ray.shutdown()
     text = json.dumps(result, indent=1)
     print(table(result["sync"]))
+    for row in result["sync"]:
+        if "profile" in row:
+            print(
+                "\n".join(
+                    format_top(row["profile"], f"{row['transport']} {row['source']}: top ops")
+                )
+            )
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

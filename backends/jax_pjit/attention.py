@@ -98,6 +98,11 @@ def _cudnn(q, k, v, segment_ids, scale: float, slots: int) -> jax.Array:
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
 
     starts, lengths = segment_bounds(segment_ids, max(2, slots))
+    if k.shape[2] != q.shape[2]:
+        # JAX scales both q and kv packed offsets by the query's heads x head dim (its
+        # _fix_seqlen_offsets), which is the key/value token stride only without GQA
+        group = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     out = cudnn_attention(
         q,
         k,

@@ -275,6 +275,9 @@ class RunConfig:
       by side on the GPUs, measured after start-up (``polyrl.residency``).
     model_dtype / gradient_checkpointing: the trained and reference engines' parameter
       dtype ("bfloat16" on GPU) and activation checkpointing.
+    attn_implementation: every engine's ``ModelConfig.attn_implementation`` (torch:
+      transformers' name or ``polyrl_varlen``; JAX: ``cudnn``/``xla``, else cuDNN where it
+      applies; docs/backends.md).
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
@@ -344,6 +347,7 @@ class RunConfig:
     offload_colocated: bool | None = None
     model_dtype: str = "float32"
     gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
     weight_transport: str = "object_store"
     async_rollout: bool = False
     weight_bucket_mb: float = 64.0

@@ -118,3 +118,11 @@ def test_a_local_ray_start_gets_a_whole_cpu_count(given, want):
 
     got = local_cpus(given)
     assert got == want and (got is None or type(got) is int)
+
+
+def test_attention_binding_reaches_every_engine(tmp_path):
+    cfg, spec = _cfg(tmp_path, "polyrl.RunConfig.attn_implementation = 'polyrl_varlen'")
+    roles = build_roles(cfg, spec)
+    engines = [r for r in roles.values() if r.model is not None]
+    assert {r.name for r in engines} == {"actor", "reference"}
+    assert {r.model.attn_implementation for r in engines} == {"polyrl_varlen"}

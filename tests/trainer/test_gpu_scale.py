@@ -4,7 +4,7 @@ Never run where they were written (no GPU there): these are the proof that the p
 models place a role over both GPUs. The tiny GRPO runs two steps with every role in one
 pool of 2 GPUs: the JAX actor is ONE Ray worker whose mesh spans both GPUs (make_mesh
 refuses to start if it sees fewer devices than the mesh needs), the torch actor is two
-ranks, each on its own GPU.
+ranks, each on its own GPU, under FSDP and under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -77,4 +77,11 @@ def test_torch_fsdp_over_both_gpus(gpu_ray, tmp_path):
     assert len(where) == 2  # a rank per GPU, each on a different one
     assert sorted(w["gpus"] for w in where) == sorted({w["gpus"] for w in where}), where
     assert all(len(w["gpus"].split(",")) == 1 for w in where), where
+    assert np.isfinite(last["actor/loss"]) and last["step"] == 2
+
+
+def test_torch_tensor_parallel_over_both_gpus(gpu_ray, tmp_path):
+    """The torch actor split over both GPUs by tensor parallelism (NCCL), two GRPO steps."""
+    where, last = _run(tmp_path, "torch_fsdp", {"tensor": 2})
+    assert len(where) == 2 and len({w["gpus"] for w in where}) == 2, where
     assert np.isfinite(last["actor/loss"]) and last["step"] == 2

@@ -45,6 +45,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from polyrl.timeline import record
+
 __all__ = ["DebugConfig", "DebugSession", "for_debugging", "place", "setup_worker", "DEBUG_ENV"]
 
 DEBUG_ENV = "POLYRL_DEBUG"  # the DebugConfig as JSON, in every worker's environment
@@ -119,8 +121,10 @@ class DebugConfig:
         return out
 
     def env(self) -> dict[str, str]:
-        """Environment variables that turn the debugger on in a worker."""
-        return {DEBUG_ENV: json.dumps(dataclasses.asdict(self)), "RAY_DEBUG": "1"}
+        """Environment variables that turn the debugger on in a worker (the terminal
+        debugger when the driver runs with ``RAY_DEBUG=legacy``)."""
+        mode = "legacy" if legacy() else "1"
+        return {DEBUG_ENV: json.dumps(dataclasses.asdict(self)), "RAY_DEBUG": mode}
 
 
 def _compile(expr: str, owner: str) -> Any:
@@ -172,9 +176,8 @@ def _ray_worker() -> Any:
     return None
 
 
-def _announce(where: str, **extra: Any) -> None:
+def _announce(where: str, host: str, port: int, **extra: Any) -> None:
     """Record this pause where the driver looks for it (Ray's internal KV store)."""
-    host, port = _listen()
     record = {"role": _state["role"], "rank": _state["rank"], "where": where}
     record |= {"host": host, "port": port, "pid": os.getpid(), "since": time.time(), **extra}
     try:  # the driver's DebugSession prints it
@@ -213,9 +216,52 @@ def _wait_for_client() -> None:
     _attached()
 
 
+def legacy() -> bool:
+    """``RAY_DEBUG=legacy``: Ray's terminal debugger (a remote pdb that ``ray debug`` or any
+    line-based socket client attaches to) instead of debugpy."""
+    return os.environ.get("RAY_DEBUG") == "legacy"
+
+
+def _remote_pdb(where: str, **extra: Any) -> Any:
+    """Ray's remote pdb for this pause, once a client has connected. Ray records its
+    address (for ``ray debug``) and blocks until a client connects; a thread reads that
+    address and records the pause for the driver's ``[debug]`` line meanwhile."""
+    import uuid
+
+    from ray._private import ray_constants
+    from ray.experimental import internal_kv
+    from ray.util import rpdb
+
+    key, stop = uuid.uuid4().hex, threading.Event()
+
+    def announce() -> None:
+        while not stop.is_set():
+            raw = internal_kv._internal_kv_get(
+                f"RAY_PDB_{key}", namespace=ray_constants.KV_NAMESPACE_PDB
+            )
+            if raw:
+                host, port = json.loads(raw)["pdb_address"].rsplit(":", 1)
+                return _announce(where, host, int(port), **extra)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=announce, name="polyrl-debug-announce", daemon=True)
+    thread.start()
+    try:
+        rdb = rpdb._connect_ray_pdb(host=_state["config"].host, quiet=True, breakpoint_uuid=key)
+    finally:
+        stop.set()
+        thread.join()
+    _attached()
+    return rdb
+
+
 def pause(where: str, frame: Any) -> None:
-    """Announce, wait for a debugger, then stop in ``frame`` (Ray's debugpy breakpoint)."""
-    _announce(where)
+    """Announce, wait for a debugger, then stop in ``frame`` (Ray's debugpy breakpoint,
+    or its remote pdb with ``RAY_DEBUG=legacy``)."""
+    if legacy():
+        _remote_pdb(where).set_trace(frame=frame)
+        return
+    _announce(where, *_listen())
     _wait_for_client()
     import pydevd  # debugpy's vendored copy: importable once debugpy listens
 
@@ -229,16 +275,37 @@ def user_breakpoint(*args: Any, **kwargs: Any) -> None:
 
 
 def _post_mortem(error: BaseException) -> None:
-    """Pause on ``error`` (we are inside its ``except`` block) at the frame that raised."""
-    from ray.util.debugpy import _debugpy_excepthook
-
-    tb = error.__traceback__
+    """Pause on ``error`` where it began: in the frame that raised its root cause (an
+    error raised ``from`` another, e.g. the RewardError wrapping your reward function's
+    KeyError, pauses inside your function, with its locals)."""
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    tb = root.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     where = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb else "?"
-    _announce(where, error=f"{type(error).__name__}: {error}")
+    said = f"{type(error).__name__}: {error}"
+    if legacy():
+        rdb = _remote_pdb(where, error=said)
+        rdb.reset()
+        rdb.interaction(None, root.__traceback__)  # pdb.post_mortem on the root cause
+        return
+    _announce(where, *_listen(), error=said)
     _wait_for_client()
-    _debugpy_excepthook()
+    import pydevd  # debugpy's vendored copy: importable once debugpy listens
+
+    # What ray.util.debugpy does for an unhandled exception, on the root cause.
+    py_db = pydevd.get_global_debugger()
+    thread = threading.current_thread()
+    info = py_db.set_additional_thread_info(thread)
+    info.is_tracing += 1
+    try:
+        py_db.stop_on_unhandled_exception(
+            py_db, thread, info, (type(root), root, root.__traceback__)
+        )
+    finally:
+        info.is_tracing -= 1
 
 
 def _stop_here(fn: Callable, ns: dict[str, Any]) -> None:
@@ -254,13 +321,18 @@ def _stop_here(fn: Callable, ns: dict[str, Any]) -> None:
     exec(compile(src, code.co_filename, "exec"), glb, ns)
 
 
+def _step(values: Any) -> int | None:
+    """The training step of the call: a Batch argument carries it in its info dict."""
+    for v in values:
+        info = getattr(v, "info", None)
+        if isinstance(info, dict):
+            return info.get("step")
+    return None
+
+
 def _namespace(fn: Callable, method: str, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    ns = dict(bound.arguments)
-    # A Batch argument carries the training step in its info dict.
-    infos = [v.info for v in ns.values() if isinstance(getattr(v, "info", None), dict)]
-    step = infos[0].get("step") if infos else None
-    return ns | {"step": step, "rank": _state["rank"], "role": _state["role"]}
+    ns = dict(inspect.signature(fn).bind(*args, **kwargs).arguments)
+    return ns | {"step": _step(ns.values()), "rank": _state["rank"], "role": _state["role"]}
 
 
 def _check(expr: str | None, ns: dict[str, Any]) -> bool:
@@ -274,32 +346,41 @@ def _needs_result(expr: str | None, method: str) -> bool:
 
 def place(method: str) -> Callable[[Callable], Callable]:
     """Decorator of a role worker method: the breakpoints, log points and post-mortem of
-    ``<role>.<method>`` (role from :func:`setup_worker`). A no-op without ``--debug``."""
+    ``<role>.<method>`` (role from :func:`setup_worker`), a no-op without ``--debug``;
+    and, always, the call's span for the run's timeline (``polyrl.timeline.record``)."""
 
     def deco(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            cfg = _state["config"]
-            if cfg is None:
-                return fn(*args, **kwargs)
-            points = cfg.points(_state["role"], method)
-            ns = _namespace(fn, method, args, kwargs) if points else {}
-            early = [(k, e) for k, e in points if not _needs_result(e, method)]
-            _fire(fn, method, early, ns)
+            start = time.time()
             try:
-                result = fn(*args, **kwargs)
-            except Exception as e:
-                if cfg.post_mortem:
-                    _post_mortem(e)
-                raise
-            if len(early) < len(points):
-                ns |= {"result": result, RESULT_ALIAS.get(method, "result"): result}
-                _fire(fn, method, [p for p in points if p not in early], ns)
-            return result
+                return _debugged(fn, method, args, kwargs)
+            finally:
+                record(method, start, time.time() - start, _step((*args, *kwargs.values())))
 
         return wrapper
 
     return deco
+
+
+def _debugged(fn: Callable, method: str, args: tuple, kwargs: dict) -> Any:
+    cfg = _state["config"]
+    if cfg is None:
+        return fn(*args, **kwargs)
+    points = cfg.points(_state["role"], method)
+    ns = _namespace(fn, method, args, kwargs) if points else {}
+    early = [(k, e) for k, e in points if not _needs_result(e, method)]
+    _fire(fn, method, early, ns)
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:
+        if cfg.post_mortem:
+            _post_mortem(e)
+        raise
+    if len(early) < len(points):
+        ns |= {"result": result, RESULT_ALIAS.get(method, "result"): result}
+        _fire(fn, method, [p for p in points if p not in early], ns)
+    return result
 
 
 def _fire(fn: Callable, method: str, points: list, ns: dict[str, Any]) -> None:
@@ -370,6 +451,14 @@ class DebugSession:
             return None
         import ray
 
+        if legacy():
+            print(
+                "[debug] Ray's terminal debugger on (RAY_DEBUG=legacy): attach to a pause with "
+                "`ray debug`, or any line-based socket client (nc, telnet) at its address; "
+                "docs/debugging.md",
+                flush=True,
+            )
+            return cls(config)
         url = ray._private.worker.get_dashboard_url()
         print(
             f"[debug] Ray distributed debugger on; dashboard http://{url} (Ray Distributed "

@@ -68,7 +68,8 @@ class Loop(abc.ABC):
         self.vocab = self.pool.sampling_vocab_size if self.pool is not None else None
         self.run_dir = Path(cfg.run_dir)
         self.timer = PhaseTimer()
-        self.timeline = Timeline(self.run_dir / "timeline.json") if cfg.timeline else None
+        path = self.run_dir / "timeline.json"
+        self.timeline = Timeline(path, self.role_workers) if cfg.timeline else None
         if self.timeline is not None:
             self.timer.listeners.append(self.timeline.add)
         self.health = HealthMonitor()
@@ -119,6 +120,15 @@ class Loop(abc.ABC):
         for group in (self.actor, self.reference, self.critic):
             if group is not None:
                 group.shutdown()
+
+    def role_workers(self) -> list[tuple[str, int, Any]]:
+        """Every role worker as (role, rank, Ray actor): where the timeline's spans are."""
+        groups = {"actor": self.actor, "reference": self.reference, "critic": self.critic}
+        groups["reward_model"] = getattr(self, "reward_model", None)
+        out = [(r, i, w) for r, g in groups.items() if g for i, w in enumerate(g.workers)]
+        out += [("rollout", i, s) for i, s in enumerate(self.pool.servers if self.pool else ())]
+        rewards = getattr(self, "rewards", None)
+        return out + [("reward", i, w) for i, w in enumerate(rewards.workers if rewards else ())]
 
     def _group(self, role: str) -> WorkerGroup:
         """Start ``role`` from the run's role table (``polyrl.roles``)."""

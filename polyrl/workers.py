@@ -29,11 +29,12 @@ from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 from polyrl.debug import place, setup_worker
 from polyrl.reliability import WorkerDied
 from polyrl.roles import RoleSpec
+from polyrl.timeline import Traced
 
 __all__ = ["WorkerGroup", "EngineWorker", "worker_options"]
 
 
-class EngineWorker:
+class EngineWorker(Traced):
     """Hosts one TrainEngine inside a Ray actor (or in-process, for tests)."""
 
     def __init__(self, backend: str):

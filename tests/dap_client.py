@@ -113,5 +113,6 @@ def wait_for_pause(proc: subprocess.Popen, seen: list[str], timeout_s: float) ->
         seen.append(line)
         match = PAUSED.search(line)
         if match:
+            print(line, end="", flush=True)  # the pause line, for the record (pytest -s)
             return match
     raise AssertionError("no [debug] pause line; output:\n" + "".join(seen[-60:]))

@@ -26,6 +26,7 @@ import numpy as np
 
 from polyrl.debug import place, setup_worker
 from polyrl.rewards.registry import REWARDS, RewardFn
+from polyrl.timeline import Traced
 
 __all__ = ["RewardError", "RewardPool", "RewardWorker", "check_reward", "score_items"]
 
@@ -109,7 +110,7 @@ def score_items(
     return out
 
 
-class RewardWorker:
+class RewardWorker(Traced):
     """One Ray actor scoring shards of a batch with a copy of the driver's registry."""
 
     def __init__(self, fns: Mapping[str, RewardFn], timeout_s: float | None, rank: int = 0):

@@ -25,6 +25,7 @@ import numpy as np
 
 from polyrl.debug import place, setup_worker
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
+from polyrl.timeline import Traced
 
 __all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "server_env"]
 
@@ -75,7 +76,7 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     return kwargs
 
 
-class RolloutServer:
+class RolloutServer(Traced):
     """One vLLM engine; see the module docstring for the weight protocol.
 
     Requests are ``(sample_index, prompt_ids)``: the index seeds the sample

@@ -190,7 +190,7 @@ def test_timeline_is_a_chrome_trace(tmp_path):
     tl.close()
     events = json.loads((tmp_path / "timeline.json").read_text())
     spans = [e for e in events if e["ph"] == "X"]
-    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert [(names[e["tid"]], e["name"], e["ts"], e["dur"]) for e in spans] == [
         ("rollout", "generate", 1_000_000, 250_000),
         ("actor", "update_actor", 1_500_000, 500_000),

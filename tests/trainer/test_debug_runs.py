@@ -5,6 +5,8 @@ rollout server logs without pausing; the run completes."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -48,32 +50,33 @@ def _inspect_and_continue(proc, seen, expect_role, check) -> None:
     dap.close()
 
 
+def start_run(tmp_path, module: str | None, *bindings: str, env=None) -> subprocess.Popen:
+    """``polyrl train --debug [--import <module>]`` of the tiny GRPO in ``tmp_path``."""
+    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--debug"]
+    cmd += ["--import", module] if module else []
+    cmd += ["--gin_file", str(ROOT / "gin/experiments/tiny_grpo.gin")]
+    for b in (
+        f"polyrl.RunConfig.run_dir = {str(tmp_path / 'run')!r}",
+        "polyrl.RunConfig.tensorboard = False",
+        "polyrl.RunConfig.reward_workers = 1",
+        *bindings,
+    ):
+        cmd += ["--gin_param", b]
+    return subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 @pytest.mark.slow
 def test_debugger_attaches_to_remote_roles(tmp_path):
     (tmp_path / "dbg_rewards.py").write_text(REWARD)
-    cmd = [
-        sys.executable,
-        "-m",
-        "polyrl.cli",
-        "train",
-        "--debug",
-        "--import",
+    proc = start_run(
+        tmp_path,
         "dbg_rewards",
-        "--gin_file",
-        str(ROOT / "gin/experiments/tiny_grpo.gin"),
-    ]
-    for b in (
-        f"polyrl.RunConfig.run_dir = {str(tmp_path / 'run')!r}",
         "polyrl.RunConfig.total_steps = 3",
-        "polyrl.RunConfig.tensorboard = False",
-        "polyrl.RunConfig.reward_workers = 1",
         # once per step (train_step runs once per mini-batch: twice a step here)
         'polyrl.DebugConfig.breakpoints = ["actor.forward if step == 1"]',
         'polyrl.DebugConfig.log_points = {"rollout.generate": "len(requests)"}',
-    ):
-        cmd += ["--gin_param", b]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     seen: list[str] = []
     try:
@@ -103,4 +106,112 @@ def test_debugger_attaches_to_remote_roles(tmp_path):
     assert (
         out.count("[debug] log point rollout.generate rank 0 step None: len(requests) = 128") == 3
     )
+    assert "[polyrl] done" in out
+
+
+RAISING_REWARD = textwrap.dedent(
+    """
+    from polyrl.rewards import REWARDS
+
+
+    def boxed_answer(response, ground_truth, extra_info=None):
+        parsed = {"answer": response.strip()}
+        return float(parsed["boxed"] == ground_truth)  # KeyError: the line post-mortem stops at
+
+
+    REWARDS["polyrl/copy"] = boxed_answer
+    """
+)
+
+
+@pytest.mark.slow
+def test_post_mortem_pauses_the_reward_worker_where_the_reward_raised(tmp_path):
+    """DebugConfig.post_mortem in a real Ray role: the user's reward raises KeyError in its
+    reward worker, which pauses in the reward function's frame (not where polyrl wraps the
+    error in a RewardError); after the debugger continues, the run ends naming the error."""
+    (tmp_path / "pm_rewards.py").write_text(RAISING_REWARD)
+    proc = start_run(
+        tmp_path,
+        "pm_rewards",
+        "polyrl.RunConfig.total_steps = 2",
+        "polyrl.DebugConfig.post_mortem = True",
+    )
+    seen: list[str] = []
+    try:
+        m = wait_for_pause(proc, seen, timeout_s=240)
+        role, rank, where, line, host, port = m.groups()
+        assert (role, rank, where, line) == ("reward", "0", str(tmp_path / "pm_rewards.py"), "7")
+        # the driver's line names the error the role raised
+        assert "(RewardError: reward for data_source 'polyrl/copy', sample 0" in m.string
+        assert "raised KeyError: 'boxed')" in m.string
+        dap = DAPClient(host, int(port))
+        stopped = dap.attach()
+        assert stopped["reason"] == "exception"
+        info = dap.request("exceptionInfo", threadId=stopped["threadId"])
+        assert info["exceptionId"].startswith("KeyError") and "boxed" in info["description"]
+        frame = dap.top_frame(stopped["threadId"])
+        assert (frame["source"]["path"], frame["line"]) == (str(tmp_path / "pm_rewards.py"), 7)
+        local = dap.local_variables(frame["id"])
+        assert set(local) >= {"response", "ground_truth", "parsed"}
+        assert dap.evaluate("sorted(parsed), len(ground_truth)", frame["id"]) == "(['answer'], 3)"
+        dap.request("continue", threadId=stopped["threadId"])
+        dap.close()
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    out = "".join(seen) + rest
+    assert proc.returncode == 1, out[-5000:]
+    assert "RewardError: reward for data_source 'polyrl/copy', sample 0" in out
+    assert "raised KeyError: 'boxed'" in out and "[polyrl] done" not in out
+
+
+class RemotePdb:
+    """A line-based client of Ray's remote pdb (what ``ray debug`` does on the socket)."""
+
+    def __init__(self, host: str, port: int):
+        self.sock = socket.create_connection((host, port), timeout=60)
+        self.buf = b""
+
+    def until_prompt(self) -> str:
+        while b"(Pdb) " not in self.buf:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"pdb closed the connection; got {self.buf!r}")
+            self.buf += data
+        text, _, self.buf = self.buf.partition(b"(Pdb) ")
+        return text.decode().replace("\r\n", "\n")
+
+    def do(self, command: str) -> str:
+        self.sock.sendall(command.encode() + b"\n")
+        return self.until_prompt()
+
+
+@pytest.mark.slow
+def test_terminal_debugger_with_ray_debug_legacy(tmp_path):
+    """RAY_DEBUG=legacy polyrl train --debug: the conditional breakpoint pauses in Ray's
+    remote pdb; the driver's [debug] line gives its address; a socket client reads locals
+    with pdb commands and continues; the run completes."""
+    proc = start_run(
+        tmp_path,
+        None,
+        "polyrl.RunConfig.total_steps = 2",
+        'polyrl.DebugConfig.breakpoints = ["actor.forward if step == 1"]',
+        env={**os.environ, "RAY_DEBUG": "legacy"},
+    )
+    seen: list[str] = []
+    try:
+        m = wait_for_pause(proc, seen, timeout_s=240)
+        role, rank, where, line, host, port = m.groups()
+        assert (role, rank) == ("actor", "0") and where.endswith("polyrl/workers.py"), m.group(0)
+        pdb = RemotePdb(host, int(port))
+        assert f"workers.py({line})" in pdb.until_prompt()  # where pdb stopped
+        assert pdb.do("p step").strip() == "1"
+        assert pdb.do("p len(batch), rank").strip() == "(128, 0)"
+        pdb.sock.sendall(b"c\n")
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-5000:]
+    assert "[debug] Ray's terminal debugger on (RAY_DEBUG=legacy)" in out
     assert "[polyrl] done" in out

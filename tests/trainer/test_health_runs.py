@@ -87,9 +87,77 @@ def test_healthy_demo_is_silent_and_dumps(tmp_path, capsys, reward_override):
     assert first["ground_truth"] in first["prompt"]
     assert "[rollouts] step 1: 4 samples" in out
     events = json.loads((tmp_path / "timeline.json").read_text())
-    spans = [e for e in events if e["ph"] == "X"]
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] == 0]  # the driver's phases
     assert {e["name"] for e in spans} >= {"generate", "reward", "update_actor", "sync_weights"}
     assert sorted({e["args"]["step"] for e in spans}) == list(range(1, 13))  # from 1
+    worker = _worker_spans(events)
+    assert {(e["name"], e["tid"]) for e in worker} >= {
+        ("actor.forward", 0),
+        ("actor.train_step", 0),
+        ("actor.sync_weights", 0),
+        ("reference.forward", 0),
+        ("rollout.generate", 0),
+        ("reward.score", 0),
+        ("reward.score", 1),  # RunConfig.reward_workers = 2
+    }
+
+
+# Where a worker call runs: inside this driver phase of the same step (the reference's
+# forward also runs once outside its phase: the isolation check after the first update).
+PHASE_OF = {"actor.train_step": "update_actor", "actor.sync_weights": "sync_weights"}
+PHASE_OF |= {"actor.forward": "old_log_probs", "rollout.generate": "generate"}
+TOLERANCE_US = 20_000  # the driver's perf_counter and the workers' wall clock, converted
+
+
+def _worker_spans(events: list[dict]) -> list[dict]:
+    """The workers' spans, each checked: within the driver's phases, inside the phase
+    PHASE_OF names, not overlapping the same worker's other calls."""
+    phases = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
+    worker = [e for e in events if e["ph"] == "X" and e["pid"] != 0]
+    first, last = min(p["ts"] for p in phases), max(p["ts"] + p["dur"] for p in phases)
+    for e in worker:
+        assert first <= e["ts"] and e["ts"] + e["dur"] <= last, e
+        inside = [
+            p
+            for p in phases
+            if e["args"]["step"] in (None, p["args"]["step"])
+            and p["name"] == PHASE_OF.get(e["name"], p["name"])
+            and p["ts"] - TOLERANCE_US <= e["ts"]
+            and e["ts"] + e["dur"] <= p["ts"] + p["dur"] + TOLERANCE_US
+        ]
+        assert inside or e["name"] not in PHASE_OF, f"{e} is not inside its phase"
+    by_worker: dict[tuple[int, int], list[dict]] = {}
+    for e in worker:
+        by_worker.setdefault((e["pid"], e["tid"]), []).append(e)
+    for spans in by_worker.values():
+        spans.sort(key=lambda e: e["ts"])
+        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(spans, spans[1:])), spans
+    return worker
+
+
+@pytest.mark.slow
+def test_timeline_has_each_actor_rank(tmp_path):
+    """A 2-rank torch actor (mesh data=2): each rank's own calls on its own track."""
+    _run(
+        tmp_path,
+        "polyrl.RunConfig.total_steps = 2",
+        "actor/polyrl.ParallelConfig.mesh = {'data': 2}",
+    )
+    events = json.loads((tmp_path / "timeline.json").read_text())
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e["ph"] == "M"}
+    worker = _worker_spans(events)
+    actor = [e for e in worker if e["name"].startswith("actor.")]
+    pid = actor[0]["pid"]
+    assert names[(pid, None)] == "actor workers"
+    assert (names[(pid, 0)], names[(pid, 1)]) == ("rank 0", "rank 1")
+    for rank in (0, 1):
+        mine = [e for e in actor if e["tid"] == rank]
+        # each step: one forward (old log-probs), 16 / 8 prompts = 2 mini-batch updates, a sync
+        for step in (1, 2):
+            calls = sorted(e["name"] for e in mine if e["args"]["step"] == step)
+            assert calls == ["actor.forward", "actor.train_step", "actor.train_step"], mine
+        assert sum(e["name"] == "actor.sync_weights" for e in mine) == 2
+        assert all(e["args"]["rank"] == rank and e["dur"] > 0 for e in mine)
 
 
 @pytest.mark.slow

@@ -170,3 +170,27 @@ def test_cpu_pools_and_the_off_switch_take_no_turns(tmp_path):
     )
     assert turn_roles(cfg, roles, shares, _probe(79, 80, calls)) == (frozenset(), False)
     assert calls == []
+
+
+@pytest.mark.slow
+def test_ppo_forwards_at_once_equal_one_after_another(ray_session, tmp_path):
+    """PPO has three forwards (reference, old log-probs, critic values): run at once (no
+    turns, the CPU default) or one after another (turns forced on), every number is the
+    same."""
+    from polyrl.launch import train
+    from polyrl.metrics import read_jsonl
+
+    runs = {}
+    for name, extra in (
+        ("together", []),
+        ("serial", ["polyrl.RunConfig.offload_colocated = True"]),
+    ):
+        run = tmp_path / name
+        params = [f"polyrl.RunConfig.run_dir = '{run}'", "polyrl.RunConfig.total_steps = 3"]
+        train(["gin/experiments/tiny_ppo.gin"], params + extra)
+        runs[name] = read_jsonl(run / "metrics.jsonl")
+    keys = ("critic/loss", "critic/explained_variance", "actor/loss", "kl_in_reward/kl")
+    for a, b in zip(runs["together"], runs["serial"]):
+        assert [a[k] for k in keys] == [b[k] for k in keys], a["step"]
+    assert all("time/reload" in r for r in runs["serial"])
+    assert not any("time/reload" in r for r in runs["together"])

@@ -47,12 +47,14 @@ def _fall_back(reason: str) -> None:
     fallbacks[reason] += 1
 
 
-def resolve(attn_implementation: str, platform: str, dtype) -> str:
+def resolve(attn_implementation: str, platform: str, dtype, probe=None) -> str:
     """``xla``, ``cudnn`` (forced) or ``auto`` (cuDNN, XLA if the traced shapes do not
     fit) for ``ModelConfig.attn_implementation`` on ``platform`` with compute ``dtype``.
-    A forced ``cudnn`` that cannot run raises with the reason, here or when the step is
-    traced (shape limits: head dim, GPU generation, :func:`attend`); ``auto`` falls back
-    to ``xla``."""
+    ``probe``: ``(device, heads, kv_heads, head_dim)``: on a GPU, first compile and run
+    a small forward + backward of the cuDNN call with the model's heads on ``device``
+    (:func:`probe_cudnn`), so a cuDNN that fails only when compiling or running is found
+    at start-up. A forced ``cudnn`` that cannot run raises with the reason, here or when
+    the step is traced (:func:`attend`); ``auto`` falls back to ``xla``."""
     wanted = NAMES.get(attn_implementation, "auto")
     if wanted == "xla":
         return "xla"
@@ -61,6 +63,8 @@ def resolve(attn_implementation: str, platform: str, dtype) -> str:
         reason = f"platform is {platform!r}, cuDNN needs a CUDA GPU"
     elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         reason = f"compute dtype is {jnp.dtype(dtype).name}, cuDNN attention needs bfloat16/float16"
+    elif probe is not None:
+        reason = probe_cudnn(*probe, dtype=dtype)
     if reason is None:
         return wanted
     if wanted == "cudnn":
@@ -70,6 +74,22 @@ def resolve(attn_implementation: str, platform: str, dtype) -> str:
         )
     _fall_back(reason)
     return "xla"
+
+
+def probe_cudnn(device, heads: int, kv_heads: int, head_dim: int, dtype) -> str | None:
+    """None when cuDNN's packed attention compiles and runs forward and backward on
+    ``device`` for these heads (two sequences and padding in a 64-token row), else why
+    not. Any error counts: this runs before the model exists, to fall back cleanly."""
+    seg = jnp.asarray([[1] * 32 + [2] * 16 + [0] * 16], jnp.int32)
+    q = jnp.zeros((1, 64, heads, head_dim), dtype)
+    kv = jnp.zeros((1, 64, kv_heads, head_dim), dtype)
+    loss = lambda q, k, v: _cudnn(q, k, v, seg, 1.0, 2).astype(jnp.float32).sum()  # noqa: E731
+    try:
+        q, k, v = jax.device_put((q, kv, kv), device)
+        jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    except Exception as e:  # noqa: BLE001 - whatever stops cuDNN here means XLA
+        return f"cuDNN probe failed: {type(e).__name__}: {str(e)[:300]}"
+    return None
 
 
 def causal_segment_mask(segment_ids: jax.Array) -> jax.Array:

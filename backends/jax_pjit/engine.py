@@ -109,8 +109,12 @@ class JaxPjitEngine:
         self.with_lm = not model.has_value_head
         # trainable roles keep fp32 master weights and compute in model.dtype (as torch_fsdp)
         self.compute_dtype = jnp.dtype(model.dtype)
+        first = self.mesh.devices.flat[0]
         self.attention = attention.resolve(
-            model.attn_implementation, self.mesh.devices.flat[0].platform, self.compute_dtype
+            model.attn_implementation,
+            first.platform,
+            self.compute_dtype,
+            probe=(first, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim),
         )
         dtype = jnp.dtype(jnp.float32) if model.trainable else self.compute_dtype
         abstract = nnx.eval_shape(

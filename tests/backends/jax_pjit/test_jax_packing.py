@@ -116,6 +116,13 @@ def test_cudnn_forced_off_gpu_is_a_named_error_and_auto_falls_back(caplog):
     assert attention.fallbacks["compute dtype is float32, cuDNN attention needs bfloat16/float16"]
     assert attention.resolve("sdpa", "gpu", jnp.bfloat16) == "auto"
     assert attention.resolve("xla", "gpu", jnp.bfloat16) == "xla"
+    # a probe that fails (here: no cuDNN on this CPU) turns auto into XLA, cudnn into an error
+    probe = (jax.devices()[0], 4, 2, 16)
+    if jax.devices()[0].platform != "gpu":
+        assert attention.probe_cudnn(*probe, dtype=jnp.bfloat16).startswith("cuDNN probe failed")
+        assert attention.resolve("sdpa", "gpu", jnp.bfloat16, probe=probe) == "xla"
+        with pytest.raises(ValueError, match="attn_implementation='cudnn': cuDNN probe failed"):
+            attention.resolve("cudnn", "gpu", jnp.bfloat16, probe=probe)
 
 
 def _batch(n=7, seed=2):
@@ -230,7 +237,8 @@ def test_cuda_engine_packed_cudnn_equals_padded_xla(tiny_model_dir):
         return eng
 
     xla, fast = engine("xla", False), engine("cudnn", True)
-    assert fast.attention == "cudnn"
+    assert fast.attention == "cudnn"  # the start-up probe passed
+    assert attention.probe_cudnn(jax.devices()[0], 4, 2, 32, jnp.bfloat16) is None
     fwd_a, m_a, _ = _run(xla, batch)
     fwd_b, m_b, _ = _run(fast, batch)
     # bf16 (attention kernels round differently); attending across sequences or to

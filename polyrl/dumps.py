@@ -4,9 +4,12 @@ At step 1 and every ``RunConfig.dump_every`` steps (steps count from 1, as in th
 progress line), ``RunConfig.dump_samples`` samples spread over the batch go to
 ``<run_dir>/rollouts.jsonl``, one JSON object per line::
 
-    step, index, data_source, prompt (after the chat template, special tokens kept),
-    response, ground_truth, reward, advantage (mean over the response tokens),
-    prompt_length, response_length, finish_reason ("stop" | "length")
+    step, index, prompt_index (the data row), data_source, prompt (after the chat
+    template, special tokens kept), response, ground_truth, reward, advantage (mean over
+    the response tokens), prompt_length, response_length, finish_reason ("stop" | "length")
+
+A resumed run first drops the dumps of steps after its checkpoint (as ``metrics.jsonl``
+does), so the file holds each step's samples once.
 
 The first dump is also printed in full, one line per sample, so a run that scores
 nothing shows why at its first step; later dumps print their first two samples in one
@@ -23,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from polyrl.metrics import drop_steps_after
+
 __all__ = ["RolloutDumps", "dump_rows"]
 
 
@@ -38,6 +43,7 @@ def dump_rows(batch: Any, tokenizer: Any, samples: int, step: int) -> list[dict[
             {
                 "step": step,
                 "index": int(i),
+                "prompt_index": int(batch["prompt_index"][i]) if "prompt_index" in batch else None,
                 "data_source": str(batch["data_source"][i]),
                 "prompt": tokenizer.decode(batch["prompt_ids"][i], skip_special_tokens=False),
                 "response": str(batch["response_text"][i]),
@@ -69,6 +75,10 @@ class RolloutDumps:
         self.tokenizer, self.every, self.samples, self.echo = tokenizer, every, samples, echo
         self.shown = False
         self.text = ""  # the last dump's printed lines, until the trainer logs them
+
+    def resume(self, step: int) -> None:
+        """Drop the dumps of steps after ``step`` (a resumed run takes them again)."""
+        drop_steps_after(self.path, step)
 
     def write(self, step: int, batch: Any) -> None:
         due = self.every and (step == 1 or step % self.every == 0)

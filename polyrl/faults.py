@@ -17,7 +17,10 @@ Points and where they fire:
   checkpoint of trainer step ``step`` (after the engines wrote theirs, before the
   checkpoint is complete);
 * ``kill_worker@<role>=<updates>``: the worker hosting ``role`` SIGKILLs itself at the
-  start of the listed optimizer updates;
+  start of the listed optimizer updates (every rank of the role; ``<role>:<rank>``, e.g.
+  ``kill_worker@actor:1=2``: that rank only);
+* ``kill_in_forward@<role>[:<rank>]=<calls>``: the same at the start of the worker's
+  listed (0-based) forward calls (roles that do not train: the reference);
 * ``fail_write@run_dir=0`` / ``disk_full@run_dir=0``: the start-up probe of the run dir
   fails with ``ENOSPC`` / sees 0 bytes free;
 * ``fail_write@metrics=<N>`` / ``fail_write@checkpoint=<N>``: writing the metrics row

@@ -20,6 +20,7 @@ __all__ = [
     "PhaseTimer",
     "Tracker",
     "read_jsonl",
+    "drop_steps_after",
     "latest_metrics",
     "plot_run",
     "phase_summary",
@@ -109,9 +110,8 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            kept = [r for r in read_jsonl(self.path) if r["step"] <= resume_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if resume_step is not None:
+            drop_steps_after(self.path, resume_step)
         self._jsonl = self.path.open("a")
         self._tb = None
         if tensorboard:
@@ -156,6 +156,16 @@ class Tracker:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def drop_steps_after(path: str | Path, step: int) -> None:
+    """Rewrite JSONL file ``path`` (if any) without its rows of steps after ``step``,
+    and without a last line a kill cut short (no newline: a torn write)."""
+    path = Path(path)
+    if path.exists():
+        lines = path.read_text().split("\n")[:-1]  # the part after the last newline is torn
+        kept = [r for r in map(json.loads, filter(str.strip, lines)) if r["step"] <= step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def latest_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:

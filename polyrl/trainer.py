@@ -146,6 +146,7 @@ class Loop(abc.ABC):
         ``total_steps``; ``on_step(step, metrics)`` after each (e.g. Ray Tune's report)."""
         if resume:
             self._restore()
+            self.dumps.resume(self.start_step)
         tracker = Tracker(
             self.run_dir,
             self.cfg.tensorboard,

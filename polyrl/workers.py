@@ -39,6 +39,7 @@ class EngineWorker(Traced):
 
     def __init__(self, backend: str):
         self.backend, self.rank, self.engine = backend, 0, None
+        self.forwards = 0  # forward calls so far (the ``kill_in_forward`` fault counts them)
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it: where the role's group meets."""
@@ -68,13 +69,22 @@ class EngineWorker(Traced):
 
     @place("forward")
     def forward(self, batch: Batch, kwargs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        self._fault("kill_in_forward", self.forwards)
+        self.forwards += 1
         return self.engine.forward(batch, **kwargs)
 
     @place("train_step")
     def train_step(self, batch: Batch, loss_fn: Any, kwargs: Mapping[str, Any]) -> dict[str, float]:
-        if faults.active("kill_worker", self.engine.step, self.role):
-            faults.kill_self()
+        self._fault("kill_worker", self.engine.step)
         return self.engine.train_step(batch, loss_fn, **kwargs)
+
+    def _fault(self, point: str, at: int) -> None:
+        """Test-only (``polyrl.faults``): die if ``point`` is asked for this role (every
+        rank) or this role and rank (``role:rank``) at ``at``."""
+        if faults.active(point, at, self.role) or faults.active(
+            point, at, f"{self.role}:{self.rank}"
+        ):
+            faults.kill_self()
 
     @place("sync_weights")
     def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:

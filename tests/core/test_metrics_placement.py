@@ -14,6 +14,8 @@ def test_tracker_resume_drops_steps_after_the_checkpoint(tmp_path):
     for step in range(1, 6):
         t.log(step, {"reward/mean": step / 10})
     t.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:  # SIGKILL in the middle of a write
+        f.write('{"step": 6, "reward/me')
     # The run died after logging step 5 but its last checkpoint, step_3, holds 3 steps.
     t = Tracker(tmp_path, tensorboard=False, resume_step=3)
     t.log(4, {"reward/mean": 0.44})

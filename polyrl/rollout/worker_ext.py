@@ -105,12 +105,18 @@ class WeightReceiver:
         join_group(key, host, port, rank, world_size, self.device)
         return rank
 
-    def polyrl_load_bucket_nccl(self, key: str, metas: list, nbytes: int) -> int:
-        """Receive one flat bucket broadcast from rank 0 of group ``key`` and load it."""
+    def polyrl_load_bucket_nccl(
+        self, key: str, metas: list, nbytes: int, timeout_s: float = 600.0, load: bool = True
+    ) -> int:
+        """Receive one flat bucket broadcast from rank 0 of group ``key`` (failing after
+        ``timeout_s``: the trainer or another member died) and load it (unless ``load``
+        is False: a resend after a re-formed group, of a bucket this worker has)."""
         from polyrl.weight_sync import group_broadcast, unpack_flat
 
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        group_broadcast(key, flat)
+        group_broadcast(key, flat, timeout_s)
+        if not load:
+            return 0
         weights = unpack_flat(flat, metas)
         _load(self, weights)
         return len(weights)

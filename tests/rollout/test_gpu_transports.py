@@ -32,10 +32,11 @@ def gpu_ray():
     ray.shutdown()
 
 
-def _pool(model_dir, num_gpus: float) -> RolloutPool:
+def _pool(model_dir, num_gpus: float, num_servers: int = 1) -> RolloutPool:
     return RolloutPool(
         RolloutConfig(
             model_path=str(model_dir),
+            num_servers=num_servers,
             dtype="float32",
             max_model_len=256,
             num_gpus=num_gpus,
@@ -43,6 +44,19 @@ def _pool(model_dir, num_gpus: float) -> RolloutPool:
             enforce_eager=True,
         )
     )
+
+
+def _trainer_gpu(pool) -> torch.device:
+    """Make a GPU no server uses this process's device (the trainer's rank 0): two NCCL
+    ranks on one device are invalid."""
+    used = {info["device_uuid"] for info in pool.infos}
+    other = next(
+        i
+        for i in range(torch.cuda.device_count())
+        if str(torch.cuda.get_device_properties(i).uuid) not in used
+    )
+    torch.cuda.set_device(other)
+    return torch.device("cuda", other)
 
 
 def _check(pool, model, device) -> None:
@@ -71,19 +85,47 @@ def test_nccl_disaggregated(gpu_ray, padded_model_dir):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: the server on one, the trainer on the other")
     pool = _pool(padded_model_dir, num_gpus=1)
-    # The trainer side must sit on the other GPU (two NCCL ranks on one device are invalid).
-    server_uuid = pool.infos[0]["device_uuid"]
-    other = next(
-        i
-        for i in range(torch.cuda.device_count())
-        if str(torch.cuda.get_device_properties(i).uuid) != server_uuid
-    )
-    torch.cuda.set_device(other)
-    device = torch.device("cuda", other)
+    device = _trainer_gpu(pool)
     model = load_hf(padded_model_dir, seed=6).to(device)
     syncer = pool.weight_syncer("nccl")
     assert syncer.ensure_group()  # this process (rank 0, NCCL on its GPU) + 1 server worker
     pool.commit(syncer.push(iter_buckets(model.state_dict().items(), 64 * 1024), pool.version + 1))
     assert pool.weight_versions() == [1]
     _check(pool, model, device)
+    pool.shutdown()
+
+
+def test_nccl_server_killed_during_push_is_resynced(gpu_ray, padded_model_dir):
+    """docs/reliability.md: server 0 dies after the 3rd bucket of an NCCL group push. The
+    trainer's broadcast fails within group_timeout_s (NCCL does not see the peer go), the
+    group is aborted and formed again with server 1, the push completes there; commit()
+    re-syncs the restarted server 0 and the next push reaches both over a new group."""
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs 3 GPUs: two servers and the trainer")
+    import ray
+
+    pool = _pool(padded_model_dir, num_gpus=1, num_servers=2)
+    device = _trainer_gpu(pool)
+    model = load_hf(padded_model_dir, seed=7).to(device)
+    syncer = pool.weight_syncer("nccl")
+    syncer.group_timeout_s = 30.0
+    assert syncer.ensure_group()
+    pool.resync_source = lambda: iter_buckets(model.state_dict().items(), 64 * 1024)
+
+    def buckets():
+        for i, bucket in enumerate(iter_buckets(model.state_dict().items(), 16 * 1024)):
+            if i == 3:
+                ray.kill(pool.servers[0], no_restart=False)
+            yield bucket
+
+    stats = syncer.push(buckets(), pool.version + 1)
+    assert stats.lost == [0]
+    pool.commit(stats)
+    assert pool.weight_versions() == [stats.version] * 2
+    _check(pool, model, device)
+    assert syncer.ensure_group()  # again with the restarted server
+    model2 = load_hf(padded_model_dir, seed=8).to(device)
+    pool.commit(syncer.push(iter_buckets(model2.state_dict().items(), 64 * 1024), pool.version + 1))
+    assert pool.weight_versions() == [pool.version] * 2
+    _check(pool, model2, device)
     pool.shutdown()

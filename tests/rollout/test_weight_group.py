@@ -72,6 +72,41 @@ def test_broadcast_group_carries_weights_and_reforms_after_restart(
     _check(pool, model2)
 
 
+def test_server_killed_during_group_push_is_resynced_before_it_generates(
+    pool, padded_model_dir, ray_session
+):
+    """Server 0 is killed after the 3rd of 23 buckets of a group push: rank 0's
+    broadcast fails (gloo: connection reset), the syncer tears the group down, forms one
+    with server 1 alone, resends the unacknowledged buckets and completes the push there
+    (server 0 reported lost); commit() waits for Ray's restart and re-syncs server 0
+    before it generates, and the next push forms the group with it again."""
+    ray = ray_session
+    syncer = pool.weight_syncer("nccl")
+    syncer.ensure_group()
+    new = load_hf(padded_model_dir, seed=77)
+    pool.resync_source = lambda: _buckets(new)  # the trainer's actor, in a run
+
+    def buckets():
+        for i, bucket in enumerate(iter_buckets(new.state_dict().items(), 16 * 1024)):
+            if i == 3:
+                ray.kill(pool.servers[0], no_restart=False)
+            yield bucket
+
+    stats = syncer.push(buckets(), pool.version + 1)
+    assert stats.lost == [0] and stats.buckets > 10
+    assert ray.get(pool.servers[1].weight_version.remote()) == stats.version
+    pool.commit(stats)  # server 0: restarted, re-synced from resync_source
+    assert pool.weight_versions() == [stats.version] * 2
+    _check(pool, new)  # both servers score like transformers on the pushed weights
+
+    assert syncer.ensure_group() is True  # a new group, with the restarted server 0
+    model2 = load_hf(padded_model_dir, seed=78)
+    stats = syncer.push(_buckets(model2), pool.version + 1)
+    assert stats.lost == []
+    pool.commit(stats)
+    _check(pool, model2)
+
+
 GPU = {"CPU": 4, "GPU": 1}
 CPU = {"CPU": 1, "GPU": 0}
 

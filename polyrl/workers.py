@@ -288,7 +288,30 @@ class WorkerGroup:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as e:
                 raise WorkerDied(self.spec.name, refs.index(done[0]), type(e).__name__) from e
+            except ray.exceptions.RayTaskError:
+                self._name_the_dead(refs, pending)
+                raise
         return ray.get(refs)
+
+    def _name_the_dead(self, refs: list[Any], pending: list[Any]) -> None:
+        """A rank's call failed. When a peer died, the live ranks' collective fails too
+        (gloo: connection reset), often before Ray reports the death: if another rank's
+        call ends with its worker dead within 30 s, raise :class:`WorkerDied` for it (the
+        cause) instead of the failed call's error (the symptom)."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + 30.0
+        while pending and time.monotonic() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerDied(self.spec.name, refs.index(ref), type(e).__name__) from e
+                except ray.exceptions.RayTaskError:
+                    pass  # another live rank's failed collective
 
     @property
     def num_workers(self) -> int:

@@ -52,12 +52,13 @@ def one_rank(tiny_model_dir, qwen3_dir, tmp_path_factory):
         pytest.param("tp2_nccl", marks=pytest.mark.gpu),
     ],
 )
-def ranks(request, one_rank, tiny_model_dir, qwen3_dir):
+def ranks(request, tiny_model_dir, qwen3_dir):
     """(mesh name, per-rank results) of the mesh's gloo ranks."""
-    name, (_, out) = request.param, one_rank
+    name = request.param
     world = int(np.prod(list(MESHES[name].values())))
     if ON_GPU and torch.cuda.device_count() < world:
         pytest.skip(f"{world} NCCL ranks need {world} GPUs (one each)")
+    _, out = request.getfixturevalue("one_rank")  # written first: ranks load its checkpoint
     spawn(tp_worker, world, str(tiny_model_dir), str(out), name, qwen3_dir)
     return name, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

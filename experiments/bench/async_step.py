@@ -105,7 +105,7 @@ def main() -> None:
         for name in ("sync", "async"):
             prof = phase_table(work / name / "timeline.json", Path(args.profile) / name, args.skip)
             result[f"profile_{name}"] = prof
-            print("\n".join(format_top(prof, f"{name} run: phase (all roles' tracks)")))
+            print("\n".join(format_top(prof, f"{name} run: phase or worker call (all tracks)")))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

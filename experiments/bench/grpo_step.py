@@ -128,7 +128,7 @@ def main(argv=None) -> None:
     summary = summarise(rows, args.skip)
     text = table(summary)
     if profile is not None:
-        text += "\n" + "\n".join(format_top(profile, "phase (all roles' tracks)"))
+        text += "\n" + "\n".join(format_top(profile, "phase or worker call (all tracks)"))
     print(text)
     result = {
         "gin": gin_files,

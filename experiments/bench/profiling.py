@@ -128,7 +128,9 @@ def phase_table(timeline: str | Path, out_dir: str | Path, skip_steps: int = 1) 
     out.mkdir(parents=True, exist_ok=True)
     text = Path(timeline).read_text().rstrip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")
-    spans = [e for e in events if e.get("ph") == "X" and e["args"]["step"] > skip_steps]
+    # Phase spans carry their step; worker-level spans (no step) stay in the trace only.
+    steps = [(e, (e.get("args") or {}).get("step")) for e in events if e.get("ph") == "X"]
+    spans = [e for e, step in steps if isinstance(step, int) and step > skip_steps]
     trace = out / "timeline.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump(events, f)

@@ -25,6 +25,7 @@ def test_phase_table_sums_the_measured_steps(tmp_path):
         span("reference", 2, 12_000_000, 1_000_000, 2),  # at once with old_log_probs
         span("old_log_probs", 3, 12_000_000, 500_000, 2),
         span("update_actor", 3, 13_000_000, 1_000_000, 2),
+        span("actor.sync_weights", 9, 14_000_000, 3_000_000, None),  # a worker's, no step
     ]
     # A running run's file: the array is not closed yet (polyrl.timeline).
     path = tmp_path / "timeline.json"

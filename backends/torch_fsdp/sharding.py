@@ -125,6 +125,17 @@ def _check_rules(parallel: ParallelConfig) -> None:
             f"ParallelConfig.rules maps 'embed' to {embed}; FSDP2 shards parameters over the "
             "'fsdp' axis only; use ('embed', ('fsdp',)) or set mesh fsdp=1 (replicate)"
         )
+    if parallel.mesh["tensor"] > 1:
+        # Tensor parallelism splits heads, key/value heads and the MLP over 'tensor'
+        # (tensor_parallel); the embedding and LM head ('vocab') stay replicated.
+        for logical in ("heads", "kv_heads", "mlp"):
+            axes = tuple(rules.get(logical, ("tensor",)))
+            if axes != ("tensor",):
+                raise ValueError(
+                    f"ParallelConfig.rules maps {logical!r} to {axes}; with mesh tensor="
+                    f"{parallel.mesh['tensor']} the torch_fsdp backend splits it over "
+                    f"'tensor'; use ({logical!r}, ('tensor',)) or set tensor=1"
+                )
 
 
 def build_plan(parallel: ParallelConfig, env: DistEnv, param_dtype: torch.dtype) -> ShardingPlan:
@@ -134,8 +145,8 @@ def build_plan(parallel: ParallelConfig, env: DistEnv, param_dtype: torch.dtype)
     computed in ``param_dtype`` while gradients are reduced in fp32 (sharded master
     weights stay fp32: they are what the optimizer updates).
     """
-    parallel.check_devices(env.world_size, where="ParallelConfig.mesh (torch_fsdp world size)")
     _check_rules(parallel)
+    parallel.check_devices(env.world_size, where="ParallelConfig.mesh (torch_fsdp world size)")
     names = tuple(a for a in ("data", "fsdp", "tensor") if a == "fsdp" or parallel.mesh[a] > 1)
     mesh = init_device_mesh(
         env.device.type, tuple(parallel.mesh[a] for a in names), mesh_dim_names=names

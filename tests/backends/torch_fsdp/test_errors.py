@@ -60,6 +60,15 @@ def test_mesh_must_fit_the_world(tiny_model_dir):
         _init(tiny_model_dir, parallel=ParallelConfig(mesh={"tensor": 2}))
 
 
+def test_tensor_parallel_rules_must_split_heads_and_mlp(tiny_model_dir):
+    rules = (("batch", ("data", "fsdp")), ("mlp", ()))
+    with pytest.raises(
+        ValueError,
+        match=r"rules maps 'mlp' to \(\); with mesh tensor=2 .*use \('mlp', \('tensor',\)\)",
+    ):
+        _init(tiny_model_dir, parallel=ParallelConfig(mesh={"tensor": 2}, rules=rules))
+
+
 def test_tensor_axis_must_split_the_heads(tiny_model_dir):
     """The tiny model has 4 query heads, 2 key/value heads and an MLP width of 256."""
     with pytest.raises(

@@ -21,6 +21,8 @@ Points and where they fire:
   ``kill_worker@actor:1=2``: that rank only);
 * ``kill_in_forward@<role>[:<rank>]=<calls>``: the same at the start of the worker's
   listed (0-based) forward calls (roles that do not train: the reference);
+* ``kill_in_push@rollout:<i>=<version>``: rollout server ``i`` SIGKILLs itself before
+  loading the 3rd bucket of the weight push that brings it ``version``;
 * ``fail_write@run_dir=0`` / ``disk_full@run_dir=0``: the start-up probe of the run dir
   fails with ``ENOSPC`` / sees 0 bytes free;
 * ``fail_write@metrics=<N>`` / ``fail_write@checkpoint=<N>``: writing the metrics row

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl import faults
 from polyrl.debug import place, setup_worker
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 from polyrl.timeline import Traced
@@ -42,6 +43,8 @@ def server_env(config: RolloutConfig) -> dict[str, str]:
     """Environment of a server process (Ray ``runtime_env``; also set before vLLM imports)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process_engine else "1"}
     env.update(dict(config.env))
+    if os.environ.get(faults.ENV):  # test-only fault hooks reach the servers too
+        env.setdefault(faults.ENV, os.environ[faults.ENV])
     return env
 
 
@@ -111,6 +114,7 @@ class RolloutServer(Traced):
         self.eos_token_id = tokenizer.eos_token_id
         self.version = 0
         self.updating = False
+        self.loaded = 0  # buckets of the current weight update (begin_weight_update)
         self._dropped_weights = False  # slept at level 2: weights must be re-synced
         self.boot_id = uuid.uuid4().hex  # changes when Ray restarts the actor
         # Tensors may ride inside collective_rpc arguments only when the workers live
@@ -194,10 +198,21 @@ class RolloutServer(Traced):
     # --------------------------------------------------------- weight update
     def begin_weight_update(self) -> None:
         self.updating = True
+        self.loaded = 0  # buckets of this update so far (the ``kill_in_push`` fault counts)
         self.llm.collective_rpc("polyrl_begin_update")
+
+    def _count_bucket(self) -> None:
+        """Test-only (``polyrl.faults``): die before the 3rd bucket of the push of the
+        weight version ``kill_in_push@rollout:<index>=<version>`` names."""
+        if self.loaded == 2 and faults.active(
+            "kill_in_push", self.version + 1, f"rollout:{self.index}"
+        ):
+            faults.kill_self()
+        self.loaded += 1
 
     def load_bucket(self, arrays: Sequence[Any], metas: Sequence[tuple]) -> int:
         """Load one object-store bucket (``weight_sync.host_payload`` form)."""
+        self._count_bucket()
         from polyrl.weight_sync import host_unpack
 
         weights = host_unpack(arrays, metas)
@@ -208,6 +223,7 @@ class RolloutServer(Traced):
         return sum(self.llm.collective_rpc("polyrl_load_bucket", args=(weights,)))
 
     def load_bucket_ipc(self, handles: dict[str, Any], metas: Sequence[tuple]) -> int:
+        self._count_bucket()
         return sum(self.llm.collective_rpc("polyrl_load_bucket_ipc", args=(handles, metas)))
 
     def num_workers(self) -> int:
@@ -231,6 +247,7 @@ class RolloutServer(Traced):
     ) -> int:
         """Receive one bucket from group ``key`` (failing after ``timeout_s``) and load it
         (``load=False``: take part in the broadcast only, the bucket is already loaded)."""
+        self._count_bucket()
         return sum(
             self.llm.collective_rpc(
                 "polyrl_load_bucket_nccl", args=(key, list(metas), nbytes, timeout_s, load)

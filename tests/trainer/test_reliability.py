@@ -225,3 +225,30 @@ def test_failed_write_stops_with_the_last_good_checkpoint(
     with pytest.raises(RunStopped, match="No space left on device") as err:
         train([GIN["torch_fsdp"]], params)
     assert f"the last good checkpoint is {run / 'checkpoints' / 'step_1'}" in str(err.value)
+
+
+@pytest.mark.slow  # the mechanism is in the default tier: tests/rollout/test_weight_group.py
+def test_server_killed_during_group_push_in_a_run(ray_session, tmp_path, monkeypatch, caplog):
+    """GRPO with the weights broadcast over a gloo group (actor and two rollout servers
+    in separate pools, 'nccl' transport on CPU, ~50 KiB buckets): server 0 dies in the
+    push after step 2. The push completes on server 1, server 0 is restarted and
+    re-synced before step 3 generates, and every step's metrics equal a run without the
+    fault (the restarted server samples exactly as the killed one would have)."""
+    common = [
+        "polyrl.RunConfig.total_steps = 3",
+        "polyrl.RunConfig.weight_transport = 'nccl'",
+        "polyrl.RunConfig.weight_bucket_mb = 0.05",
+        "polyrl.RunConfig.pools = {'train': {'CPU': 1}, 'gen': {'CPU': 1}}",
+        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'train', 'rollout': 'gen'}",
+        "polyrl.RolloutConfig.num_servers = 2",
+    ]
+    train([GIN["torch_fsdp"]], _params(tmp_path / "full", *common))
+    monkeypatch.setenv(faults.ENV, "kill_in_push@rollout:0=2")
+    with caplog.at_level("WARNING", logger="polyrl.rollout.pool"):
+        train([GIN["torch_fsdp"]], _params(tmp_path / "run", *common))
+    assert "rollout server 0 died during weight push 2" in caplog.text
+    full, run = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("full", "run"))
+    assert [r["step"] for r in run] == [1, 2, 3]
+    for a, b in zip(full, run):
+        for key in KEYS:
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a["step"], key)

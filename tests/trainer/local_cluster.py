@@ -37,7 +37,13 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
-def _node_cmd(temp_dir: str, res: Mapping[str, float], head_port: int, head: bool) -> list[str]:
+def _node_cmd(
+    temp_dir: str,
+    res: Mapping[str, float],
+    head_port: int,
+    head: bool,
+    dashboard_port: int | None = None,
+) -> list[str]:
     ports = _free_ports(6)
     custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
     cmd = [RAY, "start", "--block", "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
@@ -53,12 +59,11 @@ def _node_cmd(temp_dir: str, res: Mapping[str, float], head_port: int, head: boo
         "--object-store-memory=200000000",
     ]
     if head:
-        cmd += [
-            "--head",
-            f"--port={head_port}",
-            "--include-dashboard=false",
-            f"--temp-dir={temp_dir}",
-        ]
+        cmd += ["--head", f"--port={head_port}", f"--temp-dir={temp_dir}"]
+        if dashboard_port is None:
+            cmd += ["--include-dashboard=false"]
+        else:
+            cmd += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
     else:
         cmd += [f"--address=127.0.0.1:{head_port}"]
     return cmd
@@ -76,14 +81,20 @@ def _ours(temp_dir: str) -> list[int]:
     return pids
 
 
-def cluster_env(address: str) -> dict[str, str]:
-    """Environment of a process of (or joining) the test cluster: token authentication
-    off (Ray turns it on when ~/.ray/auth_token exists; a driver with an explicit
-    address would then need the token too), RAY_ADDRESS = ``address``."""
-    return {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"}
+def cluster_env(address: str, token: str | None = None) -> dict[str, str]:
+    """Environment of a process of (or joining) the test cluster, RAY_ADDRESS =
+    ``address``. Token authentication: off without ``token`` (Ray turns it on when
+    ~/.ray/auth_token exists; a driver with an explicit address would then need the token
+    too); with it, on (RAY_AUTH_MODE=token) with that token (RAY_AUTH_TOKEN, which Ray
+    reads before any token file)."""
+    env = {**os.environ, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "disabled"}
+    if token is not None:
+        env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+        env.pop("RAY_AUTH_TOKEN_PATH", None)
+    return env
 
 
-def _alive_nodes(address: str) -> int:
+def _alive_nodes(address: str, token: str | None) -> int:
     out = subprocess.run(
         [
             sys.executable,
@@ -94,28 +105,34 @@ def _alive_nodes(address: str) -> int:
         capture_output=True,
         text=True,
         timeout=120,
-        env=cluster_env(""),
+        env=cluster_env("", token),
     )
     return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
 
 
 @contextlib.contextmanager
 def local_cluster(
-    head: Mapping[str, float], workers: Sequence[Mapping[str, float]], timeout_s: float = 300.0
+    head: Mapping[str, float],
+    workers: Sequence[Mapping[str, float]],
+    timeout_s: float = 300.0,
+    token: str | None = None,
+    dashboard_port: int | None = None,
 ) -> Iterator[str]:
     """Start the cluster, yield its address (``127.0.0.1:port``), stop every process.
 
     head / workers: each node's resources: ``CPU``, ``GPU`` (declared: Ray hands out GPU
     ids and ``CUDA_VISIBLE_DEVICES`` on a machine without any) and custom ones (e.g.
-    ``{"CPU": 1, "node_a": 1}``)."""
+    ``{"CPU": 1, "node_a": 1}``). token: Ray token authentication on, with this token
+    (see :func:`cluster_env`). dashboard_port: the head runs the dashboard on 127.0.0.1
+    there (default: no dashboard)."""
     temp_dir = tempfile.mkdtemp(prefix="rc", dir="/tmp")  # unix sockets: keep it short
     (port,) = _free_ports(1)
     address = f"127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
-    env = cluster_env("")
+    env = cluster_env("", token)
 
     def start(res: Mapping[str, float], is_head: bool) -> None:
-        cmd = _node_cmd(temp_dir, res, port, is_head)
+        cmd = _node_cmd(temp_dir, res, port, is_head, dashboard_port if is_head else None)
         log = open(Path(temp_dir, f"node{len(procs)}.log"), "w")  # noqa: SIM115 (closed with the dir)
         procs.append(
             subprocess.Popen(
@@ -126,7 +143,7 @@ def local_cluster(
     try:
         start(head, True)
         deadline = time.monotonic() + timeout_s
-        while _alive_nodes(address) < 1:
+        while _alive_nodes(address, token) < 1:
             if time.monotonic() > deadline or procs[0].poll() is not None:
                 raise RuntimeError(
                     f"ray head did not start: {Path(temp_dir, 'node0.log').read_text()[-2000:]}"
@@ -137,13 +154,13 @@ def local_cluster(
         for joined, res in enumerate(workers, start=2):
             for _attempt in range(3):
                 start(res, False)
-                while _alive_nodes(address) < joined and procs[-1].poll() is None:
+                while _alive_nodes(address, token) < joined and procs[-1].poll() is None:
                     if time.monotonic() > deadline:
                         break
                     time.sleep(1)
                 if procs[-1].poll() is None:
                     break
-            if _alive_nodes(address) < joined:
+            if _alive_nodes(address, token) < joined:
                 logs = [
                     Path(temp_dir, f"node{i}.log").read_text()[-1500:] for i in range(1, len(procs))
                 ]

@@ -6,6 +6,7 @@ rollout server logs without pausing; the run completes."""
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -15,7 +16,11 @@ from pathlib import Path
 import pytest
 from dap_client import DAPClient, wait_for_pause
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from local_cluster import _free_ports, cluster_env, local_cluster  # noqa: E402
+
+ROOT = HERE.parents[1]
 
 REWARD = textwrap.dedent(
     """
@@ -214,4 +219,49 @@ def test_terminal_debugger_with_ray_debug_legacy(tmp_path):
     out = "".join(seen) + rest
     assert proc.returncode == 0, out[-5000:]
     assert "[debug] Ray's terminal debugger on (RAY_DEBUG=legacy)" in out
+    assert "[polyrl] done" in out
+
+
+@pytest.mark.slow
+def test_debug_run_joins_a_cluster_with_token_auth(tmp_path):
+    """``RAY_ADDRESS=<head> polyrl train --debug`` on a cluster of its own ``ray start
+    --head`` (free port, own temp dir, 3 CPUs, dashboard on 127.0.0.1) with Ray's token
+    authentication on (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN): the cluster's dashboard is
+    printed, a conditional breakpoint in the actor pauses, the DAP client attaches, and the
+    run completes. Only this cluster's processes are stopped (never a global ray stop)."""
+    token = secrets.token_hex(32)  # what `ray get-auth-token --generate` writes
+    (dashboard,) = _free_ports(1)
+    with local_cluster({"CPU": 3}, [], token=token, dashboard_port=dashboard) as address:
+        # token auth is on: a driver with another token is refused
+        refused = subprocess.run(
+            [sys.executable, "-c", "import ray; ray.init()"],
+            env=cluster_env(address, secrets.token_hex(32)),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert refused.returncode != 0 and "token" in refused.stderr, refused.stderr[-2000:]
+        proc = start_run(
+            tmp_path,
+            None,
+            "polyrl.RunConfig.total_steps = 2",
+            'polyrl.DebugConfig.breakpoints = ["actor.forward if step == 1"]',
+            env=cluster_env(address, token),
+        )
+        seen: list[str] = []
+        try:
+
+            def in_forward(dap, frame, where, line):
+                assert where.endswith("polyrl/workers.py") and frame["line"] == line
+                assert dap.local_variables(frame["id"])["step"] == "1"
+                assert dap.evaluate("len(batch), rank", frame["id"]) == "(128, 0)"
+
+            _inspect_and_continue(proc, seen, "actor", in_forward)
+            rest, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-5000:]
+    assert f"[debug] Ray distributed debugger on; dashboard http://127.0.0.1:{dashboard} " in out
+    assert "Connecting to existing Ray cluster" in out  # joined, did not start its own
     assert "[polyrl] done" in out

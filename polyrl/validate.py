@@ -155,6 +155,7 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             cfg.role_pools.get("actor"),
             cfg.role_pools.get("rollout"),
             cfg.pools,
+            cfg.rollout.tensor_parallel_size,
         )
     from polyrl.roles import role_names
 

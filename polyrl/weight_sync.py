@@ -649,10 +649,15 @@ def group_broadcast(key: str, tensor: Any, timeout_s: float = 600.0) -> None:
         raise
 
 
-def transport_problems(transport: str, actor_pool: str, rollout_pool: str, pools: Any) -> list[str]:
+def transport_problems(
+    transport: str, actor_pool: str, rollout_pool: str, pools: Any, tensor_parallel: int = 1
+) -> list[str]:
     """What ``RunConfig.weight_transport`` cannot do on this placement (validate-config).
 
-    object_store: any placement. cuda_ipc: actor and rollout colocated (same pool) on GPUs.
+    object_store: any placement. cuda_ipc: actor and rollout colocated (same pool) on GPUs,
+    servers on one GPU each (``tensor_parallel``: the rollout's tensor_parallel_size; a
+    pushing worker shares a buffer on the GPUs it drives, and a torch rank drives one,
+    while every GPU of a tensor-parallel server needs one).
     nccl: disaggregated (different pools), both on GPUs (NCCL) or both on CPU (gloo).
     """
     if transport not in TRANSPORTS:
@@ -667,6 +672,13 @@ def transport_problems(transport: str, actor_pool: str, rollout_pool: str, pools
             f"RunConfig.weight_transport='cuda_ipc' shares GPU memory, so it needs the actor "
             f"and rollout colocated on GPUs (the same RunConfig.role_pools pool with 'GPU' > 0); "
             f"placement: {where}. Use 'nccl' for separate GPUs, 'object_store' otherwise"
+        ]
+    if transport == "cuda_ipc" and tensor_parallel > 1:
+        return [
+            f"RunConfig.weight_transport='cuda_ipc' with RolloutConfig.tensor_parallel_size="
+            f"{tensor_parallel}: CUDA IPC weight sync shares a buffer only with servers on one "
+            f"GPU each; set tensor_parallel_size=1, or use 'object_store' (or 'nccl' with the "
+            f"rollout in its own pool)"
         ]
     if transport == "nccl" and actor_pool == rollout_pool:
         return [

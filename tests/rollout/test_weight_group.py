@@ -132,3 +132,10 @@ def test_validate_accepts_only_what_the_placement_supports(transport, pools, act
         (msg,) = problems
         assert f"RunConfig.weight_transport={transport!r}" in msg
         assert "use " in msg.lower()  # names the fix
+
+
+def test_cuda_ipc_needs_single_gpu_servers():
+    # a torch rank shares a buffer on its one GPU; a tp=2 server's second GPU gets none
+    (msg,) = transport_problems("cuda_ipc", "a", "a", {"a": {"GPU": 2}}, tensor_parallel=2)
+    assert "tensor_parallel_size=2" in msg and "set tensor_parallel_size=1" in msg
+    assert transport_problems("object_store", "a", "a", {"a": {"GPU": 2}}, tensor_parallel=2) == []

@@ -2,6 +2,8 @@
 own process, with RAY_ADDRESS set): two tiny GRPO steps with the actor in the two-node
 pool; prints one JSON line: where each actor worker ran and the last step's metrics.
 
+With ``resume``: a JAX run on two hosts resumed on one (see :func:`resume`).
+
 With backend ``hsdp``: the torch actor as HSDP over the two worker nodes (mesh data=2 x
 fsdp=2: shard inside a node, replicate across) and as one rank, one optimizer step on the
 same batch each; prints both steps' loss and grad norm and the log-probs after the step.
@@ -15,6 +17,25 @@ import json
 import os
 import sys
 
+GRPO = "gin/experiments/tiny_grpo.gin"
+
+
+def _params(backend: str, run_dir: str, nodes: int = 2) -> list[str]:
+    """Tiny GRPO with the actor (mesh data=2) in a pool over ``nodes`` worker nodes."""
+    return [
+        f"polyrl.RunConfig.run_dir = {run_dir!r}",
+        f"polyrl.RunConfig.backend = {backend!r}",
+        "polyrl.RunConfig.tensorboard = False",
+        "polyrl.RunConfig.total_steps = 2",
+        "polyrl.RunConfig.prompts_per_step = 8",
+        "polyrl.RunConfig.mini_batch_prompts = 8",
+        "polyrl.RunConfig.algo_overrides = {'use_kl_loss': False}",
+        f"polyrl.RunConfig.pools = {{'train': {{'CPU': 1, 'nodes': {nodes}, 'trainer': 1}}, "
+        "'gen': {'CPU': 1, 'head': 1}}",
+        "polyrl.RunConfig.role_pools = {'actor': 'train', 'rollout': 'gen'}",
+        "actor/polyrl.ParallelConfig.mesh = {'data': 2}",
+    ]
+
 
 def main(backend: str, run_dir: str) -> None:
     import ray
@@ -22,22 +43,7 @@ def main(backend: str, run_dir: str) -> None:
     from polyrl.launch import _components, parse_config, prepare
     from polyrl.trainer import RLTrainer
 
-    cfg, _ = parse_config(
-        ["gin/experiments/tiny_grpo.gin"],
-        [
-            f"polyrl.RunConfig.run_dir = {run_dir!r}",
-            f"polyrl.RunConfig.backend = {backend!r}",
-            "polyrl.RunConfig.tensorboard = False",
-            "polyrl.RunConfig.total_steps = 2",
-            "polyrl.RunConfig.prompts_per_step = 8",
-            "polyrl.RunConfig.mini_batch_prompts = 8",
-            "polyrl.RunConfig.algo_overrides = {'use_kl_loss': False}",
-            "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'nodes': 2, 'trainer': 1}, "
-            "'gen': {'CPU': 1, 'head': 1}}",
-            "polyrl.RunConfig.role_pools = {'actor': 'train', 'rollout': 'gen'}",
-            "actor/polyrl.ParallelConfig.mesh = {'data': 2}",
-        ],
-    )
+    cfg, _ = parse_config([GRPO], _params(backend, run_dir))
     cfg, spec = prepare(cfg)
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:
@@ -108,8 +114,27 @@ def hsdp(run_dir: str) -> None:
     print(json.dumps(out))
 
 
+def resume(run_dir: str) -> None:
+    """The JAX actor as two hosts (one per worker node) takes three steps, checkpointing
+    at step 2 (each host writes its shards); then the run resumes from that checkpoint
+    with the actor as ONE host over both of its devices and takes step 3 again. Prints
+    both runs' metrics rows."""
+    from pathlib import Path
+
+    from polyrl.launch import train
+    from polyrl.metrics import read_jsonl
+
+    more = ["polyrl.RunConfig.total_steps = 3", "polyrl.RunConfig.save_every = 2"]
+    train([GRPO], [*_params("jax_pjit", run_dir, nodes=2), *more])
+    full = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    train([GRPO], [*_params("jax_pjit", run_dir, nodes=1), *more], resume=True)
+    print(json.dumps({"full": full, "resumed": read_jsonl(Path(run_dir) / "metrics.jsonl")}))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "hsdp":
         hsdp(sys.argv[2])
+    elif sys.argv[1] == "resume":
+        resume(sys.argv[2])
     else:
         main(*sys.argv[1:3])

@@ -160,6 +160,7 @@ class Placement:
         self.groups: dict[str, Any] = {}
         self.first: dict[str, int] = {}  # pool -> its first bundle in its group
         self.gpu_ids: dict[str, list[list[str]]] = {}
+        self._owned: list[Any] = []  # groups this placement reserved (not a sweep trial's)
         _, firsts = pool_bundles(used, set(used))
         for name, res in used.items():
             if reserved is None and not _needs_group(res):
@@ -178,6 +179,8 @@ class Placement:
                         f"pool or free the devices"
                     )
             self.groups[name], self.first[name] = pg, first
+            if reserved is None:
+                self._owned.append(pg)
             if shape.gpus > 1:
                 bundles = range(first, first + shape.nodes)
                 self.gpu_ids[name] = _bundle_gpu_ids(pg, bundles, shape.gpus)
@@ -207,6 +210,15 @@ class Placement:
                 }
             }
         return opts
+
+    def release(self) -> None:
+        """Give back the placement groups this placement reserved (after its workers
+        stopped), so a later run in the same Ray session can reserve them again."""
+        from ray.util import remove_placement_group
+
+        for pg in self._owned:
+            remove_placement_group(pg)
+        self._owned = []
 
     def is_colocated(self, role: str) -> bool:
         return len(self.shares[role].colocated_with) > 1

@@ -120,6 +120,7 @@ class Loop(abc.ABC):
         for group in (self.actor, self.reference, self.critic):
             if group is not None:
                 group.shutdown()
+        self.placement.release()  # last: removing a group kills what still runs in it
 
     def role_workers(self) -> list[tuple[str, int, Any]]:
         """Every role worker as (role, rank, Ray actor): where the timeline's spans are."""
@@ -322,11 +323,11 @@ class RLTrainer(Loop):
 
     def shutdown(self) -> None:
         self.rollouts.discard()
-        super().shutdown()
         if self.reward_model is not None:
             self.reward_model.shutdown()
         self.rewards.shutdown()
         self.pool.shutdown()
+        super().shutdown()
 
     def step(self, step: int) -> dict[str, float]:
         self.timer.start_step(step + 1)

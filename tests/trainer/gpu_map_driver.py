@@ -65,8 +65,7 @@ def layout(run_dir: str, params: list[str]) -> dict[str, list[dict]]:
     finally:
         for a in actors:
             ray.kill(a)
-        for pg in placement.groups.values():
-            ray.util.remove_placement_group(pg)
+        placement.release()
     return out
 
 

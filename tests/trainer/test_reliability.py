@@ -4,6 +4,7 @@ failed writes. docs/reliability.md lists the outcomes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -55,6 +56,12 @@ def _driver(backend: str, params: list[str], resume: bool, fault: str = "") -> s
     )
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s process group: the driver and the Ray processes it started."""
+    with contextlib.suppress(ProcessLookupError):  # all of them gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _kill_after_progress(proc: subprocess.Popen, step: int, total: int, delay: float) -> None:
     """SIGKILL ``proc``'s process group ``delay`` s after it printed step ``step``'s
     progress line: the kill lands in that step's checkpoint save or in the next step."""
@@ -68,7 +75,7 @@ def _kill_after_progress(proc: subprocess.Popen, step: int, total: int, delay: f
     threading.Thread(target=read, daemon=True).start()
     assert seen.wait(timeout=600), f"step {step} never finished"
     time.sleep(delay)
-    os.killpg(proc.pid, signal.SIGKILL)
+    _kill_group(proc)
 
 
 def _samples(run: Path) -> dict[int, list[tuple[int, str]]]:
@@ -116,7 +123,7 @@ def test_kills_at_random_steps_then_resume(backend, kills, total, ray_session, t
             try:
                 proc.communicate(timeout=600)
             finally:
-                os.killpg(proc.pid, signal.SIGKILL)  # the killed driver's own Ray processes
+                _kill_group(proc)
             assert (run / "checkpoints" / f"step_{at}.tmp" / "actor").is_dir()
             assert not (run / "checkpoints" / f"step_{at}.tmp" / "trainer_state.json").exists()
             tried.append(f"in step_{at} save")
@@ -126,7 +133,7 @@ def test_kills_at_random_steps_then_resume(backend, kills, total, ray_session, t
             try:
                 _kill_after_progress(proc, at, total, delay)
             finally:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _kill_group(proc)
                 proc.wait()
             tried.append(f"{delay} s after step {at}")
         assert proc.returncode == -signal.SIGKILL, (kind, at)

@@ -8,8 +8,11 @@ streams them to every rollout server's vLLM workers, which load them in place
 its weight version.
 
 Arrays become torch tensors through DLPack (:func:`to_torch`: zero-copy where the
-array allows it, a numpy copy otherwise), so buckets from either backend take the
-same path.
+array allows it; a jax array sharded over this process's devices is gathered on
+device first; a numpy copy only for what DLPack cannot carry), so buckets from either
+backend take the same path. A bucket of jax arrays is packed into its flat buffer by
+one jitted XLA program on the device and handed to torch by DLPack
+(:func:`pack_flat`): JAX -> CUDA IPC / NCCL buckets never touch the host.
 
 Transports (:data:`TRANSPORTS`):
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -73,20 +77,48 @@ TensorMeta = tuple[str, str, tuple[int, ...], int, int]
 def to_torch(x: Any):
     """A ``torch.Tensor`` viewing ``x`` (torch, jax or numpy array).
 
-    torch tensors pass through; anything with ``__dlpack__`` (jax.Array on one
-    device) is wrapped without a copy; otherwise (a sharded jax.Array, numpy with
-    ml_dtypes' bfloat16, ...) the array is materialised with numpy and wrapped.
+    torch tensors pass through; anything with ``__dlpack__`` (a jax.Array) is wrapped
+    without a copy. A jax.Array sharded over several of this process's devices is first
+    gathered onto one of them (:func:`_on_one_device`: a device-to-device transfer, no
+    host round trip), then wrapped the same way. Anything else (numpy with ml_dtypes'
+    bfloat16, an array with shards on other processes, ...) is materialised with numpy.
     """
     import torch
 
     if isinstance(x, torch.Tensor):
         return x
+    x = _on_one_device(x)
     if hasattr(x, "__dlpack__"):
         try:
             return torch.from_dlpack(x)
         except (RuntimeError, TypeError, BufferError, ValueError):
-            pass  # e.g. an array sharded over several devices has no single buffer
+            pass  # e.g. a dtype DLPack cannot carry
     return _numpy_to_torch(x)
+
+
+def _is_jax(x: Any) -> bool:
+    return type(x).__module__.startswith("jax") and hasattr(x, "sharding")
+
+
+def _on_one_device(x: Any, device: Any = None):
+    """``x`` (a jax.Array) whole on ``device`` (default: its first addressable device)
+    without leaving the devices: a replicated array's local shard is used as is, a
+    sharded one is gathered with ``jax.device_put`` (device-to-device). Other arrays,
+    and jax arrays with shards on other processes, come back unchanged."""
+    if not _is_jax(x) or not x.is_fully_addressable:
+        return x
+    import jax
+
+    devices = x.sharding.device_set
+    if device is None:
+        if len(devices) == 1:
+            return x
+        device = x.addressable_shards[0].device
+    if devices == {device}:
+        return x
+    if x.is_fully_replicated and device in devices:
+        return next(s.data for s in x.addressable_shards if s.device == device)
+    return jax.device_put(x, device)
 
 
 def _numpy_to_torch(x: Any):
@@ -107,29 +139,77 @@ def _dtype(name: str):
     return getattr(torch, name)
 
 
-def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None):
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, torch_memory: bool = False):
     """One contiguous uint8 tensor holding every tensor of ``bucket`` (one copy), and
     the :data:`TensorMeta` list that :func:`unpack_flat` reads it back with.
 
     ``device`` defaults to the first tensor's device; offsets are 256-byte aligned so
-    every view is aligned for any dtype.
+    every view is aligned for any dtype. A bucket of jax arrays is packed by XLA on the
+    arrays' device (:func:`_pack_jax`: one fused program, sharded arrays gathered on
+    device) and handed over by DLPack; ``torch_memory=True`` (CUDA IPC, which can share
+    only memory torch allocated) copies that buffer into torch's allocator.
     """
     import torch
 
-    tensors = [(name, to_torch(a)) for name, a in bucket]
-    if not tensors:
+    if not bucket:
         raise ValueError("pack_flat: empty bucket; export_weights must not yield empty buckets")
+    if all(_is_jax(a) and a.is_fully_addressable for _, a in bucket):
+        flat, metas = _pack_jax(bucket)
+        if device is not None and flat.device != torch.device(device):
+            return flat.to(device), metas
+        return (flat.clone() if torch_memory else flat), metas
+    tensors = [(name, to_torch(a)) for name, a in bucket]
     device = tensors[0][1].device if device is None else torch.device(device)
     metas: list[TensorMeta] = []
     offset = 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
         metas.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // 256) * 256
+        offset += _aligned(nbytes)
     flat = torch.empty(offset, dtype=torch.uint8, device=device)
     for (_, t), (_, _, _, off, nbytes) in zip(tensors, metas):
         flat[off : off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     return flat, metas
+
+
+def _pack_jax(bucket: Sequence[tuple[str, Any]]):
+    """:func:`pack_flat` for jax arrays: every array gathered onto the first one's first
+    device (device-to-device), then one jitted program writes their bytes, 256-byte
+    aligned, into one uint8 array there, which torch wraps by DLPack (no copy)."""
+    import numpy as np
+    import torch
+
+    device = bucket[0][1].addressable_shards[0].device
+    arrays = [_on_one_device(a, device) for _, a in bucket]
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, a in bucket:
+        nbytes = int(a.size) * a.dtype.itemsize
+        metas.append((name, np.dtype(a.dtype).name, tuple(a.shape), offset, nbytes))
+        offset += _aligned(nbytes)
+    flat = _jax_flat_bytes()(*arrays)
+    return torch.from_dlpack(flat), metas
+
+
+@functools.cache
+def _jax_flat_bytes():
+    import jax
+    import jax.numpy as jnp
+
+    def flat_bytes(*arrays):
+        parts = []
+        for a in arrays:
+            b = jax.lax.bitcast_convert_type(a.reshape(-1), jnp.uint8).reshape(-1)
+            parts.append(b)
+            if _aligned(b.size) > b.size:
+                parts.append(jnp.zeros(_aligned(b.size) - b.size, jnp.uint8))
+        return jnp.concatenate(parts)
+
+    return jax.jit(flat_bytes)
 
 
 def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
@@ -464,7 +544,7 @@ class WeightSyncer:
         import torch
         from torch.multiprocessing.reductions import reduce_tensor
 
-        flat, metas = pack_flat(bucket)
+        flat, metas = pack_flat(bucket, torch_memory=True)
         if flat.device.type != "cuda":
             raise ValueError(
                 f"WeightSyncer(transport='cuda_ipc'): bucket tensors are on {flat.device}, "

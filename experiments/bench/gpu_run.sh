@@ -14,7 +14,8 @@
 #   grpo_split  the torch GRPO step on 2 GPUs: actor + rollout on one, the reference on the
 #               other (its forward overlaps old log-probs; needs 2 GPUs, not in the default list)
 #   rollout     RolloutPool vs vLLM directly, the GRPO rollout shape (0.5B, 64 x 8 x 512)
-#   weight_sync sync of a 1.5B-width model per transport vs a device copy (weight_sync.py)
+#   weight_sync sync of the 1.5B shape (bf16, 3.1 GB) per transport, source backend and load path
+#               (load plan / load_weights) vs a device copy (weight_sync.py)
 #   async       async vs sync GRPO step (async_step.py; needs 2 GPUs, not in the default list)
 #   attention   train_step.py on the 1.5B shape, 8 x 2048 full-length tokens, per attention
 #               kernel and packing (docs/performance.md "Attention kernels and packing")
@@ -91,10 +92,10 @@ for s in $sections; do
     timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" \
       2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
   weight_sync)
-    timeout 300 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
-      --transports object_store,cuda_ipc --out "$OUT/bench_weight_sync.json" --profile "$OUT/prof/weight_sync" \
-      2> "$OUT/weight_sync.log" \
-      | tail -30 | tee -a "$OUT/summary.txt" ;;
+    timeout 480 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
+      --dtype bfloat16 --bucket-mb 1024 --transports object_store,cuda_ipc \
+      --out "$OUT/bench_weight_sync.json" --profile "$OUT/prof/weight_sync" 2> "$OUT/weight_sync.log" \
+      | tail -12 | tee -a "$OUT/summary.txt" ;;
   async)
     model
     timeout 560 python3 experiments/bench/async_step.py --work /tmp/bench/async \

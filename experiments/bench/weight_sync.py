@@ -1,17 +1,28 @@
 """Benchmark: trainer -> rollout weight sync, and rollout throughput through the pool.
 
-Prints a table of the syncs (time as a multiple of a plain copy of the same bytes: "x
-copy"), then one JSON object (and writes it to --out):
+Prints one JSON object (and writes it to --out), the top ops of each profiled push
+(--profile), and last a table of the syncs (time as a multiple of a plain copy of the
+same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
 
-* ``sync``: per transport and per source backend (torch tensors / jax arrays) the bytes,
+* ``sync``: per transport, per source backend (torch tensors / jax arrays, the latter
+  exported like the JAX engine does: ``export_buckets`` of the params in its layout,
+  kernels transposed back) and per load path on the servers (``plan``: the workers' load
+  plan, ``polyrl.rollout.load_plan``; ``load_weights``: vLLM's per-parameter loaders;
+  vLLM-CPU always reloads layer-wise, so on CPU only ``load_weights`` runs) the bytes,
   median seconds over --repeats pushes and GB/s of ``RolloutPool.update_weights``, next
-  to a plain memcpy of the same tensors in this process (``memcpy_gbps``) and the ratio.
+  to a plain copy of the same tensors in this process (``memcpy_gbps``) and the ratio.
+* ``load``: the load alone, in this process, on vLLM's model class built outside an
+  engine on this device (``load_plan.bare_vllm_model``): one push of flat buckets through
+  ``load_weights`` vs through a learned ``LoadPlanner``, next to a copy of the same bytes.
+* ``goals``: the issue's ratios — the planned CUDA IPC sync from torch over a copy of the
+  same bytes (goal <= 3), from JAX over from torch (goal <= 1.5), and load_weights over
+  the plan, for the sync and for the load alone.
 * ``rollout``: generated tokens/s through ``RolloutPool.generate`` and through a bare
   ``vllm.LLM`` with the same engine arguments (in a Ray actor with the same resources
   as a server), on the same prompts, and the ratio.
 
-The model is a random Qwen2 of the requested shape (tiny tokenizer, fp32) built under
---work. On CPU only the object-store transport exists; on a GPU host add
+The model is a random Qwen2 of the requested shape (tiny tokenizer, --dtype, fp32 by
+default; the GPU run uses bf16: the 1.5B shape is 3.1 GB) built under --work. On CPU only the object-store transport exists; on a GPU host add
 ``--transports object_store,cuda_ipc`` (colocated) or ``nccl`` (needs 2 GPUs: the
 servers on one, this process - the trainer's rank 0 - and its tensors on the other; on
 CPU ``nccl`` runs the same broadcast group over gloo).
@@ -48,15 +59,34 @@ def build_model(work: Path, hidden: int, layers: int) -> Path:
     return ensure_tiny_model(work, spec)
 
 
-def state_dicts(model_dir: Path, device: str):
-    """The model's weights as torch tensors on ``device`` and as jax arrays (same values)."""
+def state_dicts(model_dir: Path, device: str, dtype: str):
+    """The model's weights as torch tensors on ``device`` and as jax arrays on JAX's first
+    device in the JAX engine's layout (``{nnx_path: array}``, linear kernels [in, out])."""
+    import jax
     import jax.numpy as jnp
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from polyrl.backends.jax_pjit.weights import nnx_path
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     sd = {k: v.detach().to(device).contiguous() for k, v in model.state_dict().items()}
-    return {"torch": sd, "jax": {k: jnp.asarray(v.cpu().numpy()) for k, v in sd.items()}}
+    jax_params = {}
+    for name, t in sd.items():
+        path = nnx_path(name)
+        x = jax.dlpack.from_dlpack(t.T.contiguous() if path.endswith(".kernel") else t)
+        jax_params[path] = jnp.array(x, copy=True)  # JAX owns its copy, as in training
+    return {"torch": sd, "jax": jax_params}
+
+
+def buckets(source: str, sd: dict, bucket_bytes: int):
+    """One push's buckets, as the source backend's ``export_weights`` yields them."""
+    from polyrl.backends.jax_pjit.weights import export_buckets
+    from polyrl.weight_sync import iter_buckets
+
+    if source == "jax":
+        return export_buckets(sd, bucket_bytes)
+    return iter_buckets(sd.items(), bucket_bytes)
 
 
 def memcpy_gbps(tensors: dict, repeats: int) -> float:
@@ -96,46 +126,139 @@ def bench_sync(
     repeats: int,
     profile: str | None = None,
 ) -> list:
-    """One row per transport and source; ``profile``: a directory to trace one more push
-    of each into (this process's side of it: bucketing, copies, IPC handles, sends)."""
+    """One row per transport, source and load path; ``profile``: a directory to trace one
+    more push of each into (this process's side of it: bucketing, copies, IPC handles,
+    sends)."""
+    import ray
     from profiling import profile_call
 
-    from polyrl.weight_sync import iter_buckets
-
     rows = []
+    loads = ["plan", "load_weights"] if _on_gpu() else ["load_weights"]
+    copy = memcpy_gbps(sources["torch"], repeats)
     for transport in transports:
         for backend, sd in sources.items():
-            if transport != "object_store" and backend == "jax":
+            if transport != "object_store" and backend == "jax" and not _on_gpu():
                 continue  # the jax arrays here are host arrays; GPU transports need device ones
-            runs = [
-                pool.update_weights(iter_buckets(sd.items(), bucket_bytes), transport)
-                for _ in range(repeats)
-            ]
-            seconds = statistics.median(r.seconds for r in runs)
-            copy = memcpy_gbps(sd, repeats)
-            gbps = runs[0].bytes / seconds / 1e9
-            rows.append(
-                {
-                    "transport": transport,
-                    "source": backend,
-                    "bytes": runs[0].bytes,
-                    "buckets": runs[0].buckets,
-                    "seconds": seconds,
-                    "gbps": gbps,
-                    "memcpy_gbps": copy,
-                    "ratio_to_memcpy": gbps / copy,
-                }
-            )
-            if profile:
-                rows[-1]["profile"] = profile_call(
-                    "jax" if backend == "jax" else "torch",
-                    profile,
-                    f"sync_{transport}_{backend}",
-                    lambda sd=sd, t=transport: pool.update_weights(
-                        iter_buckets(sd.items(), bucket_bytes), t
-                    ),
+            for load in loads:
+                ray.get([s.set_load_plan.remote(load == "plan") for s in pool.servers])
+                pool.update_weights(buckets(backend, sd, bucket_bytes), transport)  # warm-up
+                runs = [
+                    pool.update_weights(buckets(backend, sd, bucket_bytes), transport)
+                    for _ in range(repeats)
+                ]
+                seconds = statistics.median(r.seconds for r in runs)
+                gbps = runs[0].bytes / seconds / 1e9
+                rows.append(
+                    {
+                        "transport": transport,
+                        "source": backend,
+                        "load": load,
+                        "bytes": runs[0].bytes,
+                        "buckets": runs[0].buckets,
+                        "seconds": seconds,
+                        "gbps": gbps,
+                        "memcpy_gbps": copy,
+                        "ratio_to_memcpy": gbps / copy,
+                    }
                 )
+                if profile:
+                    rows[-1]["profile"] = profile_call(
+                        "jax" if backend == "jax" else "torch",
+                        profile,
+                        f"sync_{transport}_{backend}_{load}",
+                        lambda b=backend, sd=sd, t=transport: pool.update_weights(
+                            buckets(b, sd, bucket_bytes), t
+                        ),
+                    )
+    ray.get([s.set_load_plan.remote(True) for s in pool.servers])
     return rows
+
+
+def bench_load(model_dir: Path, sd: dict, dtype: str, bucket_bytes: int, repeats: int) -> dict:
+    """One push's load alone, in this process: load_weights vs a learned plan."""
+    import torch
+
+    from polyrl.rollout.load_plan import LoadPlanner, bare_vllm_model, vllm_parallel
+    from polyrl.weight_sync import iter_buckets, pack_flat, unpack_flat
+
+    device = next(iter(sd.values())).device
+    if json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings"):
+        # vLLM skips a tied lm_head.weight, and vLLM-CPU refuses a load_weights call that
+        # holds it without embed_tokens (a bucket boundary between the two)
+        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    packed = [pack_flat(b) for b in iter_buckets(sd.items(), bucket_bytes)]
+    push = [(unpack_flat(flat, metas), flat, metas) for flat, metas in packed]
+
+    def timed(load) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for weights, flat, metas in push:
+            load(weights, flat, metas)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    with vllm_parallel():
+        model, load_weights = bare_vllm_model(str(model_dir), dtype, device.type)
+        planner = LoadPlanner(model, load_weights)
+
+        def plain(weights, flat, metas) -> None:
+            load_weights(weights)
+
+        timed(plain), timed(planner.load)  # warm-up; the plan learns every layout here
+        times: dict[str, list[float]] = {"plain": [], "plan": []}
+        for _ in range(repeats):  # interleaved, so load changes hit both alike
+            times["plain"].append(timed(plain))
+            times["plan"].append(timed(planner.load))
+        plain_s, planned = (statistics.median(times[k]) for k in ("plain", "plan"))
+        copies = sum(p.copies for p in planner.plans.values() if p is not None)
+        stats = dict(planner.stats)
+        del model, planner
+    nbytes = sum(int(t.nbytes) for t in sd.values())
+    copy = nbytes / memcpy_gbps(sd, repeats) / 1e9
+    return {
+        "device": device.type,
+        "bytes": nbytes,
+        "tensors": len(sd),
+        "buckets": len(packed),
+        "plan_copies": copies,
+        "plan_stats": stats,
+        "load_weights_s": plain_s,
+        "plan_s": planned,
+        "copy_s": copy,
+        "plan_x_copy": planned / copy,
+        "load_weights_x_copy": plain_s / copy,
+    }
+
+
+def goals(rows: list[dict], load: dict | None) -> dict:
+    """The issue's ratios from the rows (None where this run has no such row)."""
+
+    def seconds(transport: str, source: str, load_path: str) -> float | None:
+        for r in rows:
+            if (r["transport"], r["source"], r["load"]) == (transport, source, load_path):
+                return r["seconds"]
+        return None
+
+    out: dict = {}
+    if load:
+        out["load_alone_load_weights_over_plan"] = load["load_weights_s"] / load["plan_s"]
+        out["load_alone_plan_x_copy"] = load["plan_x_copy"]
+    if not rows:
+        return out
+    transport = (
+        "cuda_ipc" if any(r["transport"] == "cuda_ipc" for r in rows) else rows[0]["transport"]
+    )
+    best = "plan" if seconds(transport, "torch", "plan") is not None else "load_weights"
+    torch_s, jax_s = seconds(transport, "torch", best), seconds(transport, "jax", best)
+    copy_s = next(r["bytes"] / r["memcpy_gbps"] / 1e9 for r in rows if r["transport"] == transport)
+    out["transport"], out["load"] = transport, best
+    out["torch_x_copy"] = torch_s / copy_s if torch_s else None  # goal <= 3 (cuda_ipc)
+    out["jax_over_torch"] = jax_s / torch_s if jax_s and torch_s else None  # goal <= 1.5
+    plain = seconds(transport, "torch", "load_weights")
+    out["sync_load_weights_over_plan"] = plain / torch_s if best == "plan" and plain else None
+    return out
 
 
 class DirectEngine:
@@ -239,15 +362,31 @@ def _other_gpu(pool) -> str:
     return f"cuda:{free[0]}"
 
 
-def table(rows: list[dict]) -> str:
-    """The sync rows as a fixed-width table (the JSON follows it)."""
-    head = f"{'transport':<13}{'source':<7}{'MB':>9}{'seconds':>10}{'GB/s':>9}{'copy GB/s':>11}{'x copy':>8}"
+def table(rows: list[dict], load: dict | None, ratios: dict) -> str:
+    """The sync rows, the load alone and the goal ratios as text (the JSON follows it)."""
+    head = (
+        f"{'transport':<13}{'source':<7}{'load':<13}{'MB':>9}{'seconds':>10}{'GB/s':>9}"
+        f"{'copy GB/s':>11}{'x copy':>8}"
+    )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r['transport']:<13}{r['source']:<7}{r['bytes'] / 1e6:>9.1f}{r['seconds']:>10.4f}"
-            f"{r['gbps']:>9.2f}{r['memcpy_gbps']:>11.1f}{r['memcpy_gbps'] / r['gbps']:>8.1f}"
+            f"{r['transport']:<13}{r['source']:<7}{r['load']:<13}{r['bytes'] / 1e6:>9.1f}"
+            f"{r['seconds']:>10.4f}{r['gbps']:>9.2f}{r['memcpy_gbps']:>11.1f}"
+            f"{r['memcpy_gbps'] / r['gbps']:>8.1f}"
         )
+    if load:
+        lines.append(
+            f"load alone ({load['device']}, {load['bytes'] / 1e6:.1f} MB, {load['tensors']} tensors"
+            f" -> {load['plan_copies']} copies): load_weights {load['load_weights_s']:.4f} s,"
+            f" plan {load['plan_s']:.4f} s, copy {load['copy_s']:.4f} s"
+        )
+    lines.append(
+        "goals: "
+        + ", ".join(
+            f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ratios.items()
+        )
+    )
     return "\n".join(lines)
 
 
@@ -273,66 +412,84 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--num-cpus", type=int, default=os.cpu_count())
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--sections",
+        default="sync,load,rollout",
+        help="comma list of: sync (through the pool, per transport), load (the load alone, "
+        "in this process, no Ray), rollout (pool vs vLLM directly)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--profile", metavar="DIR", help="trace one more push per row (profiling.py)")
     args = p.parse_args()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # vLLM shares the GPU
+    sections = set(args.sections.split(","))
 
+    model_dir = build_model(Path(args.work), args.hidden, args.layers)
+    on_gpu = _on_gpu()
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    result: dict = {"device": "cuda" if on_gpu else "cpu", "sync": [], "load": None}
+    if "load" in sections:  # first, before a server shares the device
+        sd = state_dicts(model_dir, "cuda" if on_gpu else "cpu", args.dtype)["torch"]
+        result["load"] = bench_load(model_dir, sd, args.dtype, bucket_bytes, args.repeats)
+        del sd
+    if sections & {"sync", "rollout"}:
+        result.update(bench_pool(args, model_dir, sections, bucket_bytes))
+    result["goals"] = goals(result["sync"], result["load"])
+    text = json.dumps(result, indent=1)
+    print(text)
+    for row in result["sync"]:
+        if "profile" in row:
+            title = f"{row['transport']} {row['source']} {row['load']}: top ops"
+            print("\n".join(format_top(row["profile"], title)))
+    print(table(result["sync"], result["load"], result["goals"]))  # last: what tail shows
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+def bench_pool(args, model_dir: Path, sections: set[str], bucket_bytes: int) -> dict:
+    """The sections that need rollout servers: sync and rollout."""
     import ray
 
     from polyrl.rollout import RolloutConfig, RolloutPool
 
-    work = Path(args.work)
-    model_dir = build_model(work, args.hidden, args.layers)
     on_gpu = _on_gpu()
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     pool = RolloutPool(
         RolloutConfig(
             model_path=str(model_dir),
             num_servers=args.servers,
-            dtype="float32",
+            dtype=args.dtype,
             max_model_len=256,
             kv_cache_gib=1.0,
             gpu_memory_utilization=0.3,
             num_gpus=0.3 if on_gpu else None,
         )
     )
-    device = "cuda" if on_gpu else "cpu"
-    if "nccl" in args.transports.split(","):
-        device = _other_gpu(pool) if on_gpu else "cpu"  # NCCL: one rank per device
-    sources = state_dicts(model_dir, device)
-    result = {
-        "device": "cuda" if on_gpu else "cpu",
-        "model": {
+    out: dict = {}
+    if "sync" in sections:
+        device = "cuda" if on_gpu else "cpu"
+        if "nccl" in args.transports.split(","):
+            device = _other_gpu(pool) if on_gpu else "cpu"  # NCCL: one rank per device
+        sources = state_dicts(model_dir, device, args.dtype)
+        out["model"] = {
             "path": str(model_dir),
             "hidden": args.hidden,
             "layers": args.layers,
             "params": sum(int(t.numel()) for t in sources["torch"].values()),
-        },
-        "sync": bench_sync(
-            pool,
-            sources,
-            args.transports.split(","),
-            int(args.bucket_mb * 2**20),
-            args.repeats,
-            args.profile,
-        ),
-        "rollout": bench_rollout(pool, args),
-    }
+            "dtype": args.dtype,
+        }
+        transports = args.transports.split(",")
+        out["sync"] = bench_sync(
+            pool, sources, transports, bucket_bytes, args.repeats, args.profile
+        )
+        del sources
+    if "rollout" in sections:
+        out["rollout"] = bench_rollout(pool, args)
     pool.shutdown()
     ray.shutdown()
-    text = json.dumps(result, indent=1)
-    print(table(result["sync"]))
-    for row in result["sync"]:
-        if "profile" in row:
-            print(
-                "\n".join(
-                    format_top(row["profile"], f"{row['transport']} {row['source']}: top ops")
-                )
-            )
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    return out
 
 
 if __name__ == "__main__":

@@ -262,6 +262,14 @@ class RolloutServer(Traced):
         self.updating = False
         return self.version
 
+    def set_load_plan(self, enabled: bool) -> None:
+        """Planned bucket loads on the GPU workers on/off (``polyrl.rollout.load_plan``)."""
+        self.llm.collective_rpc("polyrl_set_load_plan", args=(bool(enabled),))
+
+    def load_plan_stats(self) -> list[dict[str, int]]:
+        """Each worker's load-plan counters (empty where no plan ran, e.g. vLLM-CPU)."""
+        return self.llm.collective_rpc("polyrl_load_plan_stats")
+
     def param_checksum(self, name: str) -> float:
         """float64 sum of one vLLM parameter (a cheap check that an update landed)."""
         return float(self.llm.collective_rpc("polyrl_param_checksum", args=(name,))[0])

@@ -25,7 +25,11 @@ Version-specific part (kept to :func:`_begin`/:func:`_finish`):
   the re-pack, fp32 and bf16 — which GEMM kernel vLLM picks, and whether it keeps a
   packed copy, depends on dtype, shape and CPU ISA — so it stays as a cheap guard.)
 * GPU vLLM (0.26): ``model.load_weights`` copies into the live parameters; begin and
-  finish have nothing to do.
+  finish have nothing to do. There each bucket goes through a load plan
+  (``polyrl.rollout.load_plan``): the first bucket of each layout runs ``load_weights``
+  once while the planner records where every byte lands, later ones are a few fused
+  copies out of the flat buffer, with ``load_weights`` kept for any tensor the plan
+  cannot cover. ``polyrl_set_load_plan(False)`` turns it off (benchmarks compare both).
 
 Payloads (see ``polyrl.weight_sync``): a list of ``(hf_name, torch.Tensor)`` when the
 engine runs in the server's process, or safetensors bytes when the engine runs its
@@ -67,6 +71,18 @@ class WeightReceiver:
     def polyrl_finish_update(self) -> None:
         _finish(self)
 
+    def polyrl_set_load_plan(self, enabled: bool) -> None:
+        """Turn planned loads on or off (GPU only; vLLM-CPU always reloads layer-wise).
+        Turning them back on starts from no plan."""
+        if bool(enabled) != getattr(self, "polyrl_load_plan", True):
+            self.polyrl_planner = None
+        self.polyrl_load_plan = bool(enabled)
+
+    def polyrl_load_plan_stats(self) -> dict[str, int]:
+        """The planner's counters (learned, planned, fallback_tensors, refused)."""
+        planner = getattr(self, "polyrl_planner", None)
+        return dict(planner.stats) if planner is not None else {}
+
     def polyrl_param_checksum(self, name: str) -> float:
         """Sum of a parameter as float64 (tests check a load reached the kernels' copy)."""
         return float(dict(_model(self).named_parameters())[name].double().sum())
@@ -89,7 +105,7 @@ class WeightReceiver:
         args[6] = self.device.index  # the sender's device ordinal may differ from ours
         flat = rebuild(*args)
         weights = unpack_flat(flat, metas)
-        _load(self, weights)
+        _load(self, weights, flat, metas)
         torch.cuda.synchronize(self.device)  # the sender may free the buffer after the ack
         return len(weights)
 
@@ -118,7 +134,7 @@ class WeightReceiver:
         if not load:
             return 0
         weights = unpack_flat(flat, metas)
-        _load(self, weights)
+        _load(self, weights, flat, metas)
         return len(weights)
 
 
@@ -127,11 +143,25 @@ def _model(worker) -> torch.nn.Module:
     return worker.model_runner.model
 
 
-def _load(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+def _load_weights(worker, weights) -> None:
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(worker.vllm_config):
         _model(worker).load_weights(weights=iter(weights))
+
+
+def _load(worker, weights: list[tuple[str, torch.Tensor]], flat=None, metas=None) -> None:
+    """Load one bucket: through the worker's load plan where the model keeps plain
+    parameters (GPU), else (vLLM-CPU's layer-wise reload, plans turned off) with
+    ``load_weights``. ``flat``/``metas``: the flat buffer the weights view, if any."""
+    if _packs_cpu_weights() or not getattr(worker, "polyrl_load_plan", True):
+        _load_weights(worker, weights)
+        return
+    if getattr(worker, "polyrl_planner", None) is None:
+        from polyrl.rollout.load_plan import LoadPlanner
+
+        worker.polyrl_planner = LoadPlanner(_model(worker), lambda w: _load_weights(worker, w))
+    worker.polyrl_planner.load(weights, flat, metas)
 
 
 def _packs_cpu_weights() -> bool:

@@ -81,6 +81,43 @@ def test_cuda_ipc_colocated(gpu_ray, padded_model_dir):
     pool.shutdown()
 
 
+def test_cuda_ipc_planned_load_matches_load_weights(gpu_ray, padded_model_dir):
+    """The load plan (polyrl.rollout.load_plan) against vLLM's load_weights on the GPU
+    build: the same pushes give the same parameters (stacked qkv / gate_up, tied
+    embedding), the pushes after the first are planned, and generation is right."""
+    import ray
+
+    pool = _pool(padded_model_dir, num_gpus=0.4)
+    server = pool.servers[0]
+    device = torch.device("cuda", 0)
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.qkv_proj.weight",
+        "model.layers.1.mlp.gate_up_proj.weight",
+        "model.norm.weight",
+    ]
+
+    def push(model, planned: bool) -> list[float]:
+        ray.get(server.set_load_plan.remote(planned))
+        pool.update_weights(
+            iter_buckets(model.state_dict().items(), 64 * 1024), transport="cuda_ipc"
+        )
+        return ray.get([server.param_checksum.remote(n) for n in names])
+
+    a = load_hf(padded_model_dir, seed=7).to(device)
+    b = load_hf(padded_model_dir, seed=8).to(device)
+    want_a, want_b = push(a, False), push(b, False)
+    assert want_a != want_b
+    assert push(a, True) == want_a  # learns: load_weights under the recorder
+    assert push(b, True) == want_b  # planned copies from here on
+    assert push(a, True) == want_a
+    stats = ray.get(server.load_plan_stats.remote())[0]
+    assert stats["learned"] > 0 and stats["planned"] == 2 * stats["learned"]
+    assert stats["refused"] == 0 and stats["fallback_tensors"] == 0
+    _check(pool, a, device)
+    pool.shutdown()
+
+
 def test_nccl_disaggregated(gpu_ray, padded_model_dir):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: the server on one, the trainer on the other")

@@ -61,16 +61,89 @@ def test_to_torch_is_zero_copy_for_torch_and_single_device_jax():
     assert ws.to_torch(j).data_ptr() == j.unsafe_buffer_pointer()
 
 
-def test_to_torch_gathers_an_array_sharded_over_devices():
+@pytest.fixture
+def device_arrays(monkeypatch):
+    """Forbids weight_sync's numpy path and records the arrays that jax.device_put (the
+    on-device gather) and the jitted packer return, so a test can check a torch tensor
+    aliases one of them: zero-copy from a device buffer, no host round trip."""
     import jax
+
+    made = []
+
+    def host(*args, **kwargs):
+        raise AssertionError("a jax array was materialised with numpy")
+
+    def device_put(*args, **kwargs):
+        made.append(put(*args, **kwargs))
+        return made[-1]
+
+    def packer():
+        def run(*arrays):
+            made.append(jitted(*arrays))
+            return made[-1]
+
+        return run
+
+    put, jitted = jax.device_put, ws._jax_flat_bytes()
+    monkeypatch.setattr(ws, "_numpy_to_torch", host)
+    monkeypatch.setattr(jax, "device_put", device_put)
+    monkeypatch.setattr(ws, "_jax_flat_bytes", packer)
+    return made
+
+
+def _aliases(t: torch.Tensor, arrays) -> bool:
+    return any(t.data_ptr() == a.unsafe_buffer_pointer() for a in arrays)
+
+
+def _sharded():
+    """A [8, 4] float32 sharded over 4 CPU devices by rows, one replicated, one bf16
+    sharded by columns, and the numpy values they hold."""
+    import jax
+    import ml_dtypes
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    devices = np.array(jax.devices()[:4])
-    x = jax.device_put(
-        np.arange(32, dtype=np.float32).reshape(8, 4),
-        NamedSharding(Mesh(devices, ("d",)), PartitionSpec("d")),
-    )
-    np.testing.assert_array_equal(ws.to_torch(x).numpy(), np.arange(32).reshape(8, 4))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    a = np.arange(32, dtype=np.float32).reshape(8, 4)
+    r = np.linspace(-1, 1, 6, dtype=np.float32)
+    b = (np.arange(16).reshape(2, 8) / 3).astype(ml_dtypes.bfloat16)
+    arrays = [
+        ("rows", jax.device_put(a, NamedSharding(mesh, PartitionSpec("d")))),
+        ("replicated", jax.device_put(r, NamedSharding(mesh, PartitionSpec()))),
+        ("cols.bf16", jax.device_put(b, NamedSharding(mesh, PartitionSpec(None, "d")))),
+    ]
+    return arrays, {"rows": a, "replicated": r, "cols.bf16": b}
+
+
+def test_to_torch_gathers_sharded_arrays_on_device(device_arrays):
+    arrays, want = _sharded()
+    device_arrays.clear()  # _sharded's own device_puts
+    assert all(len(x.sharding.device_set) == 4 for _, x in arrays)
+    for name, x in arrays:
+        t = ws.to_torch(x)
+        assert _bits(t) == want[name].tobytes() and tuple(t.shape) == want[name].shape
+        # the replicated array's local shard is used as is; the others are gathered
+        local = [x.addressable_shards[0].data] if name == "replicated" else device_arrays
+        assert _aliases(t, local)
+    assert len(device_arrays) == 2
+
+
+def test_jax_buckets_pack_on_device_like_torch_buckets(device_arrays):
+    """pack_flat of sharded jax arrays (XLA packs, DLPack hands over) gives the metadata
+    pack_flat gives for torch tensors of the same values, and views with their bytes."""
+    arrays, want = _sharded()
+    device_arrays.clear()
+    flat, metas = ws.pack_flat(arrays)
+    assert _aliases(flat, device_arrays[-1:])  # the packer's output, wrapped by DLPack
+    as_torch = {
+        "rows": torch.from_numpy(want["rows"]),
+        "replicated": torch.from_numpy(want["replicated"]),
+        "cols.bf16": torch.from_numpy(want["cols.bf16"].view(np.uint16)).view(torch.bfloat16),
+    }
+    assert metas == ws.pack_flat(list(as_torch.items()))[1]
+    for name, t in ws.unpack_flat(flat, metas):
+        assert _bits(t) == want[name].tobytes() and t.dtype == as_torch[name].dtype
+    own = ws.pack_flat(arrays, torch_memory=True)[0]
+    assert torch.equal(own, flat) and own.data_ptr() != flat.data_ptr()
 
 
 def test_iter_buckets_groups_by_size_and_keeps_order():

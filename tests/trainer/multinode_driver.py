@@ -20,11 +20,14 @@ import sys
 GRPO = "gin/experiments/tiny_grpo.gin"
 
 
-def _params(backend: str, run_dir: str, nodes: int = 2) -> list[str]:
+def _params(
+    backend: str, run_dir: str, nodes: int = 2, transport: str = "object_store"
+) -> list[str]:
     """Tiny GRPO with the actor (mesh data=2) in a pool over ``nodes`` worker nodes."""
     return [
         f"polyrl.RunConfig.run_dir = {run_dir!r}",
         f"polyrl.RunConfig.backend = {backend!r}",
+        f"polyrl.RunConfig.weight_transport = {transport!r}",
         "polyrl.RunConfig.tensorboard = False",
         "polyrl.RunConfig.total_steps = 2",
         "polyrl.RunConfig.prompts_per_step = 8",
@@ -38,12 +41,14 @@ def _params(backend: str, run_dir: str, nodes: int = 2) -> list[str]:
 
 
 def main(backend: str, run_dir: str) -> None:
+    """``backend`` may name a weight transport too: ``jax_pjit:nccl``."""
     import ray
 
     from polyrl.launch import _components, parse_config, prepare
     from polyrl.trainer import RLTrainer
 
-    cfg, _ = parse_config([GRPO], _params(backend, run_dir))
+    backend, _, transport = backend.partition(":")
+    cfg, _ = parse_config([GRPO], _params(backend, run_dir, transport=transport or "object_store"))
     cfg, spec = prepare(cfg)
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:

@@ -1,8 +1,10 @@
 """Multi-node placement on a real Ray cluster (a head and two worker nodes, each its own
 ``ray start`` on this machine, with its own CPUs and custom resources): polyrl joins it
 through RAY_ADDRESS, the actor spreads over both worker nodes (torch: a rank per node;
-JAX: a host per node joined by jax.distributed) and the tiny GRPO runs two steps; torch
-HSDP over the two nodes (shard inside a node, replicate across) equals one rank.
+JAX: a host per node joined by jax.distributed) and the tiny GRPO runs two steps, its
+weights synced to the server on the head by the object store (and, slow, the "nccl"
+broadcast group on gloo); torch HSDP over the two nodes (shard inside a node, replicate
+across) equals one rank; (slow) a JAX run on two hosts resumes on one.
 
 The driver runs in its own process (multinode_driver.py): a fresh Ray client, whatever
 Ray session this test process had before."""
@@ -47,7 +49,17 @@ def _drive(cluster: str, mode: str, run_dir: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "torch_fsdp",
+        "jax_pjit",
+        # the broadcast group (gloo on CPU) from the actor's rank 0 on a worker node to
+        # the server on the head
+        pytest.param("torch_fsdp:nccl", marks=pytest.mark.slow),
+        pytest.param("jax_pjit:nccl", marks=pytest.mark.slow),
+    ],
+)
 def test_grpo_actor_spans_both_worker_nodes(cluster, tmp_path, backend):
     result = _drive(cluster, backend, tmp_path / "run")
     # Joined the cluster (its GCS port; Ray reports the node's own IP), did not start one.
@@ -55,6 +67,9 @@ def test_grpo_actor_spans_both_worker_nodes(cluster, tmp_path, backend):
     assert sorted(result["actor_nodes"]) == ["node_a", "node_b"]
     last = result["last"]
     assert last["step"] == 2 and math.isfinite(last["actor/loss"]) and "reward/mean" in last
+    # step 2 was sampled after step 1's update: the server holds the updated weights
+    # (rollout and trainer log-probs agree to fp32 kernel noise, docs/rollout.md)
+    assert last["rollout/log_prob_diff_max"] < 1e-4, last
 
 
 def test_torch_hsdp_over_two_nodes_equals_one_rank(cluster, tmp_path):

@@ -7,7 +7,8 @@ one not run elsewhere: two tiny GRPO steps, with a 2-worker actor (torch: two ra
 one host worker over two devices), where the rollout servers must hold the trainer's
 weights after the first update.
 
-Pools over several nodes need a cluster: tests/trainer/test_multinode.py runs them.
+Pools over several nodes need a cluster: tests/trainer/test_multinode.py runs them, with
+the object store and (slow) the "nccl" broadcast group on gloo, on both backends.
 """
 
 from __future__ import annotations

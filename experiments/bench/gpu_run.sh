@@ -90,7 +90,7 @@ for s in $sections; do
   rollout)
     model
     timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" \
-      2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
+      --profile "$OUT/prof/rollout" 2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
   weight_sync)
     timeout 480 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
       --dtype bfloat16 --bucket-mb 1024 --transports object_store,cuda_ipc \

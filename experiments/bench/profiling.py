@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["profile_call", "phase_table", "format_top"]
+__all__ = ["profile_call", "profile_actors", "phase_table", "format_top"]
 
 TOP = 15
 MAX_XPLANE_MB = 16
@@ -71,6 +71,65 @@ def profile_call(framework: str, out_dir: str | Path, name: str, fn: Callable[[]
         attr = "self_device_time_total" if cuda else "self_cpu_time_total"
         ops = {e.key: getattr(e, attr) / 1e3 for e in prof.key_averages()}
     return _summary(trace, wall, ops, outside=True)
+
+
+def _torch_start(actor: Any) -> None:
+    """Inside a Ray actor (``__ray_call__``): start torch.profiler in its process."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    actor._bench_profile = profile(activities=activities)
+    actor._bench_profile.__enter__()
+    actor._bench_profile_t0 = time.perf_counter()
+
+
+def _torch_stop(actor: Any, path: str) -> dict:
+    """Inside the actor: stop the profiler, write its gzipped Chrome trace to ``path``,
+    return the wall time and each op's self time (device on GPU, else host)."""
+    import time
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - actor._bench_profile_t0
+    prof = actor._bench_profile
+    prof.__exit__(None, None, None)
+    raw = Path(path)
+    prof.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(raw.with_suffix(".json.gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return {"wall": wall, "ops": {e.key: getattr(e, attr) / 1e3 for e in prof.key_averages()}}
+
+
+def profile_actors(actors: list, out_dir: str | Path, name: str, fn: Callable[[], Any]) -> dict:
+    """Run ``fn()`` with torch.profiler running inside each Ray actor of ``actors`` (e.g.
+    rollout servers: with the in-process engine that is where vLLM runs); one trace per
+    actor (``DIR/<name>_<i>.pt.trace.json.gz``, written on the actor's node), the table
+    of the first."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    # The actors cannot import this script's directory: send these functions by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    ray.get([a.__ray_call__.remote(_torch_start) for a in actors])
+    try:
+        fn()
+    finally:
+        paths = [out / f"{name}_{i}.pt.trace.json" for i in range(len(actors))]
+        got = ray.get([a.__ray_call__.remote(_torch_stop, str(p)) for a, p in zip(actors, paths)])
+    return _summary(paths[0].with_suffix(".json.gz"), got[0]["wall"], got[0]["ops"], outside=True)
 
 
 def _summary(trace: Path, wall: float, ms: dict[str, float], outside: bool) -> dict:

@@ -11,6 +11,11 @@ shipped GPU experiment's rollout (gin/experiments/gpu_grpo_0p5b.gin: 64 prompts 
     python experiments/bench/rollout.py --prompts 8 --n 2 --prompt-len 16 --new-tokens 16 \\
         --dtype float32 --max-model-len 64
     python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --json r.json
+
+``--profile DIR`` adds a torch.profiler trace of one more call of each (64 new tokens at
+most, so the trace stays a few MB), taken inside the rollout server and inside the direct
+engine's actor (``profiling.profile_actors``; with the in-process engine that is where
+vLLM runs), and prints their top ops.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiling import format_top  # noqa: E402
 from weight_sync import bench_rollout  # noqa: E402
 
 # Issue 11: rollout inside polyrl at least this fraction of vLLM alone's tokens/s.
@@ -42,6 +48,11 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-cpus", type=int, default=os.cpu_count())
     p.add_argument("--json", help="write the result here")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="torch.profiler traces of one more call of each, inside the server / engine actor",
+    )
     args = p.parse_args(argv)
 
     import ray
@@ -63,7 +74,7 @@ def main(argv=None) -> None:
         )
     )
     try:
-        result = {"model": model, "dtype": args.dtype, **bench_rollout(pool, args)}
+        result = {"model": model, "dtype": args.dtype, **bench_rollout(pool, args, args.profile)}
     finally:
         pool.shutdown()
         ray.shutdown()
@@ -75,6 +86,12 @@ def main(argv=None) -> None:
         f"{'vLLM directly (limit)':<26} {result['direct_tok_s']:>10.0f}",
         f"{'ratio':<26} {ratio:>10.3f}  >= {GOAL}: {'met' if ratio >= GOAL else 'MISSED'}",
     ]
+    for key, label in (
+        ("profile_pool", "RolloutPool (server)"),
+        ("profile_direct", "vLLM directly"),
+    ):
+        if key in result:
+            lines += format_top(result[key], f"{label}: top ops")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({**result, "table": lines}, indent=1))

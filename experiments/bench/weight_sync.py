@@ -289,8 +289,14 @@ class DirectEngine:
         return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start
 
 
-def bench_rollout(pool, args) -> dict:
-    """Generated tokens/s (median of --repeats): pool.generate vs vllm.LLM.generate."""
+PROFILE_TOKENS = 64
+
+
+def bench_rollout(pool, args, profile: str | None = None) -> dict:
+    """Generated tokens/s (median of --repeats): pool.generate vs vllm.LLM.generate.
+    ``profile``: a directory for torch.profiler traces of one more call of each (at most
+    ``PROFILE_TOKENS`` new tokens), taken inside the rollout servers and inside the
+    direct engine's actor."""
     import numpy as np
     import ray
 
@@ -310,7 +316,7 @@ def bench_rollout(pool, args) -> dict:
     )
     batch = Batch(meta={"prompt_ids": prompts})
 
-    def through_pool() -> tuple[int, float]:
+    def through_pool(spec=spec) -> tuple[int, float]:
         start = time.perf_counter()
         out = pool.generate(batch, spec)
         return int(out["response_lengths"].sum()), time.perf_counter() - start
@@ -331,9 +337,26 @@ def bench_rollout(pool, args) -> dict:
     for _ in range(args.repeats):  # interleaved, so load changes hit both alike
         rows["pool"].append(through_pool())
         rows["direct"].append(ray.get(direct.timed_generate.remote(prompts, spec)))
+    traces = {}
+    if profile:
+        import dataclasses
+
+        from profiling import profile_actors
+
+        # At most PROFILE_TOKENS new tokens: the same decode steps, a trace of a few MB.
+        short = dataclasses.replace(spec, max_tokens=min(spec.max_tokens, PROFILE_TOKENS))
+        traces["profile_pool"] = profile_actors(
+            pool.servers, profile, "pool", lambda: through_pool(short)
+        )
+        traces["profile_direct"] = profile_actors(
+            [direct],
+            profile,
+            "direct",
+            lambda: ray.get(direct.timed_generate.remote(prompts, short)),
+        )
     ray.kill(direct)
     rate = {k: statistics.median(n / s for n, s in v) for k, v in rows.items()}
-    return {
+    return traces | {
         "prompts": args.prompts,
         "n": args.n,
         "prompt_len": args.prompt_len,
@@ -486,7 +509,7 @@ def bench_pool(args, model_dir: Path, sections: set[str], bucket_bytes: int) -> 
         )
         del sources
     if "rollout" in sections:
-        out["rollout"] = bench_rollout(pool, args)
+        out["rollout"] = bench_rollout(pool, args, args.profile)
     pool.shutdown()
     ray.shutdown()
     return out

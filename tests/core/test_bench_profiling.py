@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "bench"))
-from profiling import format_top, phase_table, profile_call  # noqa: E402
+from profiling import format_top, phase_table, profile_actors, profile_call  # noqa: E402
 
 
 def test_phase_table_sums_the_measured_steps(tmp_path):
@@ -66,3 +66,27 @@ def test_jax_profile_writes_a_perfetto_trace(tmp_path):
     prof = profile_call("jax", tmp_path, "step", lambda: f(x).block_until_ready())
     assert Path(prof["trace"]).name == "perfetto_trace.json.gz"
     assert prof["top"] and all(0 <= r["share"] <= 1 for r in prof["top"])
+
+
+def test_profile_actors_traces_inside_the_actor(ray_session, tmp_path):
+    """The ops run in the Ray actor's process, not here: the trace must hold them."""
+    import ray
+
+    class Matmuls:
+        def run(self) -> int:
+            import torch
+
+            a = torch.randn(384, 384)
+            for _ in range(20):
+                a = torch.tanh(a @ a)
+            return 1
+
+    actor = ray.remote(num_cpus=0)(Matmuls).remote()
+    try:
+        prof = profile_actors([actor], tmp_path, "mm", lambda: ray.get(actor.run.remote()))
+    finally:
+        ray.kill(actor)
+    assert {"aten::mm", "aten::tanh"} <= {r["name"] for r in prof["top"]}
+    assert Path(prof["trace"]) == tmp_path.resolve() / "mm_0.pt.trace.json.gz"
+    with gzip.open(prof["trace"], "rt") as f:
+        assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])

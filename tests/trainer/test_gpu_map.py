@@ -107,6 +107,8 @@ def test_colocated_jax_worker_drives_both_gpus_pinned_to_cuda(placed):
     (actor,) = got["actor"]
     assert sorted(actor["gpus"].split(",")) == ["0", "1"], got
     assert actor["jax"] == "cuda" and {w["jax"] for w in got["reference"]} == {"cuda"}, got
+    # the nodes' own environment says cpu (the servers inherit it): the pin is polyrl's
+    assert {w["jax"] for w in got["rollout"]} == {"cpu"}, got
     servers = _gpus(got["rollout"])
     assert sorted(servers) == [["node_a/0"], ["node_a/1"]], got
     assert _pushers(got["actor"], got["rollout"]) == [[0], [0]]  # one worker feeds both

@@ -110,6 +110,39 @@ def local_cpus(num_cpus: float | None) -> int | None:
     return None if num_cpus is None else math.ceil(num_cpus)
 
 
+def end_actors(actors: Iterable[Any], timeout_s: float = 30.0) -> None:
+    """Kill ``actors`` and wait (at most ``timeout_s``) until their processes are gone,
+    so the devices and memory they held are free when this returns. ``ray.kill`` only
+    asks, and Ray reports an actor dead before its process has exited: a run started
+    next in the same Ray session could find the GPU still full. Processes on this node
+    are watched by PID; on other nodes, Ray's report is the best there is."""
+    import psutil
+    import ray
+
+    actors = list(actors)
+    here = ray.get_runtime_context().get_node_id()
+    refs = [a.__ray_call__.remote(_node_and_pid) for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
+    ids = [ray.get(r) if r in ready else None for r in refs]  # None: dead or busy
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    for a, where in zip(actors, ids):
+        left = max(0.0, deadline - time.monotonic())
+        if where is not None and where[0] == here:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(where[1]).wait(timeout=left)
+        else:
+            with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                ray.get(a.__ray_ready__.remote(), timeout=left)
+
+
+def _node_and_pid(_actor: Any) -> tuple[str, int]:
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
 def _start_watchdog(pid: int) -> None:
     subprocess.Popen(
         [sys.executable, "-m", "polyrl.ray_session", "WATCH", str(pid)],

@@ -117,6 +117,8 @@ class Loop(abc.ABC):
             print(f"[polyrl] {warning}", flush=True)
 
     def shutdown(self) -> None:
+        """End every worker (waiting until each is gone), then free the pools' placement
+        groups, so a next run in the same Ray session finds its devices free."""
         for group in (self.actor, self.reference, self.critic):
             if group is not None:
                 group.shutdown()

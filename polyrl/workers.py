@@ -384,8 +384,7 @@ class WorkerGroup:
         return [host_unpack(arrays, metas) for arrays, metas in payloads]
 
     def shutdown(self) -> None:
-        import ray
+        from polyrl.ray_session import end_actors
 
-        for w in self.workers:
-            ray.kill(w)
+        end_actors(self.workers)
         self.workers = []

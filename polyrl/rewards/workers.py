@@ -181,8 +181,7 @@ class RewardPool:
         return np.asarray(scores, np.float32)
 
     def shutdown(self) -> None:
-        import ray
+        from polyrl.ray_session import end_actors
 
-        for w in self.workers:
-            ray.kill(w)
+        end_actors(self.workers)
         self.workers = []

@@ -428,10 +428,9 @@ class RolloutPool:
         return ray.get([s.wake_up.remote() for s in self.servers])
 
     def shutdown(self) -> None:
-        import ray
+        from polyrl.ray_session import end_actors
 
-        for s in self.servers:
-            ray.kill(s, no_restart=True)
+        end_actors(self.servers)
         self.servers = []
 
 

@@ -83,9 +83,10 @@ DISAGGREGATED = (
 )
 
 
-def test_nccl_group_disaggregated(ray_gpu, tmp_path):
+@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+def test_nccl_group_disaggregated(ray_gpu, tmp_path, backend):
     _two_gpus()
-    rows = _run(tmp_path, *DISAGGREGATED)
+    rows = _run(tmp_path, *DISAGGREGATED, f"polyrl.RunConfig.backend = {backend!r}")
     assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
     assert all(r["sync/gb"] > 0 for r in rows)
 

@@ -214,17 +214,10 @@ class Placement:
     def release(self) -> None:
         """Give back the placement groups this placement reserved (after its workers
         stopped), so a later run in the same Ray session can reserve them again."""
-        import time
-
-        from ray.util import placement_group_table, remove_placement_group
+        from ray.util import remove_placement_group
 
         for pg in self._owned:
             remove_placement_group(pg)
-        deadline = time.monotonic() + 30.0  # removal is asynchronous: wait until it is done
-        while time.monotonic() < deadline and any(
-            placement_group_table(pg).get("state") != "REMOVED" for pg in self._owned
-        ):
-            time.sleep(0.05)
         self._owned = []
 
     def is_colocated(self, role: str) -> bool:

@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -242,7 +243,7 @@ def goals(rows: list[dict], load: dict | None) -> dict:
         return None
 
     out: dict = {}
-    if load:
+    if load and "error" not in load:
         out["load_alone_load_weights_over_plan"] = load["load_weights_s"] / load["plan_s"]
         out["load_alone_plan_x_copy"] = load["plan_x_copy"]
     if not rows:
@@ -398,7 +399,9 @@ def table(rows: list[dict], load: dict | None, ratios: dict) -> str:
             f"{r['seconds']:>10.4f}{r['gbps']:>9.2f}{r['memcpy_gbps']:>11.1f}"
             f"{r['memcpy_gbps'] / r['gbps']:>8.1f}"
         )
-    if load:
+    if load and "error" in load:
+        lines.append(f"load alone: failed ({load['error']})")
+    elif load:
         lines.append(
             f"load alone ({load['device']}, {load['bytes'] / 1e6:.1f} MB, {load['tensors']} tensors"
             f" -> {load['plan_copies']} copies): load_weights {load['load_weights_s']:.4f} s,"
@@ -452,12 +455,16 @@ def main() -> None:
     on_gpu = _on_gpu()
     bucket_bytes = int(args.bucket_mb * 2**20)
     result: dict = {"device": "cuda" if on_gpu else "cpu", "sync": [], "load": None}
-    if "load" in sections:  # first, before a server shares the device
-        sd = state_dicts(model_dir, "cuda" if on_gpu else "cpu", args.dtype)["torch"]
-        result["load"] = bench_load(model_dir, sd, args.dtype, bucket_bytes, args.repeats)
-        del sd
     if sections & {"sync", "rollout"}:
         result.update(bench_pool(args, model_dir, sections, bucket_bytes))
+    if "load" in sections:  # last, with the servers gone: vLLM's model class in this process
+        sd = state_dicts(model_dir, "cuda" if on_gpu else "cpu", args.dtype)["torch"]
+        try:
+            result["load"] = bench_load(model_dir, sd, args.dtype, bucket_bytes, args.repeats)
+        except Exception as e:  # noqa: BLE001 - the sync rows above must still be reported
+            print(f"load section failed: {e!r}", file=sys.stderr)
+            result["load"] = {"error": repr(e)}
+        del sd
     result["goals"] = goals(result["sync"], result["load"])
     text = json.dumps(result, indent=1)
     print(text)

@@ -22,6 +22,8 @@
 #   ragged      the same with ragged lengths (prompts 512-1024, responses 128-1024 tokens),
 #               where packing removes padding
 #   attention_tests  the attention kernels' gpu tests alone, one line per test (~2 minutes)
+#   sync_tests  the weight transports' gpu tests alone (CUDA IPC, load plan vs load_weights,
+#               NCCL where 2-3 GPUs), one line per test (~3 minutes; not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out).
 # Every section also writes a profiler trace of one step (or the run's phase timeline)
@@ -105,6 +107,10 @@ for s in $sections; do
     timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/backends/torch_fsdp/test_attention.py \
       tests/backends/jax_pjit/test_jax_packing.py 2>&1 | tee "$OUT/attention_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" \
       | tee -a "$OUT/summary.txt" ;;
+  sync_tests)
+    timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/rollout/test_gpu_transports.py 2>&1 \
+      | tee "$OUT/sync_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" \
+      | tee -a "$OUT/summary.txt" ;;
   attention|ragged)
     shape="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1"
@@ -112,6 +118,6 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests)" ;;
   esac
 done

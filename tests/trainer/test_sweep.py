@@ -163,7 +163,8 @@ def _rollouts(run: Path, steps: range) -> dict[int, list[tuple[int, str]]]:
 
 
 @pytest.mark.slow
-def test_killed_sweep_resumes_each_trial_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+def test_killed_sweep_resumes_each_trial_where_it_stopped(tmp_path, backend):
     """`kill -9` of the whole sweep (driver, Ray, trials) once a trial has logged steps
     after its step-4 checkpoint, then `polyrl sweep --resume`: every trial continues from
     its checkpoint, the steps it takes again equal the ones the killed, uninterrupted
@@ -185,7 +186,13 @@ def test_killed_sweep_resumes_each_trial_where_it_stopped(tmp_path):
         "--gin_param",
         "polyrl.SweepConfig.scheduler = 'fifo'",
     ]
-    for b in ("total_steps = 10", "save_every = 4", "dump_every = 1", "dump_samples = 128"):
+    for b in (
+        f"backend = {backend!r}",
+        "total_steps = 10",
+        "save_every = 4",
+        "dump_every = 1",
+        "dump_samples = 128",
+    ):
         args += ["--gin_param", f"polyrl.RunConfig.{b}"]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     cmd = [sys.executable, "-m", "polyrl.cli", "sweep", *args]

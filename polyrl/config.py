@@ -71,8 +71,8 @@ class ModelConfig:
       weights initialise the head (e.g. a reward model); None -> zero-initialised head.
     dtype: parameter dtype ("float32" on CPU; "bfloat16" on GPU with fp32 reductions).
     attn_implementation: torch: transformers' name (``sdpa``, ``polyrl_varlen``,
-      ``flex_attention``, ...); JAX: ``cudnn``, ``xla``, anything else = cuDNN where it
-      applies (docs/backends.md, "Attention kernels").
+      ``flex_attention``, ...); JAX: ``auto`` (cuDNN where it applies, opt-in),
+      ``cudnn`` (forced), anything else = XLA (docs/backends.md, "Attention and packing").
     sampling_vocab_size: score tokens over the first N ids only: the rollout servers
       sample only the tokenizer's ids when the embedding is padded past it (Qwen2), so
       the trainer's log-softmax must cover the same ids (RolloutPool.sampling_vocab_size).
@@ -276,8 +276,8 @@ class RunConfig:
     model_dtype / gradient_checkpointing: the trained and reference engines' parameter
       dtype ("bfloat16" on GPU) and activation checkpointing.
     attn_implementation: every engine's ``ModelConfig.attn_implementation`` (torch:
-      transformers' name or ``polyrl_varlen``; JAX: ``cudnn``/``xla``, else cuDNN where it
-      applies; docs/backends.md).
+      transformers' name or ``polyrl_varlen``; JAX: ``auto``/``cudnn`` for cuDNN, else
+      XLA; docs/backends.md).
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     async_rollout: one-step off-policy: the rollout servers generate step k+1's batch

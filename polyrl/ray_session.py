@@ -123,7 +123,7 @@ def end_actors(actors: Iterable[Any], timeout_s: float = 30.0) -> None:
     here = ray.get_runtime_context().get_node_id()
     refs = [a.__ray_call__.remote(_node_and_pid) for a in actors]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5.0)
-    ids = [ray.get(r) if r in ready else None for r in refs]  # None: dead or busy
+    ids = [_value(r) if r in ready else None for r in refs]  # None: dead or busy
     for a in actors:
         ray.kill(a, no_restart=True)
     deadline = time.monotonic() + timeout_s
@@ -135,6 +135,16 @@ def end_actors(actors: Iterable[Any], timeout_s: float = 30.0) -> None:
         else:
             with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 ray.get(a.__ray_ready__.remote(), timeout=left)
+
+
+def _value(ref: Any) -> Any:
+    """A finished call's value; None if it failed (the actor died: already gone)."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError:
+        return None
 
 
 def _node_and_pid(_actor: Any) -> tuple[str, int]:

@@ -6,7 +6,8 @@
 #   bash experiments/bench/gpu_run.sh train_step rollout   # some of them
 #
 # Sections (each under ~4 minutes on one H200):
-#   tests       the gpu-marked tests and the torch backend's tests on CUDA
+#   tests       the gpu-marked tests, one pytest per file (GPU_TEST_TIMEOUT s each, default
+#               300; some need 2 GPUs), and the torch backend's tests on CUDA
 #   train_step  1.5B shape, 8 x 2048 tokens, bf16, checkpointing: torch_fsdp, jax_pjit (its
 #               default platform allocator and bfc) and the hand-written HF loop (the limit)
 #   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
@@ -69,8 +70,16 @@ for s in $sections; do
   echo "=== $s" | tee -a "$OUT/summary.txt"
   case $s in
   tests)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests rc=$?" | tee -a "$OUT/summary.txt"
+    # one pytest per file, each with its own bound and log: a file that hangs or runs long
+    # leaves the others' results. The JAX backend's in-process GPU tests get JAX_PLATFORMS
+    # (the session pins JAX to the CPU only when it is unset); elsewhere a driver's JAX must
+    # stay off the GPU, which its Ray workers and vLLM use.
+    for f in $(grep -rlE "pytest\.mark\.gpu|mark\.gpu" tests | sort); do
+      log="$OUT/gpu_$(basename "$f" .py).log"
+      jp=cpu; case $f in */jax_pjit/*) jp=cuda,cpu ;; esac
+      JAX_PLATFORMS=$jp timeout ${GPU_TEST_TIMEOUT:-300} python3 -m pytest -q -rA -p no:cacheprovider -m gpu "$f" > "$log" 2>&1
+      echo "$f rc=$? $(tail -1 "$log")" | tee -a "$OUT/summary.txt"
+    done
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
     echo "torch_fsdp tests rc=$?" | tee -a "$OUT/summary.txt" ;;
   train_step)

@@ -150,17 +150,20 @@ class EngineWorker(Traced):
         return os.getpid()
 
     def where(self) -> dict[str, str]:
-        """The Ray node this worker runs on, the GPUs it sees (CUDA_VISIBLE_DEVICES) and
-        the JAX platform it is pinned to (JAX_PLATFORMS)."""
-        import ray
+        return where_this_runs()
 
-        node = ray.get_runtime_context().get_node_id()
-        env = os.environ.get
-        return {
-            "node": node,
-            "gpus": env("CUDA_VISIBLE_DEVICES", ""),
-            "jax": env("JAX_PLATFORMS", ""),
-        }
+
+def where_this_runs() -> dict[str, str]:
+    """The Ray node this process runs on, the GPUs it sees (CUDA_VISIBLE_DEVICES) and the
+    JAX platform it is pinned to (JAX_PLATFORMS)."""
+    import ray
+
+    env = os.environ.get
+    return {
+        "node": ray.get_runtime_context().get_node_id(),
+        "gpus": env("CUDA_VISIBLE_DEVICES", ""),
+        "jax": env("JAX_PLATFORMS", ""),
+    }
 
 
 def worker_options(

@@ -20,15 +20,9 @@ class ServerStandIn:
     """Stands where a RolloutServer would (its vLLM would need the GPUs it only sees)."""
 
     def where(self) -> dict[str, str]:
-        import ray
+        from polyrl.workers import where_this_runs
 
-        node = ray.get_runtime_context().get_node_id()
-        env = os.environ.get
-        return {
-            "node": node,
-            "gpus": env("CUDA_VISIBLE_DEVICES", ""),
-            "jax": env("JAX_PLATFORMS", ""),
-        }
+        return where_this_runs()
 
 
 def layout(run_dir: str, params: list[str]) -> dict[str, list[dict]]:

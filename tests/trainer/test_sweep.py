@@ -107,15 +107,9 @@ def test_sweep_from_another_directory_with_a_bad_trial(tmp_path):
     assert "FAILED" in out.stdout
 
 
-@pytest.mark.slow
-def test_interrupted_sweep_resumes_and_finishes_every_trial(tmp_path):
-    """Ctrl-C a sweep while its trials run, then `polyrl sweep --resume`: every trial ends
-    with all its steps, each step logged once (a resumed trial continues from its
-    checkpoint, it does not start again)."""
-    import signal
-    import time
-
-    root = tmp_path / "sweep"
+def _lr_grid_args(root, *run_params: str) -> list[str]:
+    """`polyrl sweep` arguments: the tiny GRPO over two learning rates, one trial after
+    the other, in ``root``, with ``polyrl.RunConfig.<p>`` for each of ``run_params``."""
     args = [
         "--gin_file",
         "gin/sweeps/tiny_grpo_lr.gin",
@@ -125,9 +119,22 @@ def test_interrupted_sweep_resumes_and_finishes_every_trial(tmp_path):
         "polyrl.SweepConfig.space = {'actor/polyrl.OptimConfig.lr': {'grid': [3e-3, 1e-2]}}",
         "--gin_param",
         "polyrl.SweepConfig.scheduler = 'fifo'",
-        "--gin_param",
-        "polyrl.RunConfig.save_every = 2",
     ]
+    for p in run_params:
+        args += ["--gin_param", f"polyrl.RunConfig.{p}"]
+    return args
+
+
+@pytest.mark.slow
+def test_interrupted_sweep_resumes_and_finishes_every_trial(tmp_path):
+    """Ctrl-C a sweep while its trials run, then `polyrl sweep --resume`: every trial ends
+    with all its steps, each step logged once (a resumed trial continues from its
+    checkpoint, it does not start again)."""
+    import signal
+    import time
+
+    root = tmp_path / "sweep"
+    args = _lr_grid_args(root, "save_every = 2")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     cmd = [sys.executable, "-m", "polyrl.cli", "sweep", *args]
     proc = subprocess.Popen(
@@ -176,24 +183,14 @@ def test_killed_sweep_resumes_each_trial_where_it_stopped(tmp_path, backend):
     import psutil
 
     root = tmp_path / "sweep"
-    args = [
-        "--gin_file",
-        "gin/sweeps/tiny_grpo_lr.gin",
-        "--gin_param",
-        f"polyrl.RunConfig.run_dir = {str(root)!r}",
-        "--gin_param",
-        "polyrl.SweepConfig.space = {'actor/polyrl.OptimConfig.lr': {'grid': [3e-3, 1e-2]}}",
-        "--gin_param",
-        "polyrl.SweepConfig.scheduler = 'fifo'",
-    ]
-    for b in (
+    args = _lr_grid_args(
+        root,
         f"backend = {backend!r}",
         "total_steps = 10",
         "save_every = 4",
         "dump_every = 1",
         "dump_samples = 128",
-    ):
-        args += ["--gin_param", f"polyrl.RunConfig.{b}"]
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     cmd = [sys.executable, "-m", "polyrl.cli", "sweep", *args]
     proc = subprocess.Popen(

@@ -31,7 +31,7 @@ whose padding packing removes; tokens/s and MFU count real tokens only). A suite
 may carry them per run: ``BACKEND[:ALLOCATOR][@ATTN][+pack]``, e.g.
 
     python experiments/bench/train_step.py --ragged --suite \
-        torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit@xla,jax_pjit+pack,hf_torch ...
+        torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit@auto+pack,hf_torch ...
 
 Under torchrun each rank gets ``--batch / WORLD_SIZE`` samples and the mesh is
 ``fsdp = WORLD_SIZE`` unless ``--mesh`` says otherwise.

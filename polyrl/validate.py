@@ -156,6 +156,7 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             cfg.role_pools.get("rollout"),
             cfg.pools,
             cfg.rollout.tensor_parallel_size,
+            cfg.rollout.in_process_engine,
         )
     from polyrl.roles import role_names
 

@@ -730,14 +730,21 @@ def group_broadcast(key: str, tensor: Any, timeout_s: float = 600.0) -> None:
 
 
 def transport_problems(
-    transport: str, actor_pool: str, rollout_pool: str, pools: Any, tensor_parallel: int = 1
+    transport: str,
+    actor_pool: str,
+    rollout_pool: str,
+    pools: Any,
+    tensor_parallel: int = 1,
+    in_process_engine: bool = True,
 ) -> list[str]:
     """What ``RunConfig.weight_transport`` cannot do on this placement (validate-config).
 
     object_store: any placement. cuda_ipc: actor and rollout colocated (same pool) on GPUs,
     servers on one GPU each (``tensor_parallel``: the rollout's tensor_parallel_size; a
     pushing worker shares a buffer on the GPUs it drives, and a torch rank drives one,
-    while every GPU of a tensor-parallel server needs one).
+    while every GPU of a tensor-parallel server needs one), engine core in the server's
+    process (``in_process_engine``: RolloutConfig's; vLLM's serializer to an engine-core
+    process refuses the IPC handles' rebuild functions, seen on H200 with vLLM 0.26).
     nccl: disaggregated (different pools), both on GPUs (NCCL) or both on CPU (gloo).
     """
     if transport not in TRANSPORTS:
@@ -759,6 +766,12 @@ def transport_problems(
             f"{tensor_parallel}: CUDA IPC weight sync shares a buffer only with servers on one "
             f"GPU each; set tensor_parallel_size=1, or use 'object_store' (or 'nccl' with the "
             f"rollout in its own pool)"
+        ]
+    if transport == "cuda_ipc" and not in_process_engine:
+        return [
+            "RunConfig.weight_transport='cuda_ipc' with RolloutConfig.in_process_engine=False: "
+            "vLLM's engine-core process cannot receive CUDA IPC handles (its serializer "
+            "refuses them); keep in_process_engine=True (the default), or use 'object_store'"
         ]
     if transport == "nccl" and actor_pool == rollout_pool:
         return [

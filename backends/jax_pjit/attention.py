@@ -20,12 +20,15 @@ Implementations (``ModelConfig.attn_implementation`` through :func:`resolve`):
   least 2 segment slots per row (1-slot calls take cuDNN's unpacked path, which ignores
   offsets). Needs a GPU, bf16/fp16, head dim <= 256 (Hopper) / 128 and a multiple of 8,
   Hopper or newer for the packed layout, cuDNN >= 9.6.
-* ``auto``: ``cudnn`` where it applies, else ``xla``; the reason it does not apply is
-  logged once (and kept in :data:`fallbacks`).
-* Every other name (the default ``sdpa``, the torch backend's names): ``xla``. cuDNN is
-  opt-in: on 2 x H200 (2026-11-30) it ran the 1.5B train step at 40% MFU against XLA's
-  24%, but the shipped GRPO experiment (left-padded prompts) got non-finite gradients on
-  every step with it, before :func:`_cudnn` masked its inputs (docs/backends.md).
+* ``auto`` and the default ``sdpa``: ``cudnn`` where it applies, else ``xla``; the reason
+  it does not apply is logged once (and kept in :data:`fallbacks`).
+* ``xla`` and every other name (the torch backend's ``polyrl_varlen``, ...): ``xla``.
+
+cuDNN is the default on GPU since it trained the shipped GRPO experiment on an H200
+(2026-11-30: finite updates, the same rollout/trainer log-prob gap as XLA and as torch,
+the step 16.7 s against 24.5 s with XLA, each run beside another benchmark on the host's
+other GPU) and ran the 1.5B train step at 40% MFU against XLA's 24%. Before :func:`_cudnn`
+masked its inputs, that GRPO run had a non-finite gradient on every step (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ log = logging.getLogger(__name__)
 
 # reason -> times cuDNN was not used for it (each reason logged once)
 fallbacks: collections.Counter[str] = collections.Counter()
-NAMES = {"auto": "auto", "cudnn": "cudnn"}  # every other name: xla
+NAMES = {"sdpa": "auto", "auto": "auto", "cudnn": "cudnn"}  # every other name: xla
 
 
 def _fall_back(reason: str) -> None:
@@ -53,7 +56,8 @@ def _fall_back(reason: str) -> None:
 
 def resolve(attn_implementation: str, platform: str, dtype, probe=None) -> str:
     """``xla``, ``cudnn`` (forced) or ``auto`` (cuDNN, XLA if the traced shapes do not
-    fit) for ``ModelConfig.attn_implementation`` on ``platform`` with compute ``dtype``.
+    fit) for ``ModelConfig.attn_implementation`` (``sdpa``, the default, means ``auto``)
+    on ``platform`` with compute ``dtype``.
     ``probe``: ``(device, heads, kv_heads, head_dim)``: on a GPU, first compile and run
     a small forward + backward of the cuDNN call with the model's heads on ``device``
     (:func:`probe_cudnn`), so a cuDNN that fails only when compiling or running is found

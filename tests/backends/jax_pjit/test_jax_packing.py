@@ -117,8 +117,10 @@ def test_cudnn_forced_off_gpu_is_a_named_error_and_auto_falls_back(caplog):
     assert attention.fallbacks["compute dtype is float32, cuDNN attention needs bfloat16/float16"]
     assert attention.resolve("auto", "gpu", jnp.bfloat16) == "auto"
     assert attention.resolve("xla", "gpu", jnp.bfloat16) == "xla"
-    # cuDNN is opt-in: the default and the torch backend's names mean XLA
-    for name in ("sdpa", "polyrl_varlen", "flash_attention_2"):
+    # the default means cuDNN where it applies; the torch backend's other names mean XLA
+    assert attention.resolve("sdpa", "gpu", jnp.bfloat16) == "auto"
+    assert attention.resolve("sdpa", "cpu", jnp.bfloat16) == "xla"
+    for name in ("polyrl_varlen", "flash_attention_2"):
         assert attention.resolve(name, "gpu", jnp.bfloat16) == "xla"
     # a probe that fails (here: no cuDNN on this CPU) turns auto into XLA, cudnn into an error
     probe = (jax.devices()[0], 4, 2, 16)

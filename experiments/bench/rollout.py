@@ -1,6 +1,7 @@
 """Benchmark: rollout inside polyrl (``RolloutPool.generate``) against vLLM called
 directly (``vllm.LLM.generate`` in a Ray actor with the same engine arguments and
-resources) on the same prompts: generated tokens/s of each and their ratio.
+resources) on the same requests (one seeded sample per request, the same allowed token
+ids, as the servers build them): generated tokens/s of each and their ratio.
 
 The comparison itself is ``weight_sync.bench_rollout`` (one implementation for both
 benchmarks); this script sets the engine up like a training run's rollout (model, dtype,
@@ -11,6 +12,8 @@ shipped GPU experiment's rollout (gin/experiments/gpu_grpo_0p5b.gin: 64 prompts 
     python experiments/bench/rollout.py --prompts 8 --n 2 --prompt-len 16 --new-tokens 16 \\
         --dtype float32 --max-model-len 64
     python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --json r.json
+    # vLLM's engine core in its own process (RolloutConfig.in_process_engine=False), both sides
+    python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --in-process-engine 0
 
 ``--profile DIR`` adds a torch.profiler trace of one more call of each (64 new tokens at
 most, so the trace stays a few MB), taken inside the rollout server and inside the direct
@@ -46,6 +49,13 @@ def main(argv=None) -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--in-process-engine",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="RolloutConfig.in_process_engine of the servers and of the direct engine",
+    )
     p.add_argument("--num-cpus", type=int, default=os.cpu_count())
     p.add_argument("--json", help="write the result here")
     p.add_argument(
@@ -70,6 +80,7 @@ def main(argv=None) -> None:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            in_process_engine=bool(args.in_process_engine),
             num_gpus=0.5 if on_gpu else None,  # the direct engine takes the other half
         )
     )

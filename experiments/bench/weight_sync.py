@@ -274,29 +274,24 @@ def goals(rows: list[dict], load: dict | None) -> dict:
 
 class DirectEngine:
     """``vllm.LLM`` with the pool's engine arguments, in a Ray actor with the same
-    resources and environment as a rollout server, so the comparison is like for like."""
+    resources and environment as a rollout server, given the same requests as the
+    servers (``polyrl.rollout.server.vllm_requests``: one seeded sample per request, the
+    same allowed token ids), so the comparison is like for like."""
 
     def __init__(self, config, on_gpu: bool) -> None:
         from vllm import LLM
 
-        from polyrl.rollout.server import engine_kwargs
+        from polyrl.rollout.server import allowed_token_ids, engine_kwargs
 
         self.llm = LLM(**engine_kwargs(config, on_gpu))
+        self.allowed = allowed_token_ids(self.llm, config)
 
     def timed_generate(self, prompts: list, spec) -> tuple[int, float]:
-        from vllm import SamplingParams
+        from polyrl.rollout.server import vllm_requests
 
-        params = SamplingParams(
-            n=spec.n,
-            temperature=spec.temperature,
-            max_tokens=spec.max_tokens,
-            seed=spec.seed,
-            ignore_eos=True,
-            logprobs=0,
-            detokenize=False,
-        )
+        requests = [(i * spec.n + j, p) for i, p in enumerate(prompts) for j in range(spec.n)]
         start = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate(*vllm_requests(requests, spec, self.allowed), use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start
 
 
@@ -377,6 +372,8 @@ def bench_rollout(pool, args, profile: str | None = None) -> dict:
         "pool_tok_s": rate["pool"],
         "direct_tok_s": rate["direct"],
         "ratio_pool_to_direct": rate["pool"] / rate["direct"],
+        # every timed call, in order (pool and direct interleaved): the noise beside the median
+        "calls_tok_s": {k: [n / s for n, s in v] for k, v in rows.items()},
     }
 
 

@@ -79,6 +79,28 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     return kwargs
 
 
+def allowed_token_ids(llm: Any, config: RolloutConfig) -> list[int] | None:
+    """The token ids a server samples from: the tokenizer's when the model's vocabulary is
+    larger and ``config.restrict_to_tokenizer`` (module docstring of ``sampling``), else
+    None (all)."""
+    tokenizer_size = len(llm.get_tokenizer())
+    model_vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    if config.restrict_to_tokenizer and model_vocab > tokenizer_size:
+        return list(range(tokenizer_size))
+    return None
+
+
+def vllm_requests(
+    requests: Sequence[tuple[int, Sequence[int]]], spec: SamplingSpec, allowed: list[int] | None
+) -> tuple[list[dict[str, list[int]]], list[Any]]:
+    """``vllm.LLM.generate``'s prompts and per-request ``SamplingParams`` for
+    ``(sample_index, prompt_ids)`` requests: one sample each, seeded by its index."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": list(map(int, ids))} for _, ids in requests]
+    return prompts, [SamplingParams(**spec.vllm_kwargs(int(i), allowed)) for i, _ in requests]
+
+
 class RolloutServer(Traced):
     """One vLLM engine; see the module docstring for the weight protocol.
 
@@ -102,12 +124,10 @@ class RolloutServer(Traced):
 
         self.llm = LLM(**engine_kwargs(config, self.on_gpu))
         tokenizer = self.llm.get_tokenizer()
-        model_config = self.llm.llm_engine.model_config
-        self.model_vocab_size = int(model_config.get_vocab_size())
+        self.model_vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.tokenizer_size = len(tokenizer)
-        restrict = config.restrict_to_tokenizer and self.model_vocab_size > self.tokenizer_size
-        self.sampling_vocab_size = self.tokenizer_size if restrict else self.model_vocab_size
-        self._allowed = list(range(self.tokenizer_size)) if restrict else None
+        self._allowed = allowed_token_ids(self.llm, config)
+        self.sampling_vocab_size = self.tokenizer_size if self._allowed else self.model_vocab_size
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
@@ -161,12 +181,8 @@ class RolloutServer(Traced):
         processed log-probs of the sampled tokens), ``finish_reason`` ("stop" |
         "length" | ...), ``text`` (None unless ``spec.detokenize``), ``version``.
         """
-        from vllm import SamplingParams
-
         self._check_version(expected_version)
-        prompts = [{"prompt_token_ids": list(map(int, ids))} for _, ids in requests]
-        params = [SamplingParams(**spec.vllm_kwargs(int(i), self._allowed)) for i, _ in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(*vllm_requests(requests, spec, self._allowed), use_tqdm=False)
         results = []
         for out in outputs:
             comp = out.outputs[0]

@@ -31,6 +31,19 @@ def test_vllm_kwargs_seed_per_sample_and_logprobs_of_the_sampled_token():
     assert SamplingSpec(seed=None).vllm_kwargs(3, None)["seed"] is None
 
 
+def test_vllm_requests_are_one_seeded_sample_each():
+    """What the servers hand vLLM (and the rollout bench's direct engine, like for like)."""
+    from polyrl.rollout.server import vllm_requests
+
+    spec = SamplingSpec(n=2, seed=7, max_tokens=5, detokenize=False)
+    prompts, params = vllm_requests([(4, [1, 2]), (5, [1, 2])], spec, [0, 1, 2])
+    assert prompts == [{"prompt_token_ids": [1, 2]}] * 2
+    assert [p.n for p in params] == [1, 1] and [p.max_tokens for p in params] == [5, 5]
+    # the seed is the sample's index mixed with the spec's: 7 * 1_000_003 + index
+    assert [p.seed for p in params] == [7_000_025, 7_000_026]
+    assert all(p.allowed_token_ids == [0, 1, 2] and p.logprobs == 0 for p in params)
+
+
 def test_rollout_config_errors_name_the_field():
     with pytest.raises(
         ValueError,

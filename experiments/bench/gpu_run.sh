@@ -26,7 +26,14 @@
 #   sync_tests  the weight transports' gpu tests alone (CUDA IPC, load plan vs load_weights,
 #               NCCL where 2-3 GPUs), one line per test (~3 minutes; not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
-# Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out).
+# Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out),
+#   GRPO_STEPS (steps per GRPO run, default 4; the first is left out of the means),
+#   GIN_EXTRA (one more --gin_param for the GRPO runs, e.g.
+#   "polyrl.RunConfig.attn_implementation = 'auto'"), ASYNC_STEPS (default 6), SUITE (the
+#   train_step section's --suite), ROLLOUT_ARGS (more rollout.py flags, e.g.
+#   "--in-process-engine 0").
+# The GRPO sections also print the peak GPU memory that nvidia-smi saw on their GPUs (every
+# process: the trainer's engines and vLLM alike), sampled every 0.5 s.
 # Every section also writes a profiler trace of one step (or the run's phase timeline)
 # under $OUT/prof/<section> and prints its top ops (experiments/bench/profiling.py).
 # Needs the offline bundle unpacked (.gpu/remote/unpack.sh; docs/install.md, "GPU machine without network").
@@ -66,6 +73,26 @@ t = AutoTokenizer.from_pretrained("/tmp/models/qwen2-0.5b-random"); t.chat_templ
 t.save_pretrained("/tmp/models/qwen2-0.5b-random")
 PY
 }
+# peak_mem NAME CMD...: run CMD while nvidia-smi samples the used memory of the GPUs this
+# shell sees (CUDA_VISIBLE_DEVICES, default all); the largest sum over them -> $OUT/NAME.mem.txt
+peak_mem() {
+  local name=$1; shift
+  local ids=${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)}
+  nvidia-smi -i "$ids" --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/$name.mem.csv" 2>/dev/null &
+  local smi=$!
+  "$@"; local rc=$?
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  python3 - "$OUT/$name.mem.csv" "$ids" <<'PY' | tee -a "$OUT/summary.txt"
+import collections, sys
+used = collections.Counter()  # timestamp -> MiB summed over the GPUs sampled then
+for line in open(sys.argv[1]):
+    t, mib = line.rsplit(",", 1)
+    used[t.strip()] += int(mib)
+print(f"peak GPU memory used (nvidia-smi, GPUs {sys.argv[2]}, all processes): "
+      f"{max(used.values(), default=0) / 1024:.1f} GiB")
+PY
+  return $rc
+}
 for s in $sections; do
   echo "=== $s" | tee -a "$OUT/summary.txt"
   case $s in
@@ -83,7 +110,7 @@ for s in $sections; do
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
     echo "torch_fsdp tests rc=$?" | tee -a "$OUT/summary.txt" ;;
   train_step)
-    timeout 300 python3 experiments/bench/train_step.py --suite torch_fsdp,jax_pjit,jax_pjit:bfc,jax_pjit:bfc@auto,hf_torch \
+    timeout 300 python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,jax_pjit,jax_pjit:bfc,jax_pjit:bfc@auto,hf_torch} \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
@@ -93,14 +120,17 @@ for s in $sections; do
     split=()
     [ $s = grpo_split ] && split=(--gin_param 'polyrl.RunConfig.pools = {"a": {"CPU": 6, "GPU": 1}, "b": {"CPU": 6, "GPU": 1}}'
       --gin_param 'polyrl.RunConfig.role_pools = {"actor": "a", "rollout": "a", "reference": "b"}')
-    timeout 420 python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
-      --backend $backend --steps 4 --skip 1 --timeout 400 \
+    [ -n "${GIN_EXTRA:-}" ] && split+=(--gin_param "$GIN_EXTRA")
+    steps=${GRPO_STEPS:-4}
+    peak_mem $s timeout $((steps * 60 + 180)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
+      --backend $backend --steps $steps --skip 1 --timeout $((steps * 60 + 160)) \
       --gin_param "polyrl.RunConfig.model_path = '$M'" \
       --gin_param "polyrl.RunConfig.weight_transport = '$transport'" ${split[@]+"${split[@]}"} \
-      --log "$OUT/$s.log" --json "$OUT/bench_$s.json" --profile "$OUT/prof/$s" 2>&1 | tail -30 | tee -a "$OUT/summary.txt" ;;
+      --log "$OUT/$s.log" --json "$OUT/bench_$s.json" --profile "$OUT/prof/$s" > "$OUT/$s.stdout" 2>&1
+    cat "$OUT/$s.stdout" "$OUT/$s.mem.txt" | cut -c1-300 | tail -31 | tee -a "$OUT/summary.txt" ;;
   rollout)
     model
-    timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" \
+    timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" ${ROLLOUT_ARGS:-} \
       --profile "$OUT/prof/rollout" 2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
   weight_sync)
     timeout 540 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
@@ -110,7 +140,7 @@ for s in $sections; do
       | tail -12 | tee -a "$OUT/summary.txt" ;;
   async)
     model
-    timeout 560 python3 experiments/bench/async_step.py --work /tmp/bench/async \
+    timeout 560 python3 experiments/bench/async_step.py --work /tmp/bench/async --steps ${ASYNC_STEPS:-6} \
       --gin_param "polyrl.RunConfig.model_path = '$M'" --out "$OUT/bench_async.json" --profile "$OUT/prof/async" \
       > "$OUT/async.log" 2>&1; tail -30 "$OUT/async.log" | tee -a "$OUT/summary.txt" ;;
   attention_tests)

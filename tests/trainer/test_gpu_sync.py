@@ -7,7 +7,8 @@ of the sampled tokens) shows the servers hold the trainer's weights: a server le
 weights would differ by the size of an update.
 
 Run on a GPU host: `pytest -m gpu tests/trainer/test_gpu_sync.py` (passed on 2 x H200,
-2026-11-30: 114 s, 58 s and 63 s).
+2026-11-30: 114 s, 58 s and 63 s). `test_tensor_parallel_server_over_both_gpus` was added
+after that run and has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -74,6 +75,25 @@ def test_cuda_ipc_from_every_rank(ray_gpu, tmp_path, backend):
     )
     assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
     assert all(r["rollout/staleness_max"] == 0 for r in rows)
+
+
+@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+def test_tensor_parallel_server_over_both_gpus(ray_gpu, tmp_path, backend):
+    """One rollout server with tensor_parallel_size=2 over the two GPUs the actor trains on
+    (through the object store: CUDA IPC needs servers of one GPU each); each of the server's
+    two workers loads its shard of every push."""
+    _two_gpus()
+    rows = _run(
+        tmp_path,
+        f"polyrl.RunConfig.backend = {backend!r}",
+        'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
+        'polyrl.RunConfig.role_pools = {"actor": "gpu", "reference": "gpu", "rollout": "gpu"}',
+        "polyrl.RunConfig.weight_transport = 'object_store'",
+        'actor/polyrl.ParallelConfig.mesh = {"fsdp": 2}',
+        "polyrl.RolloutConfig.tensor_parallel_size = 2",
+    )
+    assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
+    assert all(r["sync/gb"] > 0 for r in rows)
 
 
 DISAGGREGATED = (

@@ -9,7 +9,8 @@
 #   tests       the gpu-marked tests, one pytest per file (GPU_TEST_TIMEOUT s each, default
 #               300; some need 2 GPUs), and the torch backend's tests on CUDA
 #   train_step  1.5B shape, 8 x 2048 tokens, bf16, checkpointing: torch_fsdp, jax_pjit (its
-#               default platform allocator and bfc) and the hand-written HF loop (the limit)
+#               default platform allocator and bfc; cuDNN attention, and bfc with XLA's)
+#               and the hand-written HF loop (the limit)
 #   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
 #   grpo_jax    the same on the JAX backend, at the experiment's defaults
 #   grpo_split  the torch GRPO step on 2 GPUs: actor + rollout on one, the reference on the
@@ -110,7 +111,7 @@ for s in $sections; do
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
     echo "torch_fsdp tests rc=$?" | tee -a "$OUT/summary.txt" ;;
   train_step)
-    timeout 300 python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,jax_pjit,jax_pjit:bfc,jax_pjit:bfc@auto,hf_torch} \
+    timeout 300 python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,jax_pjit,jax_pjit:bfc,jax_pjit:bfc@xla,hf_torch} \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
@@ -155,8 +156,8 @@ for s in $sections; do
   attention|ragged)
     shape="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1"
-    runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc@auto,jax_pjit:bfc@auto+pack,hf_torch
-    flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc@auto,jax_pjit:bfc@auto+pack,hf_torch
+    runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc@xla,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
+    flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
   *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests)" ;;

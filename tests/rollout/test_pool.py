@@ -216,3 +216,39 @@ def test_server_killed_during_weight_push_is_resynced_before_it_generates(
     for row, prompt in enumerate(prompts["prompt_ids"]):  # row 0 on server 0, row 1 on 1
         expected = hf_greedy(new, prompt, 6, vocab=58, eos=pool.eos_token_id)
         assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected
+
+
+def test_engine_core_in_its_own_process_loads_pushed_weights(ray_session, padded_model_dir):
+    """``in_process_engine=False``: the engine core (and its worker) runs in another process,
+    so a push reaches the worker as safetensors bytes through ``collective_rpc``, the path a
+    server with ``tensor_parallel_size > 1`` takes on GPU. It then decodes and scores like
+    transformers with the pushed weights."""
+    from polyrl.rollout import RolloutConfig, RolloutPool
+
+    pool = RolloutPool(
+        RolloutConfig(
+            model_path=str(padded_model_dir),
+            dtype="float32",
+            max_model_len=256,
+            max_prompt_len=160,
+            kv_cache_gib=0.25,
+            in_process_engine=False,
+            ready_timeout_s=180,
+            request_timeout_s=180,
+        )
+    )
+    try:
+        prompt = prompts_batch([20], seed=3)
+        new = load_hf(padded_model_dir, seed=123)
+        push(pool, new)
+        out = pool.generate(prompt, SamplingSpec(temperature=0.0, max_tokens=10, seed=0))
+        expected = hf_greedy(new, prompt["prompt_ids"][0], 10, vocab=58, eos=pool.eos_token_id)
+        assert out["responses"][0, : out["response_lengths"][0]].tolist() == expected
+        np.testing.assert_allclose(
+            out["rollout_log_probs"],
+            hf_log_probs(new, out, 1.0, vocab=58),
+            atol=LOGPROB_ATOL,
+            rtol=0,
+        )
+    finally:
+        pool.shutdown()

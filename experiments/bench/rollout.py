@@ -12,6 +12,9 @@ shipped GPU experiment's rollout (gin/experiments/gpu_grpo_0p5b.gin: 64 prompts 
     python experiments/bench/rollout.py --prompts 8 --n 2 --prompt-len 16 --new-tokens 16 \\
         --dtype float32 --max-model-len 64
     python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --json r.json
+    # with text, as a training run's rollout: the pool decodes each response once, the
+    # direct engine lets vLLM detokenize every token in its loop
+    python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --detokenize
     # vLLM's engine core in its own process (RolloutConfig.in_process_engine=False), both sides
     python experiments/bench/rollout.py --model /tmp/models/qwen2-0.5b-random --in-process-engine 0
 
@@ -50,6 +53,12 @@ def main(argv=None) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument(
+        "--detokenize",
+        action="store_true",
+        help="return text too, as a training run's rollout does (the pool decodes each "
+        "response once; the direct engine lets vLLM detokenize token by token)",
+    )
+    p.add_argument(
         "--in-process-engine",
         type=int,
         choices=(0, 1),
@@ -85,7 +94,11 @@ def main(argv=None) -> None:
         )
     )
     try:
-        result = {"model": model, "dtype": args.dtype, **bench_rollout(pool, args, args.profile)}
+        result = {
+            "model": model,
+            "dtype": args.dtype,
+            **bench_rollout(pool, args, args.profile, args.detokenize),
+        }
     finally:
         pool.shutdown()
         ray.shutdown()

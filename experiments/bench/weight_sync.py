@@ -290,16 +290,21 @@ class DirectEngine:
         from polyrl.rollout.server import vllm_requests
 
         requests = [(i * spec.n + j, p) for i, p in enumerate(prompts) for j in range(spec.n)]
+        inputs, params = vllm_requests(requests, spec, self.allowed)
+        for p in params:  # text as vLLM gives it: detokenized token by token in its loop
+            p.detokenize = spec.detokenize
         start = time.perf_counter()
-        outs = self.llm.generate(*vllm_requests(requests, spec, self.allowed), use_tqdm=False)
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start
 
 
 PROFILE_TOKENS = 64
 
 
-def bench_rollout(pool, args, profile: str | None = None) -> dict:
+def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = False) -> dict:
     """Generated tokens/s (median of --repeats): pool.generate vs vllm.LLM.generate.
+    ``detokenize``: both return text too (the pool decodes each response once, vLLM
+    detokenizes token by token), as a training run's rollout does.
     ``profile``: a directory for torch.profiler traces of one more call of each (at most
     ``PROFILE_TOKENS`` new tokens), taken inside the rollout servers and inside the
     direct engine's actor."""
@@ -318,7 +323,7 @@ def bench_rollout(pool, args, profile: str | None = None) -> dict:
         max_tokens=args.new_tokens,
         seed=0,
         ignore_eos=True,
-        detokenize=False,
+        detokenize=detokenize,
     )
     batch = Batch(meta={"prompt_ids": prompts})
 
@@ -369,6 +374,7 @@ def bench_rollout(pool, args, profile: str | None = None) -> dict:
         "new_tokens": args.new_tokens,
         "servers": pool.config.num_servers,
         "tokens_per_call": rows["pool"][0][0],
+        "detokenize": detokenize,
         "pool_tok_s": rate["pool"],
         "direct_tok_s": rate["direct"],
         "ratio_pool_to_direct": rate["pool"] / rate["direct"],

@@ -59,7 +59,9 @@ class SamplingSpec:
       unless ``ignore_eos``); the stop token is kept as the last response token.
     seed: base seed; None draws fresh randomness every call (not reproducible).
     ignore_eos: keep generating past EOS (benchmarks).
-    detokenize: also return each response's text (meta ``response_text``).
+    detokenize: also return each response's text (meta ``response_text``), decoded once
+      per response by the server (``skip_special_tokens``), not token by token inside
+      vLLM's engine loop (a response cut inside a multi-byte character ends in U+FFFD).
     """
 
     n: int = 1
@@ -96,8 +98,12 @@ class SamplingSpec:
             stop_token_ids=list(self.stop_token_ids),
             seed=None if self.seed is None else derive_seed(self.seed, sample_index),
             ignore_eos=self.ignore_eos,
-            detokenize=self.detokenize,
+            # vLLM's engine loop detokenizes every new token of every request (and names
+            # each log-prob's token) when asked: host time per decode step. The server
+            # decodes each response once instead (RolloutServer.generate).
+            detokenize=False,
             logprobs=0,  # the sampled token's log-prob only
+            flat_logprobs=True,  # flat lists, not a dict and a Logprob object per token
             allowed_token_ids=allowed_token_ids,
             skip_special_tokens=True,
         )

@@ -90,6 +90,16 @@ def allowed_token_ids(llm: Any, config: RolloutConfig) -> list[int] | None:
     return None
 
 
+def sampled_log_probs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:
+    """float32 [len(token_ids)]: the log-prob of each sampled token from vLLM's flat
+    log-probs (``SamplingParams(flat_logprobs=True, logprobs=0)``), where each position's
+    entries start with the sampled token."""
+    first = np.asarray(logprobs.start_indices, dtype=np.int64)
+    if not np.array_equal(np.asarray(logprobs.token_ids, dtype=np.int64)[first], token_ids):
+        raise RuntimeError("vLLM's flat log-probs do not start with the sampled tokens")
+    return np.asarray(logprobs.logprobs, dtype=np.float32)[first]
+
+
 def vllm_requests(
     requests: Sequence[tuple[int, Sequence[int]]], spec: SamplingSpec, allowed: list[int] | None
 ) -> tuple[list[dict[str, list[int]]], list[Any]]:
@@ -123,7 +133,7 @@ class RolloutServer(Traced):
         from vllm import LLM
 
         self.llm = LLM(**engine_kwargs(config, self.on_gpu))
-        tokenizer = self.llm.get_tokenizer()
+        tokenizer = self.tokenizer = self.llm.get_tokenizer()
         self.model_vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.tokenizer_size = len(tokenizer)
         self._allowed = allowed_token_ids(self.llm, config)
@@ -183,21 +193,23 @@ class RolloutServer(Traced):
         """
         self._check_version(expected_version)
         outputs = self.llm.generate(*vllm_requests(requests, spec, self._allowed), use_tqdm=False)
-        results = []
-        for out in outputs:
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            lps = np.array([lp[t].logprob for t, lp in zip(ids, comp.logprobs)], dtype=np.float32)
-            results.append(
-                {
-                    "token_ids": ids,
-                    "log_probs": lps,
-                    "finish_reason": comp.finish_reason,
-                    "text": comp.text if spec.detokenize else None,
-                    "version": self.version,
-                }
-            )
-        return results
+        completions = [out.outputs[0] for out in outputs]
+        ids = [list(c.token_ids) for c in completions]
+        texts = (
+            self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            if spec.detokenize
+            else [None] * len(ids)
+        )
+        return [
+            {
+                "token_ids": t,
+                "log_probs": sampled_log_probs(c.logprobs, t),
+                "finish_reason": c.finish_reason,
+                "text": text,
+                "version": self.version,
+            }
+            for c, t, text in zip(completions, ids, texts)
+        ]
 
     def _check_version(self, expected: int | None) -> None:
         if self.updating:

@@ -44,6 +44,37 @@ def test_generate_layout_order_and_log_probs(pool, padded_model_dir):
     np.testing.assert_allclose(lp, ref, atol=LOGPROB_ATOL, rtol=0)
 
 
+def test_text_decoded_once_equals_vllm_detokenizing_each_token(pool):
+    """The servers ask vLLM for no text (its engine loop would detokenize every new token
+    of every request) and decode each response once; the text is vLLM's own."""
+    import ray
+
+    def detokenized_by_vllm(server, requests, spec):  # in the server's process
+        from vllm import SamplingParams
+
+        from polyrl.rollout.server import vllm_requests
+
+        prompts, _ = vllm_requests(requests, spec, server._allowed)
+        params = [
+            SamplingParams(**spec.vllm_kwargs(i, server._allowed) | {"detokenize": True})
+            for i, _ in requests
+        ]
+        outs = server.llm.generate(prompts, params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
+
+    batch = prompts_batch([5, 12, 30], seed=5)
+    spec = SamplingSpec(n=3, temperature=1.2, max_tokens=12, seed=4)
+    out = pool.generate(batch, spec)
+    requests = [(i * 3 + j, p) for i, p in enumerate(batch["prompt_ids"]) for j in range(3)]
+    ref = ray.get(pool.servers[0].__ray_call__.remote(detokenized_by_vllm, requests, spec))
+    lengths = out["response_lengths"]
+    assert [r[: lengths[k]].tolist() for k, r in enumerate(out["responses"])] == [
+        ids for ids, _ in ref
+    ]
+    assert list(out["response_text"]) == [text for _, text in ref]
+    assert any(text for _, text in ref)
+
+
 def test_sleep_is_a_logged_no_op_on_cpu(pool):
     assert pool.sleep(level=1) == [False, False] and pool.wake_up() == [False, False]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from polyrl.rollout import RolloutConfig, SamplingSpec, apply_overlong_policy, derive_seed
@@ -69,3 +70,18 @@ def test_overlong_policy():
     assert apply_overlong_policy(prompts, 3, "drop") == ([0, 2], [[1, 2], [9]])
     with pytest.raises(ValueError, match=r"prompt_ids of sample\(s\) \[1\] are empty"):
         apply_overlong_policy([[1], []], 3, "drop")
+
+
+def test_sampled_log_probs_read_the_first_entry_of_each_position():
+    from vllm.logprobs import FlatLogprobs
+
+    from polyrl.rollout.server import sampled_log_probs
+
+    flat = FlatLogprobs()
+    # position 0 sampled 7 (and 3 was the top-1 too), position 1 sampled 5 alone
+    flat.append_fast([7, 3], [-0.5, -0.25], iter([2, 1]), [None, None])
+    flat.append_fast([5], [-1.5], iter([1]), [None])
+    np.testing.assert_array_equal(sampled_log_probs(flat, [7, 5]), np.float32([-0.5, -1.5]))
+    assert sampled_log_probs(FlatLogprobs(), []).shape == (0,)
+    with pytest.raises(RuntimeError, match="do not start with the sampled tokens"):
+        sampled_log_probs(flat, [3, 5])

@@ -13,13 +13,14 @@ zero-copy when both sit on the same device).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -153,6 +154,13 @@ def load_hf_params(
     return {k: params[k] for k in expected}
 
 
+class _Planned(NamedTuple):
+    """An array to export and its size once cast (what ``group_buckets`` reads)."""
+
+    array: jax.Array
+    nbytes: int
+
+
 def export_buckets(
     params: Mapping[str, jax.Array],
     bucket_bytes: int,
@@ -162,17 +170,38 @@ def export_buckets(
     """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each.
 
     Kernels are transposed back to HF's [out, in] and cast to ``dtype`` (default: as
-    stored). Each array is gathered onto ``device`` (default: this process's first device) only
-    when its bucket is built, so at most one bucket of gathered weights is alive at a time.
+    stored). A bucket's arrays are gathered onto ``device`` (default: this process's first
+    device) only when the bucket is built, so at most one bucket of gathered weights is
+    alive at a time; its casts and transposes run as one compiled program (compiled once
+    per bucket layout), not one dispatch per array.
     """
     device = device or jax.local_devices()[0]
+    planned = (
+        (path, _Planned(x, int(x.size) * np.dtype(dtype or x.dtype).itemsize))
+        for path, x in params.items()
+    )
+    for bucket in group_buckets(planned, bucket_bytes):
+        paths = [path for path, _ in bucket]
+        arrays = [p.array for _, p in bucket]
+        if all(a.is_fully_addressable for a in arrays):
+            arrays = jax.device_put(arrays, device)  # one call; no copy for those already there
+        else:  # shards on other hosts: an all-gather each
+            arrays = [gather(a, device) for a in arrays]
+        kernels = tuple(path.endswith(".kernel") for path in paths)
+        out = _exporter(kernels, None if dtype is None else np.dtype(dtype), device)(*arrays)
+        yield [(hf_name(path), x) for path, x in zip(paths, out)]
 
-    def gathered():
-        for path, x in params.items():
-            x = gather(x, device).astype(dtype or x.dtype)
-            yield hf_name(path), x.T if path.endswith(".kernel") else x
 
-    yield from group_buckets(gathered(), bucket_bytes)
+@functools.cache
+def _exporter(kernels: tuple[bool, ...], dtype: np.dtype | None, device: jax.Device):
+    """One jitted program: each array cast to ``dtype`` and, where ``kernels`` says so,
+    transposed, the results on ``device``."""
+
+    def export(*arrays):
+        cast = [a.astype(dtype or a.dtype) for a in arrays]
+        return [a.T if kernel else a for a, kernel in zip(cast, kernels)]
+
+    return jax.jit(export, out_shardings=jax.sharding.SingleDeviceSharding(device))
 
 
 def save_pretrained(

@@ -135,7 +135,7 @@ for s in $sections; do
       --profile "$OUT/prof/rollout" 2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
   weight_sync)
     timeout 540 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
-      --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 --dtype bfloat16 --sections sync,load \
+      --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 --dtype bfloat16 --sections export,sync,load \
       --bucket-mb 1024 --transports object_store,cuda_ipc \
       --out "$OUT/bench_weight_sync.json" --profile "$OUT/prof/weight_sync" 2> "$OUT/weight_sync.log" \
       | tail -12 | tee -a "$OUT/summary.txt" ;;

@@ -14,6 +14,8 @@ same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
 * ``load``: the load alone, in this process, on vLLM's model class built outside an
   engine on this device (``load_plan.bare_vllm_model``): one push of flat buckets through
   ``load_weights`` vs through a learned ``LoadPlanner``, next to a copy of the same bytes.
+* ``export``: the JAX engine's export alone (``export_buckets``: kernels transposed back to
+  HF's layout, cast, gathered onto one device, bucket by bucket), what the jax source adds.
 * ``goals``: the issue's ratios — the planned CUDA IPC sync from torch over a copy of the
   same bytes (goal <= 3), from JAX over from torch (goal <= 1.5), and load_weights over
   the plan, for the sync and for the load alone.
@@ -187,6 +189,26 @@ def bench_sync(
                     )
     ray.get([s.set_load_plan.remote(True) for s in pool.servers])
     return rows
+
+
+def bench_export(jax_params: dict, bucket_bytes: int, repeats: int) -> dict:
+    """The JAX engine's export alone (``export_buckets``: kernels transposed back, cast,
+    gathered onto one device, bucket by bucket), median of ``repeats`` after a warm-up."""
+    import jax
+
+    def export() -> int:
+        arrays = [x for bucket in buckets("jax", jax_params, bucket_bytes) for _, x in bucket]
+        jax.block_until_ready(arrays)
+        return len(arrays)
+
+    tensors = export()  # compiles each bucket layout once
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        export()
+        times.append(time.perf_counter() - start)
+    nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax_params.values())
+    return {"tensors": tensors, "bytes": nbytes, "seconds": statistics.median(times)}
 
 
 def bench_load(model_dir: Path, sd: dict, dtype: str, bucket_bytes: int, repeats: int) -> dict:
@@ -460,7 +482,8 @@ def main() -> None:
         "--sections",
         default="sync,load,rollout",
         help="comma list of: sync (through the pool, per transport), load (the load alone, "
-        "in this process, no Ray), rollout (pool vs vLLM directly)",
+        "in this process, no Ray), rollout (pool vs vLLM directly), export (the JAX "
+        "engine's export alone)",
     )
     p.add_argument("--out", default=None)
     p.add_argument("--profile", metavar="DIR", help="trace one more push per row (profiling.py)")
@@ -472,6 +495,10 @@ def main() -> None:
     on_gpu = _on_gpu()
     bucket_bytes = int(args.bucket_mb * 2**20)
     result: dict = {"device": "cuda" if on_gpu else "cpu", "sync": [], "load": None}
+    if "export" in sections:
+        jax_params = state_dicts(model_dir, "cuda" if on_gpu else "cpu", args.dtype)["jax"]
+        result["export"] = bench_export(jax_params, bucket_bytes, args.repeats)
+        del jax_params
     if sections & {"sync", "rollout"}:
         result.update(bench_pool(args, model_dir, sections, bucket_bytes))
     if "load" in sections:  # last, with the servers gone: vLLM's model class in this process
@@ -489,6 +516,11 @@ def main() -> None:
         if "profile" in row:
             title = f"{row['transport']} {row['source']} {row['load']}: top ops"
             print("\n".join(format_top(row["profile"], title)))
+    if "export" in result:
+        e = result["export"]
+        print(
+            f"jax export alone: {e['seconds']:.4f} s for {e['tensors']} tensors, {e['bytes'] / 1e6:.1f} MB"
+        )
     print(table(result["sync"], result["load"], result["goals"]))  # last: what tail shows
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,18 @@ def _inspect_and_continue(proc, seen, expect_role, check) -> None:
     dap.close()
 
 
+def _in_actor_forward(expression: str, want: str):
+    """The check of a pause at the ``actor.forward if step == 1`` breakpoint: in
+    polyrl/workers.py at the reported line, step 1, ``expression`` evaluating to ``want``."""
+
+    def check(dap, frame, where, line):
+        assert where.endswith("polyrl/workers.py") and frame["line"] == line
+        assert dap.local_variables(frame["id"])["step"] == "1"
+        assert dap.evaluate(expression, frame["id"]) == want
+
+    return check
+
+
 def start_run(tmp_path, module: str | None, *bindings: str, env=None) -> subprocess.Popen:
     """``polyrl train --debug [--import <module>]`` of the tiny GRPO in ``tmp_path``."""
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--debug"]
@@ -95,12 +107,8 @@ def test_debugger_attaches_to_remote_roles(tmp_path):
 
         _inspect_and_continue(proc, seen, "reward", in_reward)
 
-        def in_forward(dap, frame, where, line):
-            assert where.endswith("polyrl/workers.py") and frame["line"] == line
-            assert dap.local_variables(frame["id"])["step"] == "1"
-            assert dap.evaluate("len(batch)", frame["id"]) == "128"  # 16 prompts x n=8
-
-        _inspect_and_continue(proc, seen, "actor", in_forward)
+        # 16 prompts x n=8
+        _inspect_and_continue(proc, seen, "actor", _in_actor_forward("len(batch)", "128"))
         rest, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()
@@ -250,13 +258,8 @@ def test_debug_run_joins_a_cluster_with_token_auth(tmp_path):
         )
         seen: list[str] = []
         try:
-
-            def in_forward(dap, frame, where, line):
-                assert where.endswith("polyrl/workers.py") and frame["line"] == line
-                assert dap.local_variables(frame["id"])["step"] == "1"
-                assert dap.evaluate("len(batch), rank", frame["id"]) == "(128, 0)"
-
-            _inspect_and_continue(proc, seen, "actor", in_forward)
+            check = _in_actor_forward("len(batch), rank", "(128, 0)")
+            _inspect_and_continue(proc, seen, "actor", check)
             rest, _ = proc.communicate(timeout=300)
         finally:
             proc.kill()

@@ -59,6 +59,14 @@ def _run(tmp_path, *params):
     return read_jsonl(run / "metrics.jsonl")
 
 
+# every role in one pool of both GPUs, the actor sharded over them
+COLOCATED = (
+    'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
+    'polyrl.RunConfig.role_pools = {"actor": "gpu", "reference": "gpu", "rollout": "gpu"}',
+    'actor/polyrl.ParallelConfig.mesh = {"fsdp": 2}',
+)
+
+
 @pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
 def test_cuda_ipc_from_every_rank(ray_gpu, tmp_path, backend):
     """torch: each of the two ranks pushes to the server on its GPU; JAX: the one host
@@ -67,10 +75,8 @@ def test_cuda_ipc_from_every_rank(ray_gpu, tmp_path, backend):
     rows = _run(
         tmp_path,
         f"polyrl.RunConfig.backend = {backend!r}",
-        'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
-        'polyrl.RunConfig.role_pools = {"actor": "gpu", "reference": "gpu", "rollout": "gpu"}',
+        *COLOCATED,
         "polyrl.RunConfig.weight_transport = 'cuda_ipc'",
-        'actor/polyrl.ParallelConfig.mesh = {"fsdp": 2}',
         "polyrl.RolloutConfig.num_servers = 2",
     )
     assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
@@ -86,10 +92,8 @@ def test_tensor_parallel_server_over_both_gpus(ray_gpu, tmp_path, backend):
     rows = _run(
         tmp_path,
         f"polyrl.RunConfig.backend = {backend!r}",
-        'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
-        'polyrl.RunConfig.role_pools = {"actor": "gpu", "reference": "gpu", "rollout": "gpu"}',
+        *COLOCATED,
         "polyrl.RunConfig.weight_transport = 'object_store'",
-        'actor/polyrl.ParallelConfig.mesh = {"fsdp": 2}',
         "polyrl.RolloutConfig.tensor_parallel_size = 2",
     )
     assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows

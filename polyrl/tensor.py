@@ -133,7 +133,12 @@ def logsumexp(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
 
 
 def log_softmax(x: Array, axis: int = -1) -> Array:
-    """``x - logsumexp(x, axis, keepdims=True)``."""
+    """``x - logsumexp(x, axis, keepdims=True)``; torch's own fused kernel for torch
+    tensors (one pass forward and one backward over [tokens x vocab], where the
+    composite takes about six: the LM head's chunks spend most of their non-GEMM time
+    here; XLA fuses the composite itself)."""
+    if is_torch_array(x):
+        return x.log_softmax(dim=axis)
     return x - logsumexp(x, axis=axis, keepdims=True)
 
 

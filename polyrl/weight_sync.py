@@ -22,7 +22,12 @@ Transports (:data:`TRANSPORTS`):
   server that Ray restarts is re-synced from them (:meth:`WeightSyncer.replay`).
 * ``"cuda_ipc"`` — colocated trainer and server on the same GPU: each bucket is
   packed into one flat device buffer whose CUDA IPC handle the workers open in place
-  (no copy off the GPU). Every trainer rank pushes to the servers on its own GPU.
+  (no copy off the GPU). Every trainer rank pushes to the servers on its own GPU. The
+  buffers persist: each pushing process keeps two per GPU (:func:`_ipc_slot`; bucket
+  ``i`` goes to buffer ``i % 2``, the one the servers finished with), and each worker
+  keeps what it opened by the buffer's key, so after the first push a bucket costs the
+  copy into the buffer and the load, with no IPC handle made or opened. They cost two
+  buckets of device memory in the pushing process for its lifetime.
 * ``"nccl"`` — trainer and servers on separate devices (disaggregated): rank 0 of the
   trainer broadcasts each flat bucket to every server worker over one broadcast group
   (trainer rank 0 + every worker of every server), a torch.distributed process group made
@@ -46,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -133,6 +139,16 @@ def _numpy_to_torch(x: Any):
     return torch.from_numpy(np.ascontiguousarray(arr))
 
 
+def _device_of(x: Any):
+    """The torch device an array lives on (a jax array's first device, as torch names it)."""
+    import torch
+
+    if _is_jax(x):
+        device = next(iter(x.sharding.device_set))
+        return torch.device("cuda" if device.platform in ("gpu", "cuda") else "cpu")
+    return to_torch(x).device
+
+
 def _dtype(name: str):
     import torch
 
@@ -143,15 +159,17 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 256) * 256
 
 
-def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, torch_memory: bool = False):
+def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: Any = None):
     """One contiguous uint8 tensor holding every tensor of ``bucket`` (one copy), and
     the :data:`TensorMeta` list that :func:`unpack_flat` reads it back with.
 
     ``device`` defaults to the first tensor's device; offsets are 256-byte aligned so
-    every view is aligned for any dtype. A bucket of jax arrays is packed by XLA on the
-    arrays' device (:func:`_pack_jax`: one fused program, sharded arrays gathered on
-    device) and handed over by DLPack; ``torch_memory=True`` (CUDA IPC, which can share
-    only memory torch allocated) copies that buffer into torch's allocator.
+    every view is aligned for any dtype. ``alloc(nbytes, device)``, if given, returns
+    the uint8 buffer to pack into (it may be longer; the result is its first
+    ``nbytes``), e.g. a persistent CUDA IPC buffer (:func:`_ipc_slot`). A bucket of jax
+    arrays is packed by XLA on the arrays' device (:func:`_pack_jax`: one fused
+    program, sharded arrays gathered on device) and handed over by DLPack, then copied
+    into ``alloc``'s buffer if given (CUDA IPC can share only memory torch allocated).
     """
     import torch
 
@@ -159,9 +177,10 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, torch_me
         raise ValueError("pack_flat: empty bucket; export_weights must not yield empty buckets")
     if all(_is_jax(a) and a.is_fully_addressable for _, a in bucket):
         flat, metas = _pack_jax(bucket)
-        if device is not None and flat.device != torch.device(device):
-            return flat.to(device), metas
-        return (flat.clone() if torch_memory else flat), metas
+        device = flat.device if device is None else torch.device(device)
+        if alloc is not None:
+            return alloc(flat.numel(), device)[: flat.numel()].copy_(flat), metas
+        return (flat if flat.device == device else flat.to(device)), metas
     tensors = [(name, to_torch(a)) for name, a in bucket]
     device = tensors[0][1].device if device is None else torch.device(device)
     metas: list[TensorMeta] = []
@@ -170,10 +189,19 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, torch_me
         nbytes = t.numel() * t.element_size()
         metas.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
         offset += _aligned(nbytes)
-    flat = torch.empty(offset, dtype=torch.uint8, device=device)
-    for (_, t), (_, _, _, off, nbytes) in zip(tensors, metas):
-        flat[off : off + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    flat = (alloc or _empty_bytes)(offset, device)[:offset]
+    # one multi-tensor copy (a launch or two, not one per tensor)
+    torch._foreach_copy_(
+        [flat[off : off + nbytes] for _, _, _, off, nbytes in metas],
+        [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors],
+    )
     return flat, metas
+
+
+def _empty_bytes(nbytes: int, device: Any):
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _pack_jax(bucket: Sequence[tuple[str, Any]]):
@@ -523,7 +551,7 @@ class WeightSyncer:
         if self.transport == "object_store":
             refs, buf, metas = self._send_object_store(bucket, stats)
         elif self.transport == "cuda_ipc":
-            refs, buf, metas = self._send_ipc(bucket)
+            refs, buf, metas = self._send_ipc(bucket, stats.buckets)
         else:
             refs, buf, metas = self._send_nccl(bucket)
         stats.buckets += 1
@@ -540,28 +568,33 @@ class WeightSyncer:
             stats.retained.append((ref, metas))
         return [s.load_bucket.remote(ref, metas) for s in self.servers], None, metas
 
-    def _send_ipc(self, bucket):
+    def _send_ipc(self, bucket, index: int):
         import torch
-        from torch.multiprocessing.reductions import reduce_tensor
 
-        flat, metas = pack_flat(bucket, torch_memory=True)
-        if flat.device.type != "cuda":
+        off_gpu = [str(d) for d in map(_device_of, (a for _, a in bucket)) if d.type != "cuda"]
+        if off_gpu:
             raise ValueError(
-                f"WeightSyncer(transport='cuda_ipc'): bucket tensors are on {flat.device}, "
+                f"WeightSyncer(transport='cuda_ipc'): bucket tensors are on {off_gpu[0]}, "
                 f"CUDA IPC needs CUDA tensors; use transport='object_store' for host tensors"
             )
+        # Bucket ``index`` goes into this process's persistent buffer ``index % 2`` (the
+        # servers acknowledged bucket index - 2, its last user, before this one is packed).
+        parity = index % 2
+        flat, metas = pack_flat(bucket, alloc=lambda n, device: _ipc_slot(device, parity, n)[0])
         # One buffer on each of this process's GPUs that holds a server (a JAX host worker
         # drives several; its buckets are gathered onto the first): a device-to-device copy.
         uuids = local_gpu_uuids()
-        copies = {flat.device.index: flat}
+        shared = {flat.device.index: _ipc_slot(flat.device, parity, flat.numel())}
         for ordinal in ipc_peers(self.devices, uuids):
-            if ordinal not in copies:
-                copies[ordinal] = flat.to(torch.device("cuda", ordinal))
-        handles = {uuids[o]: reduce_tensor(t) for o, t in copies.items()}
-        for t in copies.values():  # the copies must land before the workers read them
-            torch.cuda.synchronize(t.device)
-        refs = [s.load_bucket_ipc.remote(handles, metas) for s in self.servers]
-        return refs, list(copies.values()), metas
+            if ordinal not in shared:
+                device = torch.device("cuda", ordinal)
+                shared[ordinal] = _ipc_slot(device, parity, flat.numel())
+                shared[ordinal][0][: flat.numel()].copy_(flat)
+        for buffer, _, _ in shared.values():  # the copies land before the workers read them
+            torch.cuda.synchronize(buffer.device)
+        slots = {uuids[o]: (key, handle) for o, (_, key, handle) in shared.items()}
+        refs = [s.load_bucket_ipc.remote(slots, metas) for s in self.servers]
+        return refs, None, metas
 
     def _send_nccl(self, bucket):
         if self.group not in _GROUPS:
@@ -651,6 +684,30 @@ class WeightSyncer:
 # pickled and the syncer reaches the trainer anew at every sync, so the group lives here,
 # in the trainer's rank-0 process and in every rollout worker (``worker_ext``).
 _GROUPS: dict[str, Any] = {}
+
+# Each process's persistent CUDA IPC buffers, by (CUDA ordinal, parity): (uint8 buffer, key,
+# IPC handle). The key names the buffer to the workers, which keep what they opened under
+# it; a buffer too small for a bucket is replaced under a new key.
+_IPC_SLOTS: dict[tuple[int, int], tuple[Any, str, Any]] = {}
+
+
+def _ipc_slot(device: Any, parity: int, nbytes: int) -> tuple[Any, str, Any]:
+    """This process's persistent IPC buffer ``parity`` on ``device``, at least
+    ``nbytes`` long: (buffer, key, ``reduce_tensor`` handle made once)."""
+    import uuid
+
+    import torch
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    device = torch.device(device)
+    slot = _IPC_SLOTS.get((device.index, parity))
+    if slot is None or slot[0].numel() < nbytes:
+        _IPC_SLOTS.pop((device.index, parity), None)  # (freed once no worker maps it)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        key = f"{os.getpid()}-{parity}-{uuid.uuid4().hex[:12]}"  # (worker_ext reads its parts)
+        slot = (buffer, key, reduce_tensor(buffer))
+        _IPC_SLOTS[(device.index, parity)] = slot
+    return slot
 
 
 def local_gpu_uuids() -> list[str]:

@@ -89,6 +89,10 @@ class TorchFSDPEngine:
                 betas=optim.betas,
                 eps=optim.eps,
                 weight_decay=optim.weight_decay,
+                # One kernel per step over all tensors, not a dozen foreach passes each
+                # dispatched through DTensor (the H200 trace: 34 ms of GPU and ~20 ms of
+                # host launches per 1.5B step went to the foreach AdamW).
+                fused=True,
             )
         log.info(
             "torch_fsdp %s on %s: rank %d/%d, mesh %s",

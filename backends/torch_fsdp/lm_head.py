@@ -44,7 +44,9 @@ def _score_chunk(
 ) -> torch.Tensor:
     """hidden [C, E], ids [C] -> [C, 1 or 2]: log-prob (and entropy) of
     ``softmax(hidden @ weight[:vocab].T / temperature)`` in fp32."""
-    logits = F.linear(hidden, weight[: target.vocab]).float() / target.temperature
+    logits = F.linear(hidden, weight[: target.vocab]).float()
+    if target.temperature != 1.0:  # (a pass over [C, V] fp32 each way, and x / 1 == x)
+        logits = logits / target.temperature
     log_probs, entropy = log_probs_and_entropy(logits, ids, target.entropy)
     return torch.stack([log_probs] + ([entropy] if target.entropy else []), dim=-1)
 

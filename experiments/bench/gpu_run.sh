@@ -26,6 +26,9 @@
 #   attention_tests  the attention kernels' gpu tests alone, one line per test (~2 minutes)
 #   sync_tests  the weight transports' gpu tests alone (CUDA IPC, load plan vs load_weights,
 #               NCCL where 2-3 GPUs), one line per test (~3 minutes; not in the default list)
+#   scale_tests 2 GPUs: tests/trainer/test_gpu_sync.py's tensor-parallel rollout server and
+#               CUDA IPC from every rank, per backend (~6 minutes; not in the default list;
+#               SCALE_TESTS = another pytest -k expression)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out),
 #   GRPO_STEPS (steps per GRPO run, default 4; the first is left out of the means),
@@ -153,6 +156,12 @@ for s in $sections; do
     timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/rollout/test_gpu_transports.py 2>&1 \
       | tee "$OUT/sync_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" \
       | tee -a "$OUT/summary.txt" ;;
+  scale_tests)
+    # 2 GPUs: a rollout server with tensor_parallel_size=2 (object store) and CUDA IPC from
+    # every trainer rank, tiny GRPO runs per backend (tests/trainer/test_gpu_sync.py)
+    timeout 480 python3 -m pytest -v -p no:cacheprovider -m gpu tests/trainer/test_gpu_sync.py \
+      -k "${SCALE_TESTS:-tensor_parallel_server or cuda_ipc_from_every_rank}" 2>&1 | tee "$OUT/scale_tests.log" \
+      | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" | tee -a "$OUT/summary.txt" ;;
   attention|ragged)
     shape="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1"
@@ -160,6 +169,6 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests)" ;;
   esac
 done

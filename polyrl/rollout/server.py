@@ -250,9 +250,9 @@ class RolloutServer(Traced):
             weights = save({name: t.contiguous() for name, t in weights})
         return sum(self.llm.collective_rpc("polyrl_load_bucket", args=(weights,)))
 
-    def load_bucket_ipc(self, handles: dict[str, Any], metas: Sequence[tuple]) -> int:
+    def load_bucket_ipc(self, slots: dict[str, Any], metas: Sequence[tuple]) -> int:
         self._count_bucket()
-        return sum(self.llm.collective_rpc("polyrl_load_bucket_ipc", args=(handles, metas)))
+        return sum(self.llm.collective_rpc("polyrl_load_bucket_ipc", args=(slots, metas)))
 
     def num_workers(self) -> int:
         return self.config.tensor_parallel_size

@@ -88,25 +88,36 @@ class WeightReceiver:
         return float(dict(_model(self).named_parameters())[name].double().sum())
 
     # ------------------------------------------------------------- CUDA IPC
-    def polyrl_load_bucket_ipc(self, handles: dict[str, Any], metas: list) -> int:
-        """Load a bucket shared by CUDA IPC: ``handles[device_uuid]`` rebuilds the
-        sender's flat uint8 buffer on this worker's GPU (colocated: same device)."""
+    def polyrl_load_bucket_ipc(self, slots: dict[str, Any], metas: list) -> int:
+        """Load a bucket shared by CUDA IPC: ``slots[device_uuid]`` is ``(key, handle)`` of
+        the sender's persistent flat uint8 buffer on this worker's GPU (colocated: same
+        device). The buffer is opened once per key and kept: later buckets in it cost no
+        IPC open (``polyrl.weight_sync._ipc_slot``)."""
         from polyrl.weight_sync import unpack_flat
 
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
-        if uuid not in handles:
+        if uuid not in slots:
             raise RuntimeError(
                 f"CUDA IPC weight sync: no buffer was shared for this worker's GPU {uuid} "
-                f"(shared for {sorted(handles)}); IPC needs trainer and rollout colocated "
+                f"(shared for {sorted(slots)}); IPC needs trainer and rollout colocated "
                 f"on the same GPUs — use transport='nccl' for separate GPUs"
             )
-        rebuild, args = handles[uuid]
-        args = list(args)
-        args[6] = self.device.index  # the sender's device ordinal may differ from ours
-        flat = rebuild(*args)
+        key, (rebuild, args) = slots[uuid]
+        opened = self.__dict__.setdefault("polyrl_ipc_buffers", {})
+        if key not in opened:
+            # Keys are "<sender pid>-<parity>-<id>": a new one replaces that buffer of that
+            # sender, and a new sender (a restarted trainer worker) all of the old one's.
+            slot, pid = key.rsplit("-", 1)[0], key.split("-", 1)[0]
+            for old in list(opened):
+                if old.rsplit("-", 1)[0] == slot or not old.startswith(f"{pid}-"):
+                    del opened[old]
+            args = list(args)
+            args[6] = self.device.index  # the sender's device ordinal may differ from ours
+            opened[key] = rebuild(*args)
+        flat = opened[key]
         weights = unpack_flat(flat, metas)
         _load(self, weights, flat, metas)
-        torch.cuda.synchronize(self.device)  # the sender may free the buffer after the ack
+        torch.cuda.synchronize(self.device)  # the sender refills the buffer after the ack
         return len(weights)
 
     # ----------------------------------------------------- broadcast group

@@ -142,8 +142,10 @@ def test_jax_buckets_pack_on_device_like_torch_buckets(device_arrays):
     assert metas == ws.pack_flat(list(as_torch.items()))[1]
     for name, t in ws.unpack_flat(flat, metas):
         assert _bits(t) == want[name].tobytes() and t.dtype == as_torch[name].dtype
-    own = ws.pack_flat(arrays, torch_memory=True)[0]
-    assert torch.equal(own, flat) and own.data_ptr() != flat.data_ptr()
+    buffer = torch.full((len(flat) + 512,), 7, dtype=torch.uint8)
+    own = ws.pack_flat(arrays, alloc=lambda n, device: buffer)[0]
+    assert torch.equal(own, flat) and own.data_ptr() == buffer.data_ptr()
+    assert len(own) == len(flat) and (buffer[len(flat) :] == 7).all()
 
 
 def test_iter_buckets_groups_by_size_and_keeps_order():
@@ -162,7 +164,7 @@ def test_syncer_errors_name_the_fix():
     with pytest.raises(
         ValueError, match="CUDA IPC needs CUDA tensors; use transport='object_store'"
     ):
-        ws.WeightSyncer([], "cuda_ipc")._send_ipc([("a", torch.ones(2))])
+        ws.WeightSyncer([], "cuda_ipc")._send_ipc([("a", torch.ones(2))], 0)
     with pytest.raises(RuntimeError, match=r"not joined the broadcast group; call ensure_group"):
         ws.WeightSyncer([], "nccl")._send_nccl([("a", torch.ones(2))])
     with pytest.raises(ValueError, match="empty bucket"):

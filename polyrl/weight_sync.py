@@ -175,8 +175,17 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: A
 
     if not bucket:
         raise ValueError("pack_flat: empty bucket; export_weights must not yield empty buckets")
-    if all(_is_jax(a) and a.is_fully_addressable for _, a in bucket):
-        flat, metas = _pack_jax(bucket)
+    source = getattr(bucket, "pack_source", None)  # a JAX export bucket, before its program
+    if source is None and all(_is_jax(a) and a.is_fully_addressable for _, a in bucket):
+        first = bucket[0][1].addressable_shards[0].device
+        source = (
+            [name for name, _ in bucket],
+            [_on_one_device(a, first) for _, a in bucket],
+            (False,) * len(bucket),
+            None,
+        )
+    if source is not None:
+        flat, metas = _pack_jax(*source)
         device = flat.device if device is None else torch.device(device)
         if alloc is not None:
             return alloc(flat.numel(), device)[: flat.numel()].copy_(flat), metas
@@ -204,34 +213,36 @@ def _empty_bytes(nbytes: int, device: Any):
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _pack_jax(bucket: Sequence[tuple[str, Any]]):
-    """:func:`pack_flat` for jax arrays: every array gathered onto the first one's first
-    device (device-to-device), then one jitted program writes their bytes, 256-byte
-    aligned, into one uint8 array there, which torch wraps by DLPack (no copy)."""
+def _pack_jax(names: Sequence[str], arrays: Sequence[Any], transposed: Sequence[bool], dtype: Any):
+    """:func:`pack_flat` for jax arrays on one device: one jitted program casts each to
+    ``dtype`` (None: as it is), transposes those ``transposed`` says, and writes their
+    bytes, 256-byte aligned, into one uint8 array there, which torch wraps by DLPack
+    (no copy)."""
     import numpy as np
     import torch
 
-    device = bucket[0][1].addressable_shards[0].device
-    arrays = [_on_one_device(a, device) for _, a in bucket]
     metas: list[TensorMeta] = []
     offset = 0
-    for name, a in bucket:
-        nbytes = int(a.size) * a.dtype.itemsize
-        metas.append((name, np.dtype(a.dtype).name, tuple(a.shape), offset, nbytes))
+    for name, a, t in zip(names, arrays, transposed):
+        dt = np.dtype(dtype or a.dtype)
+        nbytes = int(a.size) * dt.itemsize
+        shape = tuple(a.shape[::-1]) if t else tuple(a.shape)
+        metas.append((name, dt.name, shape, offset, nbytes))
         offset += _aligned(nbytes)
-    flat = _jax_flat_bytes()(*arrays)
+    flat = _jax_packer(tuple(transposed), dtype)(*arrays)
     return torch.from_dlpack(flat), metas
 
 
 @functools.cache
-def _jax_flat_bytes():
+def _jax_packer(transposed: tuple[bool, ...], dtype: Any):
     import jax
     import jax.numpy as jnp
 
     def flat_bytes(*arrays):
         parts = []
-        for a in arrays:
-            b = jax.lax.bitcast_convert_type(a.reshape(-1), jnp.uint8).reshape(-1)
+        for a, t in zip(arrays, transposed):
+            a = a.astype(dtype or a.dtype)
+            b = jax.lax.bitcast_convert_type((a.T if t else a).reshape(-1), jnp.uint8).reshape(-1)
             parts.append(b)
             if _aligned(b.size) > b.size:
                 parts.append(jnp.zeros(_aligned(b.size) - b.size, jnp.uint8))
@@ -571,7 +582,9 @@ class WeightSyncer:
     def _send_ipc(self, bucket, index: int):
         import torch
 
-        off_gpu = [str(d) for d in map(_device_of, (a for _, a in bucket)) if d.type != "cuda"]
+        source = getattr(bucket, "pack_source", None)  # (see pack_flat; not its pairs)
+        arrays = source[1] if source is not None else [a for _, a in bucket]
+        off_gpu = [str(d) for d in map(_device_of, arrays) if d.type != "cuda"]
         if off_gpu:
             raise ValueError(
                 f"WeightSyncer(transport='cuda_ipc'): bucket tensors are on {off_gpu[0]}, "

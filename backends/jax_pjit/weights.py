@@ -18,7 +18,7 @@ import glob
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -37,6 +37,7 @@ __all__ = [
     "read_hf_config",
     "read_safetensors",
     "load_hf_params",
+    "ExportBucket",
     "export_buckets",
     "save_pretrained",
 ]
@@ -161,19 +162,49 @@ class _Planned(NamedTuple):
     nbytes: int
 
 
+class ExportBucket(Sequence):
+    """One bucket of :func:`export_buckets`: ``(hf_name, array)`` pairs, made on first
+    access by one compiled program (casts and kernel transposes, :func:`_exporter`).
+
+    ``pack_source`` is the same bucket before that program: ``(names, arrays on one
+    device, transposed flags, dtype)``. ``polyrl.weight_sync.pack_flat`` packs from it
+    with one program that casts, transposes and writes the flat bytes at once (CUDA IPC
+    and NCCL pushes never make the pairs)."""
+
+    def __init__(
+        self, names: list[str], arrays: list[jax.Array], kernels: tuple[bool, ...], dtype, device
+    ):
+        self.pack_source = (names, arrays, kernels, dtype)
+        self._device = device
+        self._pairs: list[tuple[str, jax.Array]] | None = None
+
+    def _items(self) -> list[tuple[str, jax.Array]]:
+        if self._pairs is None:
+            names, arrays, kernels, dtype = self.pack_source
+            self._pairs = list(zip(names, _exporter(kernels, dtype, self._device)(*arrays)))
+        return self._pairs
+
+    def __getitem__(self, i):
+        return self._items()[i]
+
+    def __len__(self) -> int:
+        return len(self.pack_source[0])
+
+
 def export_buckets(
     params: Mapping[str, jax.Array],
     bucket_bytes: int,
     dtype: Any = None,
     device: jax.Device | None = None,
-) -> Iterator[list[tuple[str, jax.Array]]]:
-    """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each.
+) -> Iterator[ExportBucket]:
+    """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each
+    (:class:`ExportBucket`).
 
     Kernels are transposed back to HF's [out, in] and cast to ``dtype`` (default: as
     stored). A bucket's arrays are gathered onto ``device`` (default: this process's first
-    device) only when the bucket is built, so at most one bucket of gathered weights is
-    alive at a time; its casts and transposes run as one compiled program (compiled once
-    per bucket layout), not one dispatch per array.
+    device) when the bucket is built, so at most one bucket of gathered weights is alive
+    at a time; its casts and transposes run as one compiled program (compiled once per
+    bucket layout), not one dispatch per array.
     """
     device = device or jax.local_devices()[0]
     planned = (
@@ -183,13 +214,13 @@ def export_buckets(
     for bucket in group_buckets(planned, bucket_bytes):
         paths = [path for path, _ in bucket]
         arrays = [p.array for _, p in bucket]
-        if all(a.is_fully_addressable for a in arrays):
-            arrays = jax.device_put(arrays, device)  # one call; no copy for those already there
-        else:  # shards on other hosts: an all-gather each
-            arrays = [gather(a, device) for a in arrays]
+        if not all(a.is_fully_addressable for a in arrays):  # shards on other hosts
+            arrays = [gather(a, device) for a in arrays]  # an all-gather each
+        elif any(a.sharding.device_set != {device} for a in arrays):
+            arrays = jax.device_put(arrays, device)  # one call (no copy for those there)
         kernels = tuple(path.endswith(".kernel") for path in paths)
-        out = _exporter(kernels, None if dtype is None else np.dtype(dtype), device)(*arrays)
-        yield [(hf_name(path), x) for path, x in zip(paths, out)]
+        dt = None if dtype is None else np.dtype(dtype)
+        yield ExportBucket([hf_name(p) for p in paths], arrays, kernels, dt, device)
 
 
 @functools.cache

@@ -11,6 +11,9 @@
 #   train_step  1.5B shape, 8 x 2048 tokens, bf16, checkpointing: torch_fsdp, jax_pjit (its
 #               default platform allocator and bfc; cuDNN attention, and bfc with XLA's)
 #               and the hand-written HF loop (the limit)
+#   update_shape train_step.py on the GRPO experiment's update: 0.5B shape, 64 x (128 + 512)
+#               tokens, micro-batches of 16 (torch_fsdp, jax_pjit, the hand loop; not in the
+#               default list)
 #   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
 #   grpo_jax    the same on the JAX backend, at the experiment's defaults
 #   grpo_split  the torch GRPO step on 2 GPUs: actor + rollout on one, the reference on the
@@ -119,6 +122,14 @@ for s in $sections; do
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
       2> "$OUT/train_step.log" | tee -a "$OUT/summary.txt" ;;
+  update_shape)
+    # the GRPO experiment's actor update alone: 0.5B shape, 64 x (128 + 512) tokens in
+    # micro-batches of 16, bf16, checkpointing; per backend and the hand loop
+    timeout 300 python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,jax_pjit,hf_torch} \
+      --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936 \
+      --batch 64 --micro-batch 16 --prompt-len 128 --response-len 512 --dtype bfloat16 --grad-ckpt \
+      --steps 3 --warmup 1 --json "$OUT/bench_update_shape.json" --profile "$OUT/prof/update_shape" \
+      2> "$OUT/update_shape.log" | tee -a "$OUT/summary.txt" ;;
   grpo_torch|grpo_jax|grpo_split)
     model; backend=torch_fsdp; [ $s = grpo_jax ] && backend=jax_pjit
     split=()
@@ -169,6 +180,6 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape)" ;;
   esac
 done

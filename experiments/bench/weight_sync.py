@@ -10,11 +10,16 @@ same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
   plan, ``polyrl.rollout.load_plan``; ``load_weights``: vLLM's per-parameter loaders;
   vLLM-CPU always reloads layer-wise, so on CPU only ``load_weights`` runs) the bytes,
   median seconds over --repeats pushes and GB/s of ``RolloutPool.update_weights``, next
-  to a plain copy of the same tensors in this process (``memcpy_gbps``) and the ratio.
+  to a plain copy of the same tensors in this process (``memcpy_gbps``) and the ratio,
+  and ``server_seconds``: what server 0 spent in the last push by part (``begin``,
+  ``load`` over every bucket, ``finish``; ``RolloutServer.update_timings``; the table's
+  "server s" is their sum): the push's wall time minus it is the calls' latency and
+  this process's own work.
 * ``load``: the load alone, in this process, on vLLM's model class built outside an
   engine on this device (``load_plan.bare_vllm_model``): one push of flat buckets through
   ``load_weights`` vs through a learned ``LoadPlanner``, next to a copy of the same bytes.
-* ``export``: the JAX engine's export alone (``export_buckets``: kernels transposed back to
+* ``export``: the JAX engine's export alone, as (name, array) pairs and packed into flat
+  buckets (the CUDA IPC / NCCL form; ``export_buckets``: kernels transposed back to
   HF's layout, cast, gathered onto one device, bucket by bucket), what the jax source adds.
 * ``goals``: the issue's ratios — the planned CUDA IPC sync from torch over a copy of the
   same bytes (goal <= 3), from JAX over from torch (goal <= 1.5), and load_weights over
@@ -165,6 +170,8 @@ def bench_sync(
                 ]
                 seconds = statistics.median(r.seconds for r in runs)
                 gbps = runs[0].bytes / seconds / 1e9
+                # the last push seen from server 0: its own work, the rest is call latency
+                server = ray.get(pool.servers[0].update_timings.remote())
                 rows.append(
                     {
                         "transport": transport,
@@ -176,6 +183,7 @@ def bench_sync(
                         "gbps": gbps,
                         "memcpy_gbps": copy,
                         "ratio_to_memcpy": gbps / copy,
+                        "server_seconds": {k: v for k, v in server.items() if k != "buckets"},
                     }
                 )
                 if profile:
@@ -192,23 +200,43 @@ def bench_sync(
 
 
 def bench_export(jax_params: dict, bucket_bytes: int, repeats: int) -> dict:
-    """The JAX engine's export alone (``export_buckets``: kernels transposed back, cast,
-    gathered onto one device, bucket by bucket), median of ``repeats`` after a warm-up."""
+    """The JAX engine's export alone, median of ``repeats`` after a warm-up, two ways:
+    ``seconds``: the buckets' ``(name, array)`` pairs (``export_buckets``: kernels
+    transposed back, cast, gathered onto one device; what the object store sends);
+    ``packed_seconds``: each bucket packed into its flat buffer (``pack_flat``: one program
+    casts, transposes and writes the bytes; what CUDA IPC and NCCL send)."""
     import jax
+    import torch
 
-    def export() -> int:
+    from polyrl.weight_sync import pack_flat
+
+    def pairs() -> int:
         arrays = [x for bucket in buckets("jax", jax_params, bucket_bytes) for _, x in bucket]
         jax.block_until_ready(arrays)
         return len(arrays)
 
-    tensors = export()  # compiles each bucket layout once
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        export()
-        times.append(time.perf_counter() - start)
+    def packed() -> int:
+        flats = [pack_flat(bucket)[0] for bucket in buckets("jax", jax_params, bucket_bytes)]
+        if flats[0].is_cuda:
+            torch.cuda.synchronize(flats[0].device)
+        return len(flats)
+
+    def median_s(run) -> float:
+        run()  # compiles each bucket layout once
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
     nbytes = sum(int(x.size) * x.dtype.itemsize for x in jax_params.values())
-    return {"tensors": tensors, "bytes": nbytes, "seconds": statistics.median(times)}
+    return {
+        "tensors": len(jax_params),
+        "bytes": nbytes,
+        "seconds": median_s(pairs),
+        "packed_seconds": median_s(packed),
+    }
 
 
 def bench_load(model_dir: Path, sd: dict, dtype: str, bucket_bytes: int, repeats: int) -> dict:
@@ -425,14 +453,14 @@ def table(rows: list[dict], load: dict | None, ratios: dict) -> str:
     """The sync rows, the load alone and the goal ratios as text (the JSON follows it)."""
     head = (
         f"{'transport':<13}{'source':<7}{'load':<13}{'MB':>9}{'seconds':>10}{'GB/s':>9}"
-        f"{'copy GB/s':>11}{'x copy':>8}"
+        f"{'copy GB/s':>11}{'x copy':>8}{'server s':>10}"
     )
     lines = [head]
     for r in rows:
         lines.append(
             f"{r['transport']:<13}{r['source']:<7}{r['load']:<13}{r['bytes'] / 1e6:>9.1f}"
             f"{r['seconds']:>10.4f}{r['gbps']:>9.2f}{r['memcpy_gbps']:>11.1f}"
-            f"{r['memcpy_gbps'] / r['gbps']:>8.1f}"
+            f"{r['memcpy_gbps'] / r['gbps']:>8.1f}{sum(r['server_seconds'].values()):>10.4f}"
         )
     if load and "error" in load:
         lines.append(f"load alone: failed ({load['error']})")
@@ -519,7 +547,9 @@ def main() -> None:
     if "export" in result:
         e = result["export"]
         print(
-            f"jax export alone: {e['seconds']:.4f} s for {e['tensors']} tensors, {e['bytes'] / 1e6:.1f} MB"
+            f"jax export alone: {e['seconds']:.4f} s as (name, array) pairs, "
+            f"{e['packed_seconds']:.4f} s packed into flat buckets; {e['tensors']} tensors, "
+            f"{e['bytes'] / 1e6:.1f} MB"
         )
     print(table(result["sync"], result["load"], result["goals"]))  # last: what tail shows
     if args.out:

@@ -15,8 +15,10 @@ pool re-syncs it instead of sampling from the wrong policy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -68,6 +70,13 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         kwargs.update(
             gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=c.enable_sleep_mode
         )
+        if c.tensor_parallel_size > 1:
+            # The server's GPUs are its own (CUDA_VISIBLE_DEVICES from polyrl's placement,
+            # on one node): vLLM starts its workers there as processes. Inside a placement
+            # group vLLM would pick its Ray executor, which takes only bundles of one GPU
+            # and places workers itself ("Placement group bundle cannot have more than 1
+            # GPU": a pool's bundle is a node's share).
+            kwargs["distributed_executor_backend"] = "mp"
         return kwargs
     if c.tensor_parallel_size != 1:
         raise ValueError(
@@ -145,6 +154,7 @@ class RolloutServer(Traced):
         self.version = 0
         self.updating = False
         self.loaded = 0  # buckets of the current weight update (begin_weight_update)
+        self.update_seconds: dict[str, float] = {}  # of the last weight update (update_timings)
         self._dropped_weights = False  # slept at level 2: weights must be re-synced
         self.boot_id = uuid.uuid4().hex  # changes when Ray restarts the actor
         # Tensors may ride inside collective_rpc arguments only when the workers live
@@ -227,7 +237,24 @@ class RolloutServer(Traced):
     def begin_weight_update(self) -> None:
         self.updating = True
         self.loaded = 0  # buckets of this update so far (the ``kill_in_push`` fault counts)
-        self.llm.collective_rpc("polyrl_begin_update")
+        self.update_seconds = {}
+        with self._timed("begin"):
+            self.llm.collective_rpc("polyrl_begin_update")
+
+    @contextlib.contextmanager
+    def _timed(self, part: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            self.update_seconds[part] = self.update_seconds.get(part, 0.0) + elapsed
+
+    def update_timings(self) -> dict[str, float]:
+        """Seconds this server spent in the last weight update, by part: ``begin``,
+        ``load`` (every bucket), ``finish``; and ``buckets``. Against the push's wall time
+        it tells the server's work from the calls' latency (experiments/bench/weight_sync.py)."""
+        return {**self.update_seconds, "buckets": float(self.loaded)}
 
     def _count_bucket(self) -> None:
         """Test-only (``polyrl.faults``): die before the 3rd bucket of the push of the
@@ -243,16 +270,18 @@ class RolloutServer(Traced):
         self._count_bucket()
         from polyrl.weight_sync import host_unpack
 
-        weights = host_unpack(arrays, metas)
-        if not self.direct_rpc:
-            from safetensors.torch import save
+        with self._timed("load"):
+            weights = host_unpack(arrays, metas)
+            if not self.direct_rpc:
+                from safetensors.torch import save
 
-            weights = save({name: t.contiguous() for name, t in weights})
-        return sum(self.llm.collective_rpc("polyrl_load_bucket", args=(weights,)))
+                weights = save({name: t.contiguous() for name, t in weights})
+            return sum(self.llm.collective_rpc("polyrl_load_bucket", args=(weights,)))
 
     def load_bucket_ipc(self, slots: dict[str, Any], metas: Sequence[tuple]) -> int:
         self._count_bucket()
-        return sum(self.llm.collective_rpc("polyrl_load_bucket_ipc", args=(slots, metas)))
+        with self._timed("load"):
+            return sum(self.llm.collective_rpc("polyrl_load_bucket_ipc", args=(slots, metas)))
 
     def num_workers(self) -> int:
         return self.config.tensor_parallel_size
@@ -276,16 +305,18 @@ class RolloutServer(Traced):
         """Receive one bucket from group ``key`` (failing after ``timeout_s``) and load it
         (``load=False``: take part in the broadcast only, the bucket is already loaded)."""
         self._count_bucket()
-        return sum(
-            self.llm.collective_rpc(
-                "polyrl_load_bucket_nccl", args=(key, list(metas), nbytes, timeout_s, load)
+        with self._timed("load"):
+            return sum(
+                self.llm.collective_rpc(
+                    "polyrl_load_bucket_nccl", args=(key, list(metas), nbytes, timeout_s, load)
+                )
             )
-        )
 
     def finish_weight_update(self, version: int) -> int:
         """Close the update, drop KV computed with the old weights, set ``version``."""
-        self.llm.collective_rpc("polyrl_finish_update")
-        self.llm.reset_prefix_cache()
+        with self._timed("finish"):
+            self.llm.collective_rpc("polyrl_finish_update")
+            self.llm.reset_prefix_cache()
         self.version = int(version)
         self.updating = False
         return self.version

@@ -77,17 +77,17 @@ def device_arrays(monkeypatch):
         made.append(put(*args, **kwargs))
         return made[-1]
 
-    def packer():
+    def packer(*key):
         def run(*arrays):
-            made.append(jitted(*arrays))
+            made.append(jitted(*key)(*arrays))
             return made[-1]
 
         return run
 
-    put, jitted = jax.device_put, ws._jax_flat_bytes()
+    put, jitted = jax.device_put, ws._jax_packer
     monkeypatch.setattr(ws, "_numpy_to_torch", host)
     monkeypatch.setattr(jax, "device_put", device_put)
-    monkeypatch.setattr(ws, "_jax_flat_bytes", packer)
+    monkeypatch.setattr(ws, "_jax_packer", packer)
     return made
 
 

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from polyrl.algos.registry import get_algorithm  # noqa: E402
 from polyrl.backends.jax_pjit.engine import JaxPjitEngine  # noqa: E402
-from polyrl.backends.jax_pjit.weights import save_pretrained  # noqa: E402
+from polyrl.backends.jax_pjit.weights import export_buckets, save_pretrained  # noqa: E402
 from polyrl.batch import from_token_lists  # noqa: E402
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from polyrl.weight_sync import to_torch  # noqa: E402
@@ -140,6 +140,26 @@ def test_export_loads_in_transformers_with_the_same_log_probs(tiny_model_dir, tm
     np.testing.assert_allclose(
         eng.forward(batch)["log_probs"], want * batch["response_mask"], atol=2e-5
     )
+
+
+def test_packed_export_equals_packing_the_exported_arrays(tiny_model_dir):
+    """CUDA IPC / NCCL pack a JAX export bucket from its source arrays in one program
+    (casts, kernel transposes and bytes at once); the flat buffer and its metadata equal
+    packing the bucket's exported (name, array) pairs, in bf16 (a cast) and fp32."""
+    from polyrl.weight_sync import pack_flat, unpack_flat
+
+    eng = _engine(tiny_model_dir)
+    eng.train_step(_rl_batch(), LOSS, entropy=True)
+    for dtype in ("bfloat16", None):
+        for bucket in export_buckets(eng.params, 64 * 1024, dtype=dtype):
+            fused, metas = pack_flat(bucket)
+            plain, plain_metas = pack_flat(list(bucket))
+            assert metas == plain_metas
+            assert torch.equal(fused, plain)
+            for (name, x), (got, t) in zip(bucket, unpack_flat(fused, metas)):
+                assert got == name and tuple(t.shape) == x.shape
+                assert str(t.dtype).endswith(str(x.dtype))
+    assert any(path.endswith(".kernel") for path in eng.params)  # transposes were covered
 
 
 def test_to_torch_is_zero_copy_on_cpu(tiny_model_dir):

@@ -444,8 +444,9 @@ class WeightSyncer:
         everyone = self.servers
         self._held, self._inflight, self._acked = [], {}, set()
         try:
-            self._get_live(self._on_live("begin_weight_update"))
-            pending: list[tuple[Any, Any]] = []
+            # Not waited for on its own: Ray runs one caller's calls to an actor in order,
+            # so each server begins before it loads, and its answer comes with bucket 0's.
+            pending: list[tuple[Any, Any]] = self._on_live("begin_weight_update")
             keep: Any = None  # the previous bucket's device buffer, alive until loaded
             for bucket in buckets:
                 try:
@@ -458,15 +459,16 @@ class WeightSyncer:
                     self._regroup(error)
                     sent, buf = [], None
                 pending, keep = sent, buf
-            try:
-                self._get_live(pending)
-            except Exception as error:
-                if self.transport != "nccl":
-                    raise
-                self._regroup(error)
+            if self.transport != "nccl":  # finish right behind the last bucket
+                self._get_live(pending + self._on_live("finish_weight_update", version))
+            else:  # the group's last buckets may need resending first (_regroup)
+                try:
+                    self._get_live(pending)
+                except Exception as error:
+                    self._regroup(error)
+                self._held, self._inflight, self._acked = [], {}, set()
+                self._get_live(self._on_live("finish_weight_update", version))
             del keep
-            self._held, self._inflight, self._acked = [], {}, set()
-            self._get_live(self._on_live("finish_weight_update", version))
         finally:
             alive = {id(s) for s in self.servers}
             stats.lost = [i for i, s in enumerate(everyone) if id(s) not in alive]

@@ -5,9 +5,10 @@ plain class so a benchmark or a debugger can also run it in-process. vLLM is imp
 when a server starts, never when this module is imported (the controller imports it).
 
 Weights: the server starts from ``RolloutConfig.model_path`` at weight version 0.
-``polyrl.weight_sync.WeightSyncer`` drives an update as ``begin_weight_update`` ->
-``load_bucket*`` per bucket -> ``finish_weight_update(version)``, which resets the
-prefix cache (its KV was computed with the old weights) and sets the version. A
+``polyrl.weight_sync.WeightSyncer`` drives an update as ``begin_weight_update`` (which
+resets the prefix cache: its KV was computed with the old weights, and nothing generates
+until the update ends) -> ``load_bucket*`` per bucket -> ``finish_weight_update(version)``,
+which sets the version. A
 generate call names the version it expects; a server that Ray restarted (back at
 version 0) or that is mid-update refuses it with :class:`StaleWeightsError`, so the
 pool re-syncs it instead of sampling from the wrong policy.
@@ -235,11 +236,15 @@ class RolloutServer(Traced):
 
     # --------------------------------------------------------- weight update
     def begin_weight_update(self) -> None:
+        """Open an update: no generation until :meth:`finish_weight_update`, and the KV
+        computed with the old weights dropped now (here it overlaps the trainer packing
+        the first bucket; nothing can fill the cache again before the update ends)."""
         self.updating = True
         self.loaded = 0  # buckets of this update so far (the ``kill_in_push`` fault counts)
         self.update_seconds = {}
         with self._timed("begin"):
             self.llm.collective_rpc("polyrl_begin_update")
+            self.llm.reset_prefix_cache()
 
     @contextlib.contextmanager
     def _timed(self, part: str):
@@ -313,10 +318,9 @@ class RolloutServer(Traced):
             )
 
     def finish_weight_update(self, version: int) -> int:
-        """Close the update, drop KV computed with the old weights, set ``version``."""
+        """Close the update and set ``version``."""
         with self._timed("finish"):
             self.llm.collective_rpc("polyrl_finish_update")
-            self.llm.reset_prefix_cache()
         self.version = int(version)
         self.updating = False
         return self.version

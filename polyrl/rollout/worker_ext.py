@@ -4,9 +4,9 @@ vLLM mixes this class into every worker of an engine (``worker_extension_cls``);
 rollout server reaches its methods with ``LLM.collective_rpc("polyrl_...")``. One
 weight update is always::
 
-    polyrl_begin_update()            once
+    polyrl_begin_update()            once; the server then resets the prefix cache
     polyrl_load_bucket(payload)      per bucket (or _ipc / _nccl variants)
-    polyrl_finish_update()           once; the server then resets the prefix cache
+    polyrl_finish_update()           once
 
 Version-specific part (kept to :func:`_begin`/:func:`_finish`):
 

@@ -229,26 +229,31 @@ def _pack_jax(names: Sequence[str], arrays: Sequence[Any], transposed: Sequence[
         shape = tuple(a.shape[::-1]) if t else tuple(a.shape)
         metas.append((name, dt.name, shape, offset, nbytes))
         offset += _aligned(nbytes)
-    flat = _jax_packer(tuple(transposed), dtype)(*arrays)
-    return torch.from_dlpack(flat), metas
+    # 2-byte words when every size allows (bf16, fp32): XLA moves them far faster than bytes
+    word = 2 if all(m[4] % 2 == 0 for m in metas) else 1
+    flat = _jax_packer(tuple(transposed), dtype, word)(*arrays)
+    return torch.from_dlpack(flat).view(torch.uint8), metas
 
 
 @functools.cache
-def _jax_packer(transposed: tuple[bool, ...], dtype: Any):
+def _jax_packer(transposed: tuple[bool, ...], dtype: Any, word: int = 1):
     import jax
     import jax.numpy as jnp
 
-    def flat_bytes(*arrays):
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}[word]
+
+    def flat_words(*arrays):
         parts = []
         for a, t in zip(arrays, transposed):
             a = a.astype(dtype or a.dtype)
-            b = jax.lax.bitcast_convert_type((a.T if t else a).reshape(-1), jnp.uint8).reshape(-1)
+            b = jax.lax.bitcast_convert_type((a.T if t else a).reshape(-1), unsigned).reshape(-1)
             parts.append(b)
-            if _aligned(b.size) > b.size:
-                parts.append(jnp.zeros(_aligned(b.size) - b.size, jnp.uint8))
+            padded = _aligned(b.size * word) // word
+            if padded > b.size:
+                parts.append(jnp.zeros(padded - b.size, unsigned))
         return jnp.concatenate(parts)
 
-    return jax.jit(flat_bytes)
+    return jax.jit(flat_words)
 
 
 def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> list[tuple[str, Any]]:

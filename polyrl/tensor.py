@@ -38,7 +38,6 @@ __all__ = [
     "log_sigmoid",
     "gather_log_probs",
     "entropy_from_logits",
-    "token_scores",
     "log_probs_and_entropy",
     "masked_sum",
     "masked_mean",
@@ -198,13 +197,7 @@ def log_probs_and_entropy(
     """``(gather_log_probs(logits, ids), entropy_from_logits(logits) or None)`` from one
     ``log_softmax``: what a backend computes per chunk of tokens after its LM head."""
     _check_ids(logits, ids, "log_probs_and_entropy")
-    return token_scores(log_softmax(logits, axis=-1), ids, entropy)
-
-
-def token_scores(logp: Array, ids: Array, entropy: bool = True) -> tuple[Array, Array | None]:
-    """:func:`log_probs_and_entropy` from ``logp = log_softmax(logits)`` already made
-    (e.g. by a kernel that also upcasts bf16 logits on the fly)."""
-    _check_ids(logp, ids, "token_scores")
+    logp = log_softmax(logits, axis=-1)
     return _take(logp, ids), (_entropy(logp) if entropy else None)
 
 

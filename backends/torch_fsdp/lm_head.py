@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from polyrl.tensor import token_scores
+from polyrl.tensor import log_probs_and_entropy
 
 __all__ = ["ChunkedLMHead", "install"]
 
@@ -44,12 +44,10 @@ def _score_chunk(
 ) -> torch.Tensor:
     """hidden [C, E], ids [C] -> [C, 1 or 2]: log-prob (and entropy) of
     ``softmax(hidden @ weight[:vocab].T / temperature)`` in fp32."""
-    logits = F.linear(hidden, weight[: target.vocab])
-    if target.temperature != 1.0:
-        logp = (logits.float() / target.temperature).log_softmax(-1)
-    else:  # the fp32 upcast inside the kernel, both ways: no fp32 copy of the bf16 logits
-        logp = logits.log_softmax(-1, dtype=torch.float32)
-    log_probs, entropy = token_scores(logp, ids, target.entropy)
+    logits = F.linear(hidden, weight[: target.vocab]).float()
+    if target.temperature != 1.0:  # (a pass over [C, V] fp32 each way, and x / 1 == x)
+        logits = logits / target.temperature
+    log_probs, entropy = log_probs_and_entropy(logits, ids, target.entropy)
     return torch.stack([log_probs] + ([entropy] if target.entropy else []), dim=-1)
 
 

@@ -69,6 +69,7 @@ __all__ = [
     "WeightSyncer",
     "iter_buckets",
     "pack_flat",
+    "replaced_ipc_buffers",
     "to_torch",
     "unpack_flat",
 ]
@@ -711,6 +712,16 @@ _GROUPS: dict[str, Any] = {}
 _IPC_SLOTS: dict[tuple[int, int], tuple[Any, str, Any]] = {}
 
 
+def replaced_ipc_buffers(opened: Iterable[str], key: str) -> list[str]:
+    """The keys of IPC buffers a rollout worker lets go when it first sees buffer ``key``.
+
+    Keys are ``"<sender pid>-<parity>-<id>"`` (:func:`_ipc_slot`): a new key replaces the
+    sender's buffer of the same parity (it outgrew it), and a new sender (a restarted
+    trainer worker) replaces every buffer of the one before."""
+    slot, pid = key.rsplit("-", 1)[0], key.split("-", 1)[0]
+    return [k for k in opened if k.rsplit("-", 1)[0] == slot or not k.startswith(f"{pid}-")]
+
+
 def _ipc_slot(device: Any, parity: int, nbytes: int) -> tuple[Any, str, Any]:
     """This process's persistent IPC buffer ``parity`` on ``device``, at least
     ``nbytes`` long: (buffer, key, ``reduce_tensor`` handle made once)."""
@@ -724,7 +735,7 @@ def _ipc_slot(device: Any, parity: int, nbytes: int) -> tuple[Any, str, Any]:
     if slot is None or slot[0].numel() < nbytes:
         _IPC_SLOTS.pop((device.index, parity), None)  # (freed once no worker maps it)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        key = f"{os.getpid()}-{parity}-{uuid.uuid4().hex[:12]}"  # (worker_ext reads its parts)
+        key = f"{os.getpid()}-{parity}-{uuid.uuid4().hex[:12]}"  # (replaced_ipc_buffers)
         slot = (buffer, key, reduce_tensor(buffer))
         _IPC_SLOTS[(device.index, parity)] = slot
     return slot

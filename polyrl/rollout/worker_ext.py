@@ -93,7 +93,7 @@ class WeightReceiver:
         the sender's persistent flat uint8 buffer on this worker's GPU (colocated: same
         device). The buffer is opened once per key and kept: later buckets in it cost no
         IPC open (``polyrl.weight_sync._ipc_slot``)."""
-        from polyrl.weight_sync import unpack_flat
+        from polyrl.weight_sync import replaced_ipc_buffers, unpack_flat
 
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         if uuid not in slots:
@@ -105,12 +105,8 @@ class WeightReceiver:
         key, (rebuild, args) = slots[uuid]
         opened = self.__dict__.setdefault("polyrl_ipc_buffers", {})
         if key not in opened:
-            # Keys are "<sender pid>-<parity>-<id>": a new one replaces that buffer of that
-            # sender, and a new sender (a restarted trainer worker) all of the old one's.
-            slot, pid = key.rsplit("-", 1)[0], key.split("-", 1)[0]
-            for old in list(opened):
-                if old.rsplit("-", 1)[0] == slot or not old.startswith(f"{pid}-"):
-                    del opened[old]
+            for old in replaced_ipc_buffers(opened, key):
+                del opened[old]
             args = list(args)
             args[6] = self.device.index  # the sender's device ordinal may differ from ours
             opened[key] = rebuild(*args)

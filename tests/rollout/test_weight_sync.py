@@ -183,3 +183,16 @@ def test_ipc_peers_pick_the_servers_on_this_process_gpus():
 def test_stats_report_rate():
     s = ws.SyncStats(version=1, transport="object_store", bytes=2_000_000_000, seconds=2.0)
     assert s.gbps == pytest.approx(1.0) and s.summary()["gbps"] == pytest.approx(1.0)
+
+
+def test_a_worker_lets_go_of_the_ipc_buffers_a_new_key_replaces():
+    """A worker keeps each CUDA IPC buffer it opened until the sender replaces it: a new
+    buffer of the same parity (the old one was too small), or a new sender process (the
+    trainer worker restarted). The other parity's buffer of the same sender stays open."""
+    opened = ["100-0-aaaa", "100-1-bbbb"]
+    assert ws.replaced_ipc_buffers(opened, "100-0-cccc") == ["100-0-aaaa"]
+    assert ws.replaced_ipc_buffers(opened, "100-1-dddd") == ["100-1-bbbb"]
+    assert ws.replaced_ipc_buffers(opened, "200-0-eeee") == opened
+    # pid 1000 is another process than pid 100, though "1000-" starts with "100"
+    assert ws.replaced_ipc_buffers(["1000-0-ffff", "100-1-bbbb"], "100-0-cccc") == ["1000-0-ffff"]
+    assert ws.replaced_ipc_buffers([], "100-0-cccc") == []

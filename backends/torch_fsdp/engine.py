@@ -227,16 +227,7 @@ class TorchFSDPEngine:
             )
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        micro = self._micro_batches(self._group_rows(batch))
-        # A world of one has nothing to reduce after each micro-batch: FSDP accumulates
-        # the gradients unsharded (in its fp32 reduce dtype) and reduces once, after the
-        # last. Its per-layer reduce cost about 1 ms of host time per layer and micro-batch
-        # on an H200 (the update_shape trace). Not with CPU offload: the unsharded
-        # gradients would stay on the GPU.
-        alone = self.env.world_size == 1 and not self.parallel.cpu_offload
-        for i, (_, mb) in enumerate(micro):
-            if alone:
-                self.model.set_requires_gradient_sync(i == len(micro) - 1)
+        for _, mb in self._micro_batches(self._group_rows(batch)):
             inputs = self._to_device(mb)
             loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
             loss.backward()

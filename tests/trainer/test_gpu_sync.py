@@ -7,8 +7,8 @@ of the sampled tokens) shows the servers hold the trainer's weights: a server le
 weights would differ by the size of an update.
 
 Run on a GPU host: `pytest -m gpu tests/trainer/test_gpu_sync.py` (passed on 2 x H200,
-2026-11-30: 114 s, 58 s and 63 s). `test_tensor_parallel_server_over_both_gpus` was added
-after that run and has not run on a GPU yet.
+2026-11-30: 114 s, 58 s and 63 s; `test_tensor_parallel_server_over_both_gpus`, both
+backends, 2026-12-01: 200 s).
 """
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ def _run(tmp_path, *params):
     return read_jsonl(run / "metrics.jsonl")
 
 
+def _synced_run(tmp_path, backend: str, *params):
+    """A run of ``backend`` on both GPUs whose every step's servers hold the trainer's
+    weights (the log-prob gap under SYNCED); its metrics rows."""
+    _two_gpus()
+    rows = _run(tmp_path, f"polyrl.RunConfig.backend = {backend!r}", *params)
+    assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
+    return rows
+
+
 # every role in one pool of both GPUs, the actor sharded over them
 COLOCATED = (
     'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
@@ -71,15 +80,13 @@ COLOCATED = (
 def test_cuda_ipc_from_every_rank(ray_gpu, tmp_path, backend):
     """torch: each of the two ranks pushes to the server on its GPU; JAX: the one host
     worker drives both GPUs and pushes to both servers (a copy of each bucket per GPU)."""
-    _two_gpus()
-    rows = _run(
+    rows = _synced_run(
         tmp_path,
-        f"polyrl.RunConfig.backend = {backend!r}",
+        backend,
         *COLOCATED,
         "polyrl.RunConfig.weight_transport = 'cuda_ipc'",
         "polyrl.RolloutConfig.num_servers = 2",
     )
-    assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
     assert all(r["rollout/staleness_max"] == 0 for r in rows)
 
 
@@ -88,15 +95,13 @@ def test_tensor_parallel_server_over_both_gpus(ray_gpu, tmp_path, backend):
     """One rollout server with tensor_parallel_size=2 over the two GPUs the actor trains on
     (through the object store: CUDA IPC needs servers of one GPU each); each of the server's
     two workers loads its shard of every push."""
-    _two_gpus()
-    rows = _run(
+    rows = _synced_run(
         tmp_path,
-        f"polyrl.RunConfig.backend = {backend!r}",
+        backend,
         *COLOCATED,
         "polyrl.RunConfig.weight_transport = 'object_store'",
         "polyrl.RolloutConfig.tensor_parallel_size = 2",
     )
-    assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
     assert all(r["sync/gb"] > 0 for r in rows)
 
 
@@ -109,9 +114,7 @@ DISAGGREGATED = (
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
 def test_nccl_group_disaggregated(ray_gpu, tmp_path, backend):
-    _two_gpus()
-    rows = _run(tmp_path, *DISAGGREGATED, f"polyrl.RunConfig.backend = {backend!r}")
-    assert all(r["rollout/log_prob_diff_mean"] < SYNCED for r in rows), rows
+    rows = _synced_run(tmp_path, backend, *DISAGGREGATED)
     assert all(r["sync/gb"] > 0 for r in rows)
 
 

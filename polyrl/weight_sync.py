@@ -182,7 +182,6 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: A
         source = (
             [name for name, _ in bucket],
             [_on_one_device(a, first) for _, a in bucket],
-            (False,) * len(bucket),
             None,
         )
     if source is not None:
@@ -214,30 +213,28 @@ def _empty_bytes(nbytes: int, device: Any):
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _pack_jax(names: Sequence[str], arrays: Sequence[Any], transposed: Sequence[bool], dtype: Any):
+def _pack_jax(names: Sequence[str], arrays: Sequence[Any], dtype: Any):
     """:func:`pack_flat` for jax arrays on one device: one jitted program casts each to
-    ``dtype`` (None: as it is), transposes those ``transposed`` says, and writes their
-    bytes, 256-byte aligned, into one uint8 array there, which torch wraps by DLPack
-    (no copy)."""
+    ``dtype`` (None: as it is) and writes their bytes, 256-byte aligned, into one uint8
+    array there, which torch wraps by DLPack (no copy)."""
     import numpy as np
     import torch
 
     metas: list[TensorMeta] = []
     offset = 0
-    for name, a, t in zip(names, arrays, transposed):
+    for name, a in zip(names, arrays):
         dt = np.dtype(dtype or a.dtype)
         nbytes = int(a.size) * dt.itemsize
-        shape = tuple(a.shape[::-1]) if t else tuple(a.shape)
-        metas.append((name, dt.name, shape, offset, nbytes))
+        metas.append((name, dt.name, tuple(a.shape), offset, nbytes))
         offset += _aligned(nbytes)
     # 2-byte words when every size allows (bf16, fp32): XLA moves them far faster than bytes
     word = 2 if all(m[4] % 2 == 0 for m in metas) else 1
-    flat = _jax_packer(tuple(transposed), dtype, word)(*arrays)
+    flat = _jax_packer(dtype, word)(*arrays)
     return torch.from_dlpack(flat).view(torch.uint8), metas
 
 
 @functools.cache
-def _jax_packer(transposed: tuple[bool, ...], dtype: Any, word: int = 1):
+def _jax_packer(dtype: Any, word: int = 1):
     import jax
     import jax.numpy as jnp
 
@@ -245,9 +242,9 @@ def _jax_packer(transposed: tuple[bool, ...], dtype: Any, word: int = 1):
 
     def flat_words(*arrays):
         parts = []
-        for a, t in zip(arrays, transposed):
+        for a in arrays:
             a = a.astype(dtype or a.dtype)
-            b = jax.lax.bitcast_convert_type((a.T if t else a).reshape(-1), unsigned).reshape(-1)
+            b = jax.lax.bitcast_convert_type(a.reshape(-1), unsigned).reshape(-1)
             parts.append(b)
             padded = _aligned(b.size * word) // word
             if padded > b.size:

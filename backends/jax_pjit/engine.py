@@ -2,7 +2,7 @@
 
 One engine holds one role's model on all devices of one host, arranged as the
 ``ParallelConfig`` mesh (data, fsdp, tensor). Parameters are a flat dict
-``{nnx_path: jax.Array}`` (HF names, see ``weights.py``) sharded by the logical-axis
+``{path: jax.Array}`` (NNX paths = HF names, see ``weights.py``) sharded by the logical-axis
 rules; every step is a ``jax.jit`` with explicit in/out shardings (pjit semantics).
 
 ``train_step`` pads the batch to a few padded shapes (``shapes.py``), runs one jitted

@@ -1,10 +1,11 @@
 """Flax NNX decoder-only transformers for the Qwen2 / Qwen2.5, Qwen3 and Llama families.
 
 The modules mirror Hugging Face's module tree, so every parameter's NNX path is its HF
-name with one rule (see ``weights.py``): a linear layer's ``kernel`` is stored ``[in, out]``
-(JAX convention) where HF stores ``weight`` as ``[out, in]``; embeddings and norms keep
-HF's ``weight`` unchanged. Shapes (module-wide): ``B`` batch, ``T`` sequence, ``E`` hidden
-size, ``H`` query heads, ``K`` key/value heads, ``D`` head size, ``V`` vocabulary.
+name and its array has HF's layout: a linear layer's ``weight`` is ``[out, in]``, applied
+as ``x @ weight.T`` by a ``dot_general`` that XLA's GEMMs run without a transpose, so
+export writes the arrays as they are. Shapes (module-wide): ``B`` batch, ``T`` sequence,
+``E`` hidden size, ``H`` query heads, ``K`` key/value heads, ``D`` head size, ``V``
+vocabulary.
 
 Numerics follow transformers' eager code path: RMSNorm and softmax in fp32, RoPE with
 ``rotate_half`` and HF's inverse frequencies (default, linear, llama3, yarn), GQA by
@@ -199,8 +200,16 @@ def _rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def _matmul_t(x: jax.Array, w: jax.Array, preferred_element_type: Any = None) -> jax.Array:
+    """``x @ w.T`` for ``w`` [out, in]: one ``dot_general`` contracting the last axes of
+    both (GPU GEMMs take the transposed operand as it is; no transpose is made)."""
+    return jax.lax.dot_general(
+        x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=preferred_element_type
+    )
+
+
 class Linear(nnx.Module):
-    """``y = x @ kernel + bias`` with ``kernel`` [in, out] (HF ``weight`` transposed)."""
+    """``y = x @ weight.T + bias`` with ``weight`` [out, in] (HF's name and layout)."""
 
     def __init__(
         self,
@@ -213,11 +222,11 @@ class Linear(nnx.Module):
         init: Callable | None = None,
     ):
         init = init or nnx.initializers.normal(0.02)
-        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
+        self.weight = nnx.Param(init(rngs.params(), (d_out, d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        y = _matmul_t(x, self.weight[...])
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -362,7 +371,7 @@ class Backbone(nnx.Module):
 
 class CausalLM(nnx.Module):
     """Backbone + output heads. ``lm_head`` (absent when tied: logits use the embedding
-    matrix, as HF) and/or ``score``, a ``[E, 1]`` value head (HF's
+    matrix, as HF) and/or ``score``, a ``[1, E]`` value head (HF's
     ``*ForTokenClassification`` / ``*ForSequenceClassification`` name) for critics and
     reward models. ``with_lm_head=False`` builds a critic/reward model without logits.
     ``attention``: ``xla``, ``cudnn`` or ``auto`` (``attention.resolve``)."""
@@ -403,17 +412,17 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1) -> jax.Array:
         return self.model(input_ids, segment_ids, position_ids, slots)
 
-    def head_kernel(self) -> jax.Array:
-        """The LM head as [E, V]: ``lm_head.kernel``, or the embedding transposed when tied."""
+    def head_weight(self) -> jax.Array:
+        """The LM head as [V, E]: ``lm_head.weight``, or the embedding when tied."""
         if not self.with_lm_head:
             raise ValueError("this model was built without an LM head (a critic/reward model)")
         if self.lm_head is not None:
-            return self.lm_head.kernel[...]
-        return self.model.embed_tokens.weight[...].T
+            return self.lm_head.weight[...]
+        return self.model.embed_tokens.weight[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> logits [..., V] (fp32 accumulation)."""
-        return jnp.matmul(hidden, self.head_kernel(), preferred_element_type=jnp.float32)
+        return _matmul_t(hidden, self.head_weight(), jnp.float32)
 
     def token_scores(
         self,
@@ -441,18 +450,16 @@ class CausalLM(nnx.Module):
 
         @jax.checkpoint
         def chunk(w, x):
-            logits = jnp.matmul(x[0], w, preferred_element_type=jnp.float32) / temperature
+            logits = _matmul_t(x[0], w, jnp.float32) / temperature
             lp, ent = log_probs_and_entropy(logits, x[1], entropy)
             return lp, ent if entropy else jnp.zeros_like(lp)
 
-        kernel = self.head_kernel()[:, :vocab]
+        weight = self.head_weight()[:vocab]
         xs = (chunked(hidden), chunked(ids.astype(jnp.int32)))
-        lp, ent = jax.lax.map(lambda x: chunk(kernel, x), xs)
+        lp, ent = jax.lax.map(lambda x: chunk(weight, x), xs)
         unchunk = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, -1)[:, :t]  # noqa: E731
         return unchunk(lp), unchunk(ent) if entropy else None
 
     def values(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> scalar head [...] (fp32)."""
-        return jnp.matmul(hidden, self.score.kernel[...], preferred_element_type=jnp.float32)[
-            ..., 0
-        ]
+        return _matmul_t(hidden, self.score.weight[...], jnp.float32)[..., 0]

@@ -40,21 +40,22 @@ log = logging.getLogger(__name__)
 
 Rules = Sequence[tuple[str, tuple[str, ...]]]
 
-# Parameter path pattern (NNX path, see models.py) -> logical axes of its dimensions.
-# Linear kernels are [in, out]. Norm weights and biases of replicated dims stay replicated.
+# Parameter path pattern (NNX path = HF name, see models.py) -> logical axes of its
+# dimensions; the first pattern of the parameter's rank that matches wins. Linear weights
+# are [out, in] (HF's layout). Norm weights and biases of replicated dims stay replicated.
 PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"embed_tokens\.weight$", ("vocab", "embed")),
-    (r"q_proj\.kernel$", ("embed", "heads")),
-    (r"[kv]_proj\.kernel$", ("embed", "kv_heads")),
-    (r"q_proj\.bias$", ("heads",)),
-    (r"[kv]_proj\.bias$", ("kv_heads",)),
-    (r"o_proj\.kernel$", ("heads", "embed")),
-    (r"(gate|up)_proj\.kernel$", ("embed", "mlp")),
-    (r"(gate|up)_proj\.bias$", ("mlp",)),
-    (r"down_proj\.kernel$", ("mlp", "embed")),
-    (r"lm_head\.kernel$", ("embed", "vocab")),
-    (r"score\.kernel$", ("embed", None)),
-    (r"(norm|layernorm)\.weight$|(o_proj|down_proj)\.bias$", (None,)),
+    (r"\.embed_tokens\.weight$", ("vocab", "embed")),
+    (r"\.q_proj\.weight$", ("heads", "embed")),
+    (r"\.[kv]_proj\.weight$", ("kv_heads", "embed")),
+    (r"\.q_proj\.bias$", ("heads",)),
+    (r"\.[kv]_proj\.bias$", ("kv_heads",)),
+    (r"\.o_proj\.weight$", ("embed", "heads")),
+    (r"\.(gate|up)_proj\.weight$", ("mlp", "embed")),
+    (r"\.(gate|up)_proj\.bias$", ("mlp",)),
+    (r"\.down_proj\.weight$", ("embed", "mlp")),
+    (r"^lm_head\.weight$", ("vocab", "embed")),
+    (r"^score\.weight$", (None, "embed")),
+    (r"norm\.weight$|\.(o_proj|down_proj)\.bias$", (None,)),
 )
 
 

@@ -1,9 +1,8 @@
 """Hugging Face checkpoints <-> the JAX models' flat parameter dicts.
 
-Parameters live in a flat dict ``{nnx_path: array}`` whose keys are HF names with one
-rule: a linear layer's HF ``<module>.weight`` ([out, in]) is ``<module>.kernel``
-([in, out], transposed); everything else (embeddings, norms, biases) keeps its HF name
-and layout. ``hf_name``/``nnx_path`` apply that table both ways.
+Parameters live in a flat dict ``{path: array}`` whose NNX paths are the HF names and
+whose arrays have HF's layout (a linear ``<module>.weight`` is [out, in], see
+``models.Linear``), so loading and export rename and transpose nothing.
 
 Loading reads safetensors with ``safetensors.numpy`` (no torch); export yields full,
 unsharded arrays under the names ``save_pretrained`` writes, in weight buckets
@@ -30,10 +29,7 @@ from polyrl.backends.jax_pjit.models import TransformerConfig
 from polyrl.weight_sync import iter_buckets as group_buckets
 
 __all__ = [
-    "LINEAR_MODULES",
     "VALUE_HEAD_NAMES",
-    "hf_name",
-    "nnx_path",
     "read_hf_config",
     "read_safetensors",
     "load_hf_params",
@@ -42,34 +38,9 @@ __all__ = [
     "save_pretrained",
 ]
 
-LINEAR_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "lm_head",
-    "score",
-)
 # Value-head weight names used by HF (*ForTokenClassification / *ForSequenceClassification),
 # TRL's AutoModelForCausalLMWithValueHead and OpenRLHF, in order of preference.
 VALUE_HEAD_NAMES = ("score.weight", "v_head.summary.weight", "value_head.weight")
-
-
-def _is_linear(name: str, suffix: str) -> bool:
-    return name.endswith(suffix) and name[: -len(suffix)].rsplit(".", 1)[-1] in LINEAR_MODULES
-
-
-def hf_name(path: str) -> str:
-    """NNX path -> HF parameter name (``x.kernel`` -> ``x.weight``)."""
-    return path[: -len("kernel")] + "weight" if _is_linear(path, ".kernel") else path
-
-
-def nnx_path(name: str) -> str:
-    """HF parameter name -> NNX path (a linear ``x.weight`` -> ``x.kernel``)."""
-    return name[: -len("weight")] + "kernel" if _is_linear(name, ".weight") else name
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -118,7 +89,7 @@ def load_hf_params(
     expected: Mapping[str, tuple[int, ...]],
     value_head_path: str | None = None,
 ) -> dict[str, np.ndarray]:
-    """Flat ``{nnx_path: numpy array}`` for the model whose parameters have ``expected``
+    """Flat ``{path: numpy array}`` for the model whose parameters have ``expected``
     shapes, read from the HF checkpoint at ``path``.
 
     HF prefixes (``model.``) are kept; a tied ``lm_head.weight`` (some checkpoints save it
@@ -126,32 +97,29 @@ def load_hf_params(
     ``value_head_path`` or the checkpoint itself provides one. Missing or mis-shaped
     weights raise, naming them.
     """
-    tensors = read_safetensors(path)
-    params = {nnx_path(k): v for k, v in tensors.items()}
-    params = {k: (v.T if k.endswith(".kernel") else v) for k, v in params.items()}
-    if "score.kernel" in expected:
+    params = read_safetensors(path)
+    if "score.weight" in expected:
         head = (
             _value_head(read_safetensors(value_head_path), config.hidden_size, str(value_head_path))
             if value_head_path
-            else _value_head(tensors, config.hidden_size, str(path))
+            else _value_head(params, config.hidden_size, str(path))
         )
-        params["score.kernel"] = (
-            np.zeros((config.hidden_size, 1), np.float32) if head is None else head.T
+        params["score.weight"] = (
+            np.zeros((1, config.hidden_size), np.float32) if head is None else head
         )
     missing = sorted(set(expected) - set(params))
     if missing:
         raise ValueError(
             f"{path}: checkpoint lacks {len(missing)} weight(s) the {config.architecture} "
-            f"model needs, e.g. {[hf_name(m) for m in missing[:5]]}; is config.json from the "
-            "same checkpoint?"
+            f"model needs, e.g. {missing[:5]}; is config.json from the same checkpoint?"
         )
     wrong = {
-        hf_name(k): (params[k].shape, tuple(s))
+        k: (params[k].shape, tuple(s))
         for k, s in expected.items()
         if tuple(params[k].shape) != tuple(s)
     }
     if wrong:
-        raise ValueError(f"{path}: weight shapes (found, expected in JAX layout) differ: {wrong}")
+        raise ValueError(f"{path}: weight shapes (found, expected) differ: {wrong}")
     return {k: params[k] for k in expected}
 
 
@@ -164,24 +132,22 @@ class _Planned(NamedTuple):
 
 class ExportBucket(Sequence):
     """One bucket of :func:`export_buckets`: ``(hf_name, array)`` pairs, made on first
-    access by one compiled program (casts and kernel transposes, :func:`_exporter`).
+    access by one compiled program (the casts, :func:`_exporter`).
 
     ``pack_source`` is the same bucket before that program: ``(names, arrays on one
-    device, transposed flags, dtype)``. ``polyrl.weight_sync.pack_flat`` packs from it
-    with one program that casts, transposes and writes the flat bytes at once (CUDA IPC
-    and NCCL pushes never make the pairs)."""
+    device, dtype)``. ``polyrl.weight_sync.pack_flat`` packs from it with one program
+    that casts and writes the flat bytes at once (CUDA IPC and NCCL pushes never make the
+    pairs)."""
 
-    def __init__(
-        self, names: list[str], arrays: list[jax.Array], kernels: tuple[bool, ...], dtype, device
-    ):
-        self.pack_source = (names, arrays, kernels, dtype)
+    def __init__(self, names: list[str], arrays: list[jax.Array], dtype, device):
+        self.pack_source = (names, arrays, dtype)
         self._device = device
         self._pairs: list[tuple[str, jax.Array]] | None = None
 
     def _items(self) -> list[tuple[str, jax.Array]]:
         if self._pairs is None:
-            names, arrays, kernels, dtype = self.pack_source
-            self._pairs = list(zip(names, _exporter(kernels, dtype, self._device)(*arrays)))
+            names, arrays, dtype = self.pack_source
+            self._pairs = list(zip(names, _exporter(dtype, self._device)(*arrays)))
         return self._pairs
 
     def __getitem__(self, i):
@@ -200,11 +166,11 @@ def export_buckets(
     """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each
     (:class:`ExportBucket`).
 
-    Kernels are transposed back to HF's [out, in] and cast to ``dtype`` (default: as
-    stored). A bucket's arrays are gathered onto ``device`` (default: this process's first
-    device) when the bucket is built, so at most one bucket of gathered weights is alive
-    at a time; its casts and transposes run as one compiled program (compiled once per
-    bucket layout), not one dispatch per array.
+    Arrays keep their (HF) layout and are cast to ``dtype`` (default: as stored). A
+    bucket's arrays are gathered onto ``device`` (default: this process's first device)
+    when the bucket is built, so at most one bucket of gathered weights is alive at a
+    time; its casts run as one compiled program (compiled once per bucket layout), not
+    one dispatch per array.
     """
     device = device or jax.local_devices()[0]
     planned = (
@@ -218,19 +184,16 @@ def export_buckets(
             arrays = [gather(a, device) for a in arrays]  # an all-gather each
         elif any(a.sharding.device_set != {device} for a in arrays):
             arrays = jax.device_put(arrays, device)  # one call (no copy for those there)
-        kernels = tuple(path.endswith(".kernel") for path in paths)
         dt = None if dtype is None else np.dtype(dtype)
-        yield ExportBucket([hf_name(p) for p in paths], arrays, kernels, dt, device)
+        yield ExportBucket(paths, arrays, dt, device)
 
 
 @functools.cache
-def _exporter(kernels: tuple[bool, ...], dtype: np.dtype | None, device: jax.Device):
-    """One jitted program: each array cast to ``dtype`` and, where ``kernels`` says so,
-    transposed, the results on ``device``."""
+def _exporter(dtype: np.dtype | None, device: jax.Device):
+    """One jitted program: each array cast to ``dtype``, the results on ``device``."""
 
     def export(*arrays):
-        cast = [a.astype(dtype or a.dtype) for a in arrays]
-        return [a.T if kernel else a for a, kernel in zip(cast, kernels)]
+        return [a.astype(dtype or a.dtype) for a in arrays]
 
     return jax.jit(export, out_shardings=jax.sharding.SingleDeviceSharding(device))
 

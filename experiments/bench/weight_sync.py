@@ -5,8 +5,8 @@ Prints one JSON object (and writes it to --out), the top ops of each profiled pu
 same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
 
 * ``sync``: per transport, per source backend (torch tensors / jax arrays, the latter
-  exported like the JAX engine does: ``export_buckets`` of the params in its layout,
-  kernels transposed back) and per load path on the servers (``plan``: the workers' load
+  exported like the JAX engine does: ``export_buckets`` of the params, stored in HF's
+  names and layout) and per load path on the servers (``plan``: the workers' load
   plan, ``polyrl.rollout.load_plan``; ``load_weights``: vLLM's per-parameter loaders;
   vLLM-CPU always reloads layer-wise, so on CPU only ``load_weights`` runs) the bytes,
   median seconds over --repeats pushes and GB/s of ``RolloutPool.update_weights``, next
@@ -19,8 +19,8 @@ same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
   engine on this device (``load_plan.bare_vllm_model``): one push of flat buckets through
   ``load_weights`` vs through a learned ``LoadPlanner``, next to a copy of the same bytes.
 * ``export``: the JAX engine's export alone, as (name, array) pairs and packed into flat
-  buckets (the CUDA IPC / NCCL form; ``export_buckets``: kernels transposed back to
-  HF's layout, cast, gathered onto one device, bucket by bucket), what the jax source adds.
+  buckets (the CUDA IPC / NCCL form; ``export_buckets``: cast and gathered onto one
+  device, bucket by bucket, nothing transposed), what the jax source adds.
 * ``goals``: the issue's ratios — the planned CUDA IPC sync from torch over a copy of the
   same bytes (goal <= 3), from JAX over from torch (goal <= 1.5), and load_weights over
   the plan, for the sync and for the load alone.
@@ -76,13 +76,11 @@ def build_model(work: Path, args) -> Path:
 
 def state_dicts(model_dir: Path, device: str, dtype: str):
     """The model's weights as torch tensors on ``device`` and as jax arrays on JAX's first
-    device in the JAX engine's layout (``{nnx_path: array}``, linear kernels [in, out])."""
+    device, as the JAX engine holds them (``{HF name: array}``, HF's layout)."""
     import jax
     import jax.numpy as jnp
     import torch
     from transformers import AutoModelForCausalLM
-
-    from polyrl.backends.jax_pjit.weights import nnx_path
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     # A tied lm_head.weight is the embedding again: vLLM skips it (and vLLM-CPU refuses a
@@ -93,11 +91,8 @@ def state_dicts(model_dir: Path, device: str, dtype: str):
         for k, v in model.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }
-    jax_params = {}
-    for name, t in sd.items():
-        path = nnx_path(name)
-        x = jax.dlpack.from_dlpack(t.T.contiguous() if path.endswith(".kernel") else t)
-        jax_params[path] = jnp.array(x, copy=True)  # JAX owns its copy, as in training
+    # JAX owns its copy, as in training
+    jax_params = {name: jnp.array(jax.dlpack.from_dlpack(t), copy=True) for name, t in sd.items()}
     return {"torch": sd, "jax": jax_params}
 
 
@@ -201,10 +196,10 @@ def bench_sync(
 
 def bench_export(jax_params: dict, bucket_bytes: int, repeats: int) -> dict:
     """The JAX engine's export alone, median of ``repeats`` after a warm-up, two ways:
-    ``seconds``: the buckets' ``(name, array)`` pairs (``export_buckets``: kernels
-    transposed back, cast, gathered onto one device; what the object store sends);
-    ``packed_seconds``: each bucket packed into its flat buffer (``pack_flat``: one program
-    casts, transposes and writes the bytes; what CUDA IPC and NCCL send)."""
+    ``seconds``: the buckets' ``(name, array)`` pairs (``export_buckets``: cast and
+    gathered onto one device; what the object store sends); ``packed_seconds``: each
+    bucket packed into its flat buffer (``pack_flat``: one program casts and writes the
+    bytes; what CUDA IPC and NCCL send)."""
     import jax
     import torch
 

@@ -28,7 +28,6 @@ from transformers import (  # noqa: E402
 
 from polyrl.backends.jax_pjit.engine import JaxPjitEngine  # noqa: E402
 from polyrl.backends.jax_pjit.models import TransformerConfig, rope_inv_freq  # noqa: E402
-from polyrl.backends.jax_pjit.weights import hf_name, nnx_path  # noqa: E402
 from polyrl.batch import from_token_lists  # noqa: E402
 from polyrl.config import ModelConfig, ParallelConfig  # noqa: E402
 
@@ -258,23 +257,6 @@ def test_reward_scores_match_sequence_classification(tiny_model_dir, tmp_path):
             .numpy()
         )
     np.testing.assert_allclose(out["scores"], want, atol=TOL_TINY)
-
-
-def test_name_table_round_trips_and_transposes_only_linears():
-    assert (
-        nnx_path("model.layers.3.self_attn.q_proj.weight")
-        == "model.layers.3.self_attn.q_proj.kernel"
-    )
-    assert (
-        nnx_path("model.layers.3.self_attn.q_proj.bias") == "model.layers.3.self_attn.q_proj.bias"
-    )
-    assert nnx_path("model.embed_tokens.weight") == "model.embed_tokens.weight"
-    assert (
-        nnx_path("model.layers.0.input_layernorm.weight") == "model.layers.0.input_layernorm.weight"
-    )
-    assert nnx_path("lm_head.weight") == "lm_head.kernel"
-    for name in ("score.weight", "model.norm.weight", "model.layers.1.mlp.down_proj.weight"):
-        assert hf_name(nnx_path(name)) == name
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

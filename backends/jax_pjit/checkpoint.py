@@ -52,10 +52,23 @@ def abstract_like(state: Any) -> Any:
 def restore_state(path: str | os.PathLike, target: Any) -> tuple[Any, dict[str, Any]]:
     """Read the tree :func:`save_state` wrote into ``target``'s shapes and shardings.
 
-    Returns ``(state, info)``. A missing checkpoint raises naming the path.
+    Returns ``(state, info)``. A missing checkpoint, or one whose linear layers are in
+    the layout of polyrl before HF's [out, in] (``.kernel`` [in, out]), raises naming the
+    path.
     """
     info = read_info(path)
-    return _ocp().StandardCheckpointer().restore(Path(path).absolute() / "state", target), info
+    root = Path(path).absolute() / "state"
+    ckptr = _ocp().StandardCheckpointer()
+    kernels = [k for k in ckptr.metadata(root).item_metadata["params"] if k.endswith(".kernel")]
+    if kernels:
+        raise ValueError(
+            f"checkpoint {root.parent} stores linear layers as [in, out] `.kernel` arrays "
+            f"(e.g. {kernels[0]}), the layout of polyrl before its JAX backend kept Hugging "
+            "Face's [out, in] `.weight`; this version cannot restore it. Resume it with the "
+            "polyrl version that wrote it, or start afresh from an HF model (a new "
+            "polyrl.RunConfig.run_dir)"
+        )
+    return ckptr.restore(root, target), info
 
 
 def read_info(path: str | os.PathLike) -> dict[str, Any]:

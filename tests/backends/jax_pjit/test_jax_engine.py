@@ -110,6 +110,21 @@ def test_resume_is_exact(tiny_model_dir, tmp_path):
         )
 
 
+def test_checkpoint_with_the_old_kernel_layout_is_refused_naming_it(tiny_model_dir, tmp_path):
+    """A checkpoint from before linear weights were kept [out, in] (``.kernel`` [in, out])
+    is refused with the reason, not a key mismatch from inside orbax."""
+    from polyrl.backends.jax_pjit import checkpoint
+
+    eng = _engine(tiny_model_dir, role="reference", optim=None)
+    linear = lambda k: k.endswith("_proj.weight")  # noqa: E731
+    params = {k: v for k, v in eng.params.items() if not linear(k)}
+    params |= {k.removesuffix("weight") + "kernel": v.T for k, v in eng.params.items() if linear(k)}
+    info = {"step": 0, "mesh": dict(eng.parallel.mesh), **eng._identity()}
+    checkpoint.save_state(tmp_path / "old", {**eng._state(), "params": params}, info)
+    with pytest.raises(ValueError, match=r"stores linear layers as \[in, out\] `\.kernel`"):
+        eng.load(str(tmp_path / "old"))
+
+
 def test_export_loads_in_transformers_with_the_same_log_probs(tiny_model_dir, tmp_path):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

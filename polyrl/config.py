@@ -77,6 +77,10 @@ class ModelConfig:
       sample only the tokenizer's ids when the embedding is padded past it (Qwen2), so
       the trainer's log-softmax must cover the same ids (RolloutPool.sampling_vocab_size).
       None: the whole embedding.
+    compile: torch: ``torch.compile`` each decoder layer (attention stays an eager call)
+      and the LM head's chunk scoring, so a step launches fused kernels instead of one per
+      elementwise op; the first micro-batches of each shape family pay the compile time.
+      JAX: no effect (XLA compiles every step whole).
     """
 
     path: str
@@ -86,6 +90,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
     sampling_vocab_size: int | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _choice("ModelConfig", "role", self.role, ROLES)
@@ -278,6 +283,8 @@ class RunConfig:
     attn_implementation: every engine's ``ModelConfig.attn_implementation`` (torch:
       transformers' name or ``polyrl_varlen``; JAX: ``auto``/``cudnn`` for cuDNN, else
       XLA; docs/backends.md).
+    compile: every engine's ``ModelConfig.compile`` (torch: ``torch.compile`` per decoder
+      layer and LM-head chunk; JAX: no effect).
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
@@ -348,6 +355,7 @@ class RunConfig:
     model_dtype: str = "float32"
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    compile: bool = False
     weight_transport: str = "object_store"
     async_rollout: bool = False
     weight_bucket_mb: float = 64.0

@@ -136,6 +136,7 @@ def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
         dtype=cfg.model_dtype,
         gradient_checkpointing=cfg.gradient_checkpointing,
         attn_implementation=cfg.attn_implementation,
+        compile=cfg.compile,
     )
     optim = {"actor": cfg.optim, "critic": cfg.critic_optim}.get(name)
     return RoleSpec(

@@ -158,10 +158,12 @@ def _check_ids(logits: Array, ids: Array, who: str) -> None:
 
 
 def _take(logp: Array, ids: Array) -> Array:
-    xp = namespace(logp, ids)
-    # torch gathers with int64 only; jax takes any integer ids (int64 exists only with x64)
-    idx = ids if is_jax_array(ids) else xp.astype(ids, xp.int64)
-    return xp.take_along_axis(logp, idx[..., None], axis=-1)[..., 0]
+    if is_torch_array(ids):
+        # gather (int64 ids only), not take_along_dim: that one broadcasts its operands,
+        # which makes torch.compile specialise on every token count (ModelConfig.compile)
+        return logp.gather(-1, ids.long()[..., None])[..., 0]
+    # jax takes any integer ids (int64 exists only with x64)
+    return namespace(logp, ids).take_along_axis(logp, ids[..., None], axis=-1)[..., 0]
 
 
 def _entropy(logp: Array) -> Array:

@@ -39,7 +39,9 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    AttentionInterface.register(NAME, varlen_attention)
+    # Outside torch.compile's graphs (ModelConfig.compile): it reads sequence bounds on
+    # the host and counts kernel_calls, and its kernel is one call either way.
+    AttentionInterface.register(NAME, torch.compiler.disable(varlen_attention))
     AttentionMaskInterface.register(NAME, flash_attention_mask)
 
 

@@ -55,15 +55,18 @@ class ChunkedLMHead(nn.Module):
     """``lm_head`` that scores target tokens chunk by chunk (see module docstring).
 
     ``weight``: the head's [V, E] Parameter (shared with the embedding when tied);
-    ``chunk_tokens``: tokens per chunk (``ParallelConfig.logits_chunk_tokens``).
+    ``chunk_tokens``: tokens per chunk (``ParallelConfig.logits_chunk_tokens``);
+    ``compile``: score each chunk with ``torch.compile`` (``ModelConfig.compile``): the
+    fp32 cast, log-softmax, gather and entropy fuse into a few passes over the logits.
     """
 
-    def __init__(self, head: nn.Linear, chunk_tokens: int):
+    def __init__(self, head: nn.Linear, chunk_tokens: int, compile: bool = False):
         super().__init__()
         if head.bias is not None:
             raise ValueError("ChunkedLMHead: an LM head with a bias is not supported")
         self.weight = head.weight
         self.chunk_tokens = chunk_tokens
+        self._score = torch.compile(_score_chunk, dynamic=True) if compile else _score_chunk
         self._target: _Target | None = None
 
     @contextlib.contextmanager
@@ -94,7 +97,7 @@ class ChunkedLMHead(nn.Module):
             if train:
                 chunks.append(
                     checkpoint(
-                        _score_chunk,
+                        self._score,
                         flat[part],
                         self.weight,
                         ids[part],
@@ -103,14 +106,14 @@ class ChunkedLMHead(nn.Module):
                     )
                 )
             else:
-                chunks.append(_score_chunk(flat[part], self.weight, ids[part], target))
+                chunks.append(self._score(flat[part], self.weight, ids[part], target))
         # A copy, not a view: FSDP2 warns that in-place ops on a returned view would skip
         # its pre-backward hook ([B, T, 2] floats: negligible).
         return torch.cat(chunks).reshape(b, t, -1).clone()
 
 
-def install(model: nn.Module, chunk_tokens: int) -> ChunkedLMHead:
+def install(model: nn.Module, chunk_tokens: int, compile: bool = False) -> ChunkedLMHead:
     """Replace ``model``'s output layer by a :class:`ChunkedLMHead` sharing its weight."""
-    head = ChunkedLMHead(model.get_output_embeddings(), chunk_tokens)
+    head = ChunkedLMHead(model.get_output_embeddings(), chunk_tokens, compile)
     model.set_output_embeddings(head)
     return head

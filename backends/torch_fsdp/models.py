@@ -194,7 +194,7 @@ def load_model(
         module = backbone = AutoModelForCausalLM.from_pretrained(
             cfg.path, dtype=master_dtype, attn_implementation=cfg.attn_implementation
         )
-        lm_head.install(module, logits_chunk_tokens)
+        lm_head.install(module, logits_chunk_tokens, cfg.compile)
     backbone.config.use_cache = False
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks (re-gathers the layer).
@@ -204,7 +204,26 @@ def load_model(
     if not cfg.trainable:
         module.requires_grad_(False)
     layers = set(getattr(backbone, "_no_split_modules", None) or ())
+    if cfg.compile:
+        _compile_layers(module, layers)
     return LoadedModel(module, layers, backbone.config)
+
+
+def _compile_layers(module: nn.Module, layer_names: set[str]) -> None:
+    """``torch.compile`` the ``forward`` of each decoder layer (``ModelConfig.compile``).
+
+    The compiled function replaces the instance's ``forward`` only, so FSDP2's hooks (in
+    ``nn.Module.__call__``) and HF's activation checkpointing (the layer's ``__call__``)
+    stay outside it, as in eager mode. ``dynamic=True``: sequence lengths change every
+    micro-batch; parameter shapes stay static, so each layer type compiles once per
+    grad mode. The layers share one compiled code object (same class, same function), so
+    its variants (grad on/off, inputs that need a gradient or not, recomputed under
+    checkpointing) add up per process; the recompile limit leaves room for all of them
+    (past it dynamo would fall back to eager without a word but a log line)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    for m in module.modules():
+        if type(m).__name__ in layer_names:
+            m.forward = torch.compile(m.forward, dynamic=True)
 
 
 def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,13 @@ is ``ModelConfig.attn_implementation`` (torch: ``sdpa``, ``polyrl_varlen``,
 ``flex_attention``; JAX: ``sdpa`` = cuDNN where it applies, else XLA, ``cudnn``, ``xla``),
 ``--pack`` turns on ``ParallelConfig.pack_sequences`` and ``--ragged`` draws each
 sample's prompt length in [P/2, P] and response length in [R/8, R] (a padded batch
-whose padding packing removes; tokens/s and MFU count real tokens only). A suite entry
-may carry them per run: ``BACKEND[:ALLOCATOR][@ATTN][+pack]``, e.g.
+whose padding packing removes; tokens/s and MFU count real tokens only). ``--compile``
+turns on ``ModelConfig.compile`` (torch: ``torch.compile`` per decoder layer and LM-head
+chunk; the warm-up steps absorb the compile time). A suite entry may carry them per run:
+``BACKEND[:ALLOCATOR][@ATTN][+pack][+compile]``, e.g.
 
     python experiments/bench/train_step.py --ragged --suite \
-        torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit@auto+pack,hf_torch ...
+        torch_fsdp,torch_fsdp@polyrl_varlen+pack+compile,jax_pjit,jax_pjit@auto+pack,hf_torch
 
 Under torchrun each rank gets ``--batch / WORLD_SIZE`` samples and the mesh is
 ``fsdp = WORLD_SIZE`` unless ``--mesh`` says otherwise.
@@ -81,6 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="ParallelConfig.max_tokens_per_micro_batch")
     p.add_argument("--attn", default="sdpa", help="ModelConfig.attn_implementation")
     p.add_argument("--pack", action="store_true", help="ParallelConfig.pack_sequences")
+    p.add_argument("--compile", action="store_true", help="ModelConfig.compile")
     p.add_argument("--ragged", action="store_true", help="ragged prompt/response lengths")
     p.add_argument(
         "--logits-chunk", type=int, default=1024, help="ParallelConfig.logits_chunk_tokens"
@@ -281,6 +284,7 @@ def run(args) -> dict:
                     dtype=args.dtype,
                     gradient_checkpointing=args.grad_ckpt,
                     attn_implementation=args.attn,
+                    compile=args.compile,
                 ),
                 OptimConfig(lr=1e-5),
                 ParallelConfig(
@@ -327,6 +331,7 @@ def run(args) -> dict:
         "attn_implementation": args.attn,
         "attention_kernel": attention_kernel(args, engine),
         "pack_sequences": args.pack,
+        "compile": args.compile,
         "ragged": args.ragged,
         "real_tokens": tokens,
         "padded_tokens": int(batch["attention_mask"].size),
@@ -360,14 +365,16 @@ def suite(args, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         shared = os.environ.get("POLYRL_BENCH_DIR", tmp)  # the model is built once
         for entry in args.suite.split(","):
-            name, pack = entry.removesuffix("+pack"), entry.endswith("+pack")
+            name, *flags = entry.split("+")
+            if set(flags) - {"pack", "compile"}:
+                raise SystemExit(f"--suite entry {entry!r}: flags after '+' are pack, compile")
             name, _, attn = name.partition("@")
             name, _, allocator = name.partition(":")
             out = Path(tmp) / f"{len(runs)}.json"
             env = {**os.environ, "POLYRL_BENCH_DIR": shared}
             if allocator:
                 env["XLA_PYTHON_CLIENT_ALLOCATOR"] = allocator
-            extra = ["--attn", attn] * bool(attn) + ["--pack"] * pack
+            extra = ["--attn", attn] * bool(attn) + [f"--{flag}" for flag in flags]
             cmd = [sys.executable, __file__, *child_argv, *extra, "--backend", name]
             cmd += ["--json", str(out)]
             if args.profile:

@@ -8,12 +8,12 @@
 # Sections (each under ~4 minutes on one H200):
 #   tests       the gpu-marked tests, one pytest per file (GPU_TEST_TIMEOUT s each, default
 #               300; some need 2 GPUs), and the torch backend's tests on CUDA
-#   train_step  1.5B shape, 8 x 2048 tokens, bf16, checkpointing: torch_fsdp, jax_pjit (its
-#               default platform allocator and bfc; cuDNN attention, and bfc with XLA's)
-#               and the hand-written HF loop (the limit)
+#   train_step  1.5B shape, 8 x 2048 tokens, bf16, checkpointing: torch_fsdp (eager and
+#               +compile), jax_pjit (its default platform allocator and bfc) and the
+#               hand-written HF loop (the limit)
 #   update_shape train_step.py on the GRPO experiment's update: 0.5B shape, 64 x (128 + 512)
-#               tokens, micro-batches of 16 (torch_fsdp, jax_pjit, the hand loop; not in the
-#               default list)
+#               tokens, micro-batches of 16 (torch_fsdp eager and +compile, jax_pjit, the
+#               hand loop; not in the default list)
 #   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
 #   grpo_jax    the same on the JAX backend, at the experiment's defaults
 #   grpo_split  the torch GRPO step on 2 GPUs: actor + rollout on one, the reference on the
@@ -37,7 +37,8 @@
 #   GRPO_STEPS (steps per GRPO run, default 4; the first is left out of the means),
 #   GIN_EXTRA (one more --gin_param for the GRPO runs, e.g.
 #   "polyrl.RunConfig.attn_implementation = 'auto'"), ASYNC_STEPS (default 6), SUITE (the
-#   train_step section's --suite), ROLLOUT_ARGS (more rollout.py flags, e.g.
+#   train_step / update_shape sections' --suite), SECTION_TIMEOUT (their bound in s, default
+#   420: the +compile entries compile first), ROLLOUT_ARGS (more rollout.py flags, e.g.
 #   "--in-process-engine 0").
 # The GRPO sections also print the peak GPU memory that nvidia-smi saw on their GPUs (every
 # process: the trainer's engines and vLLM alike), sampled every 0.5 s.
@@ -117,7 +118,7 @@ for s in $sections; do
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
     echo "torch_fsdp tests rc=$?" | tee -a "$OUT/summary.txt" ;;
   train_step)
-    timeout 300 python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,jax_pjit,jax_pjit:bfc,jax_pjit:bfc@xla,hf_torch} \
+    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,jax_pjit:bfc,hf_torch} \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
@@ -125,7 +126,7 @@ for s in $sections; do
   update_shape)
     # the GRPO experiment's actor update alone: 0.5B shape, 64 x (128 + 512) tokens in
     # micro-batches of 16, bf16, checkpointing; per backend and the hand loop
-    timeout 300 python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,jax_pjit,hf_torch} \
+    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,hf_torch} \
       --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936 \
       --batch 64 --micro-batch 16 --prompt-len 128 --response-len 512 --dtype bfloat16 --grad-ckpt \
       --steps 3 --warmup 1 --json "$OUT/bench_update_shape.json" --profile "$OUT/prof/update_shape" \

@@ -30,6 +30,7 @@ __all__ = [
     "build_roles",
     "role_problems",
     "tensor_split_problem",
+    "compile_problem",
 ]
 
 # Keys of a pool entry that are not Ray resources.
@@ -196,6 +197,19 @@ def tensor_split_problem(shape: Mapping[str, Any], tensor: int, where: str) -> s
     )
 
 
+def compile_problem(backend: str, compile: bool, tensor: int, where: str) -> str | None:
+    """Why ``ModelConfig.compile`` cannot run with this ``tensor`` axis (None: it can).
+    torch: inductor fails on the tensor-parallel (DTensor) decoder layers (RecursionError
+    while compiling, torch 2.13); JAX compiles everything anyway and ignores the flag."""
+    if backend != "torch_fsdp" or not compile or tensor == 1:
+        return None
+    return (
+        f"{where} tensor={tensor} with ModelConfig.compile=True (RunConfig.compile): "
+        "torch.compile of tensor-parallel decoder layers fails in the torch_fsdp backend; "
+        "set compile=False, or tensor=1 and give the devices to fsdp/data"
+    )
+
+
 def _tensor_problems(name: str, role: RoleSpec, shape: PoolShape) -> list[str]:
     """The role's tensor-parallel group fits in one node and splits its model evenly."""
     from polyrl.checkpoints import model_shape
@@ -209,6 +223,8 @@ def _tensor_problems(name: str, role: RoleSpec, shape: PoolShape) -> list[str]:
             f"{role.pool!r} has {shape.gpus:g} GPUs per node; tensor parallelism stays inside "
             f"a node: set tensor <= {shape.gpus:g} and use fsdp/data across nodes"
         )
+    compiled = compile_problem(role.backend, role.model.compile, tensor, where)
+    out += [compiled] if compiled else []
     try:
         problem = tensor_split_problem(model_shape(role.model.path), tensor, where)
     except (OSError, ValueError):  # no readable config.json: reported by preflight

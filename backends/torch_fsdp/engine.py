@@ -67,10 +67,11 @@ class TorchFSDPEngine:
         master = torch.float32 if model.trainable else compute_dtype
         # First: a bad mesh fails before any weight is read.
         if parallel.mesh["tensor"] > 1:
-            problem = roles.tensor_split_problem(
-                checkpoints.model_shape(models.check_path(model)),
-                parallel.mesh["tensor"],
-                f"{model.role}/ParallelConfig.mesh",
+            where = f"{model.role}/ParallelConfig.mesh"
+            problem = roles.compile_problem(
+                "torch_fsdp", model.compile, parallel.mesh["tensor"], where
+            ) or roles.tensor_split_problem(
+                checkpoints.model_shape(models.check_path(model)), parallel.mesh["tensor"], where
             )
             if problem:
                 raise ValueError(problem)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from polyrl.backends.torch_fsdp import compiling
 from polyrl.tensor import log_probs_and_entropy
 
 __all__ = ["ChunkedLMHead", "install"]
@@ -66,7 +67,7 @@ class ChunkedLMHead(nn.Module):
             raise ValueError("ChunkedLMHead: an LM head with a bias is not supported")
         self.weight = head.weight
         self.chunk_tokens = chunk_tokens
-        self._score = torch.compile(_score_chunk, dynamic=True) if compile else _score_chunk
+        self._score = compiling.compiled(_score_chunk) if compile else _score_chunk
         self._target: _Target | None = None
 
     @contextlib.contextmanager

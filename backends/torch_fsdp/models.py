@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from polyrl.backends.torch_fsdp import attention, lm_head
+from polyrl.backends.torch_fsdp import attention, compiling, lm_head
 from polyrl.config import ModelConfig
 
 __all__ = [
@@ -214,16 +214,11 @@ def _compile_layers(module: nn.Module, layer_names: set[str]) -> None:
 
     The compiled function replaces the instance's ``forward`` only, so FSDP2's hooks (in
     ``nn.Module.__call__``) and HF's activation checkpointing (the layer's ``__call__``)
-    stay outside it, as in eager mode. ``dynamic=True``: sequence lengths change every
-    micro-batch; parameter shapes stay static, so each layer type compiles once per
-    grad mode. The layers share one compiled code object (same class, same function), so
-    its variants (grad on/off, inputs that need a gradient or not, recomputed under
-    checkpointing) add up per process; the recompile limit leaves room for all of them
-    (past it dynamo would fall back to eager without a word but a log line)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    stay outside it, as in eager mode. The layers share one compiled code object (same
+    class, same function), compiled once per variant (``compiling``)."""
     for m in module.modules():
         if type(m).__name__ in layer_names:
-            m.forward = torch.compile(m.forward, dynamic=True)
+            m.forward = compiling.compiled(m.forward)
 
 
 def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,11 @@ CASES = [
      "reference/ParallelConfig.mesh tensor=3: the model's num_attention_heads=4, "
      "num_key_value_heads=2, intermediate_size=256 does not split over 3 tensor-parallel ranks; "
      "set tensor to one of [1, 2]"),
+    ("compile-with-tensor-parallel", GRPO, ["polyrl.RunConfig.compile = True",
+                                            "reference/polyrl.ParallelConfig.mesh = {'tensor': 2}"],
+     "reference/ParallelConfig.mesh tensor=2 with ModelConfig.compile=True (RunConfig.compile): "
+     "torch.compile of tensor-parallel decoder layers fails in the torch_fsdp backend; set "
+     "compile=False, or tensor=1"),
     ("tp-not-dividing-pool", GRPO, [*GPU_POOLS, "polyrl.RolloutConfig.tensor_parallel_size = 3"],
      "RolloutConfig.tensor_parallel_size=3 does not divide pool 'gen' (4 GPUs per node): 4 % 3 = "
      "1 GPUs would idle and a group cannot leave its node; use one of [1, 2, 4]"),

@@ -86,6 +86,16 @@ def test_tensor_axis_must_split_the_heads(tiny_model_dir):
         _init(tiny_model_dir, role="critic", parallel=ParallelConfig(mesh={"tensor": 4}))
 
 
+def test_compile_refuses_tensor_parallelism(tiny_model_dir):
+    """Inductor fails on the tensor-parallel layers: refused before any weight is read."""
+    with pytest.raises(
+        ValueError,
+        match=r"^actor/ParallelConfig.mesh tensor=2 with ModelConfig.compile=True .*set "
+        r"compile=False, or tensor=1",
+    ):
+        _init(tiny_model_dir, compile=True, parallel=ParallelConfig(mesh={"tensor": 2}))
+
+
 def test_value_head_path_without_a_head(tiny_model_dir):
     with pytest.raises(ValueError, match=r"value_head_path=.* has no scalar head.*score.weight"):
         _init(tiny_model_dir, role="critic", value_head_path=str(tiny_model_dir))

@@ -1,0 +1,34 @@
+"""``torch.compile`` as the torch backend uses it (``ModelConfig.compile``): decoder layers
+(``models``) and the LM head's chunk scoring (``lm_head``)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["compiled"]
+
+# The compiled code may call one function for several variants (grad on/off, inputs that
+# need a gradient or not, recomputed under checkpointing; every decoder layer shares one
+# code object): room for all of them, since past the limit dynamo falls back to eager with
+# only a log line.
+RECOMPILE_LIMIT = 32
+
+
+def compiled(fn: Callable) -> Callable:
+    """``fn`` under ``torch.compile(dynamic=True)``: sequence lengths and chunk sizes
+    change every call; parameter shapes stay static (dynamo's default for parameters)."""
+    torch._dynamo.config.recompile_limit = max(
+        torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
+    )
+    # polyrl.tensor resolves torch's namespace through array_api_compat, whose type checks
+    # are lru_cache'd pure functions of the class; dynamo traces through the cache and
+    # says so once per function. Nothing to act on.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Dynamo detected a call to a `functools.lru_cache`-wrapped function at '_helpers",
+        category=UserWarning,
+    )
+    return torch.compile(fn, dynamic=True)

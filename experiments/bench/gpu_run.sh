@@ -38,7 +38,8 @@
 #   GIN_EXTRA (one more --gin_param for the GRPO runs, e.g.
 #   "polyrl.RunConfig.attn_implementation = 'auto'"), ASYNC_STEPS (default 6), SUITE (the
 #   train_step / update_shape sections' --suite), SECTION_TIMEOUT (their bound in s, default
-#   420: the +compile entries compile first), ROLLOUT_ARGS (more rollout.py flags, e.g.
+#   420: the +compile entries compile first), SYNC_BUCKET_MB (the weight_sync section's
+#   bucket size, default 1024: 3 buckets for the 3.1 GB), ROLLOUT_ARGS (more rollout.py flags, e.g.
 #   "--in-process-engine 0").
 # The GRPO sections also print the peak GPU memory that nvidia-smi saw on their GPUs (every
 # process: the trainer's engines and vLLM alike), sampled every 0.5 s.
@@ -151,7 +152,7 @@ for s in $sections; do
   weight_sync)
     timeout 540 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
       --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 --dtype bfloat16 --sections export,sync,load \
-      --bucket-mb 1024 --transports object_store,cuda_ipc \
+      --bucket-mb ${SYNC_BUCKET_MB:-1024} --transports object_store,cuda_ipc \
       --out "$OUT/bench_weight_sync.json" --profile "$OUT/prof/weight_sync" 2> "$OUT/weight_sync.log" \
       | tail -12 | tee -a "$OUT/summary.txt" ;;
   async)

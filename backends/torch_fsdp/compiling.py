@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -17,9 +18,10 @@ __all__ = ["compiled"]
 RECOMPILE_LIMIT = 32
 
 
-def compiled(fn: Callable) -> Callable:
-    """``fn`` under ``torch.compile(dynamic=True)``: sequence lengths and chunk sizes
-    change every call; parameter shapes stay static (dynamo's default for parameters)."""
+@functools.cache
+def _configure_dynamo() -> None:
+    """Process-wide settings, made once (every layer and LM head goes through
+    :func:`compiled`)."""
     torch._dynamo.config.recompile_limit = max(
         torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
     )
@@ -31,4 +33,10 @@ def compiled(fn: Callable) -> Callable:
         message=r"Dynamo detected a call to a `functools.lru_cache`-wrapped function at '_helpers",
         category=UserWarning,
     )
+
+
+def compiled(fn: Callable) -> Callable:
+    """``fn`` under ``torch.compile(dynamic=True)``: sequence lengths and chunk sizes
+    change every call; parameter shapes stay static (dynamo's default for parameters)."""
+    _configure_dynamo()
     return torch.compile(fn, dynamic=True)

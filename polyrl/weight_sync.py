@@ -54,6 +54,7 @@ import functools
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -144,6 +145,8 @@ def _device_of(x: Any):
     """The torch device an array lives on (a jax array's first device, as torch names it)."""
     import torch
 
+    if isinstance(x, torch.Tensor):
+        return x.device
     if _is_jax(x):
         device = next(iter(x.sharding.device_set))
         return torch.device("cuda" if device.platform in ("gpu", "cuda") else "cpu")
@@ -192,19 +195,58 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: A
         return (flat if flat.device == device else flat.to(device)), metas
     tensors = [(name, to_torch(a)) for name, a in bucket]
     device = tensors[0][1].device if device is None else torch.device(device)
-    metas: list[TensorMeta] = []
-    offset = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        metas.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += _aligned(nbytes)
-    flat = (alloc or _empty_bytes)(offset, device)[:offset]
-    # one multi-tensor copy (a launch or two, not one per tensor)
-    torch._foreach_copy_(
-        [flat[off : off + nbytes] for _, _, _, off, nbytes in metas],
-        [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors],
-    )
-    return flat, metas
+    key, metas, nbytes = _layout(tensors)
+    buffer = (alloc or _empty_bytes)(nbytes, device)
+    with torch.no_grad():  # one multi-tensor copy (a launch or two, not one per tensor)
+        torch._foreach_copy_(
+            _views(buffer, key, metas, cache=alloc is not None), [t for _, t in tensors]
+        )
+    return buffer[:nbytes], metas
+
+
+# pack_flat's layouts: (name, dtype, shape) of each tensor -> (metas, bytes), and per buffer
+# that stays (``alloc``'s, e.g. a CUDA IPC slot) the typed views of each layout into it.
+# Both spare a push the Python per tensor; the views go with their buffer (by id, dropped
+# when the buffer is collected).
+_LAYOUTS: dict[tuple, tuple[list[TensorMeta], int]] = {}
+_VIEWS: dict[int, dict[tuple, list[Any]]] = {}
+
+
+def _layout(tensors: Sequence[tuple[str, Any]]) -> tuple[tuple, list[TensorMeta], int]:
+    key = tuple((name, t.dtype, t.shape) for name, t in tensors)
+    found = _LAYOUTS.get(key)
+    if found is None:
+        metas: list[TensorMeta] = []
+        offset = 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            dtype = str(t.dtype).removeprefix("torch.")
+            metas.append((name, dtype, tuple(t.shape), offset, nbytes))
+            offset += _aligned(nbytes)
+        if len(_LAYOUTS) >= 1024:  # (a model has a few bucket layouts; this bounds odd callers)
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = (metas, offset)
+    return key, *found
+
+
+def _views(buffer: Any, key: tuple, metas: Sequence[TensorMeta], cache: bool) -> list[Any]:
+    """Each tensor's place in ``buffer`` as a view of its dtype and shape (``key``)."""
+    per_layout: dict[tuple, list[Any]] = {}
+    if cache:
+        if id(buffer) not in _VIEWS:
+            weakref.finalize(buffer, _VIEWS.pop, id(buffer), None)
+        per_layout = _VIEWS.setdefault(id(buffer), per_layout)
+    views = per_layout.get(key)
+    if views is None:
+        views = [
+            buffer[off : off + nbytes].view(dtype).view(shape)
+            for (_, dtype, shape), (_, _, _, off, nbytes) in zip(key, metas)
+        ]
+        if cache:
+            if len(per_layout) >= 64:
+                per_layout.clear()
+            per_layout[key] = views
+    return views
 
 
 def _empty_bytes(nbytes: int, device: Any):
@@ -254,12 +296,35 @@ def _jax_packer(dtype: Any, word: int = 1):
     return jax.jit(flat_words)
 
 
-def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
-    """Views into ``flat`` (a uint8 tensor) as ``(name, tensor)`` pairs: no copy."""
-    return [
-        (name, flat[off : off + nbytes].view(_dtype(dtype)).reshape(shape))
-        for name, dtype, shape, off, nbytes in metas
-    ]
+def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> Sequence[tuple[str, Any]]:
+    """Views into ``flat`` (a uint8 tensor) as ``(name, tensor)`` pairs: no copy. The
+    views are made on first use: a planned load (``polyrl.rollout.load_plan``) reads
+    ``flat`` at the offsets it learned and never asks for them."""
+    return _Unpacked(flat, metas)
+
+
+class _Unpacked(Sequence):
+    def __init__(self, flat: Any, metas: Sequence[TensorMeta]):
+        self.flat, self.metas = flat, metas
+        self._pairs: list[tuple[str, Any]] | None = None
+
+    @property
+    def pairs(self) -> list[tuple[str, Any]]:
+        if self._pairs is None:
+            self._pairs = [
+                (name, self.flat[off : off + nbytes].view(_dtype(dtype)).reshape(shape))
+                for name, dtype, shape, off, nbytes in self.metas
+            ]
+        return self._pairs
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return iter(self.pairs)
 
 
 def _as_uint8_numpy(t: Any):
@@ -326,6 +391,12 @@ class SyncStats:
     buckets: int = 0
     seconds: float = 0.0
     servers: int = 0
+    # Where ``seconds`` went in this process: packing and sending buckets (copies into the
+    # flat buffers and waiting for them, host payloads, calls) and waiting for the servers'
+    # acknowledgements; ``started_at``: the push's start, wall clock (time.time()).
+    pack_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    started_at: float = 0.0
     # Object-store transport with retain=True: [(payload ref, metas)] per bucket, what
     # WeightSyncer.replay needs to re-sync a restarted server.
     retained: list[tuple[Any, list[TensorMeta]]] | None = None
@@ -350,6 +421,9 @@ class SyncStats:
             buckets=sum(p.buckets for p in parts),
             seconds=max(p.seconds for p in parts),
             servers=sum(p.servers for p in parts),
+            pack_seconds=max(p.pack_seconds for p in parts),
+            wait_seconds=max(p.wait_seconds for p in parts),
+            started_at=min(p.started_at for p in parts),
             retained=first.retained,
             lost=sorted({i for p in parts for i in p.lost}),
         )
@@ -362,6 +436,8 @@ class SyncStats:
             "tensors": self.tensors,
             "buckets": self.buckets,
             "seconds": self.seconds,
+            "pack_seconds": self.pack_seconds,
+            "wait_seconds": self.wait_seconds,
             "servers": self.servers,
             "gbps": self.gbps,
         }
@@ -443,7 +519,7 @@ class WeightSyncer:
             servers=len(self.servers),
             retained=[] if self.retain else None,
         )
-        start = time.perf_counter()
+        start, stats.started_at = time.perf_counter(), time.time()
         everyone = self.servers
         self._held, self._inflight, self._acked = [], {}, set()
         try:
@@ -455,7 +531,7 @@ class WeightSyncer:
                 try:
                     refs, buf = self._send(bucket, stats)
                     sent = list(zip(self.servers, refs))
-                    self._get_live(pending)  # servers load bucket i-1 while we pack bucket i
+                    self._get_live(pending, stats)  # servers load bucket i-1 while we pack i
                 except Exception as error:  # a member of the broadcast group died?
                     if self.transport != "nccl":
                         raise
@@ -463,14 +539,14 @@ class WeightSyncer:
                     sent, buf = [], None
                 pending, keep = sent, buf
             if self.transport != "nccl":  # finish right behind the last bucket
-                self._get_live(pending + self._on_live("finish_weight_update", version))
+                self._get_live(pending + self._on_live("finish_weight_update", version), stats)
             else:  # the group's last buckets may need resending first (_regroup)
                 try:
-                    self._get_live(pending)
+                    self._get_live(pending, stats)
                 except Exception as error:
                     self._regroup(error)
                 self._held, self._inflight, self._acked = [], {}, set()
-                self._get_live(self._on_live("finish_weight_update", version))
+                self._get_live(self._on_live("finish_weight_update", version), stats)
             del keep
         finally:
             alive = {id(s) for s in self.servers}
@@ -482,10 +558,19 @@ class WeightSyncer:
     def _on_live(self, method: str, *args: Any) -> list[tuple[Any, Any]]:
         return [(s, getattr(s, method).remote(*args)) for s in self.servers]
 
-    def _get_live(self, sent: list[tuple[Any, Any]]) -> None:
+    def _get_live(self, sent: list[tuple[Any, Any]], stats: SyncStats | None = None) -> None:
         """Wait for each (server, ref). With the object store a server that died is
         dropped from the rest of the push (``SyncStats.lost``) instead of failing it;
-        with the broadcast group the error goes to :meth:`_regroup`."""
+        with the broadcast group the error goes to :meth:`_regroup`. The wait counts in
+        ``stats.wait_seconds``."""
+        start = time.perf_counter()
+        try:
+            self._wait_each(sent)
+        finally:
+            if stats is not None:
+                stats.wait_seconds += time.perf_counter() - start
+
+    def _wait_each(self, sent: list[tuple[Any, Any]]) -> None:
         import ray
 
         for server, ref in sent:
@@ -564,6 +649,7 @@ class WeightSyncer:
 
     def _send(self, bucket: Sequence[tuple[str, Any]], stats: SyncStats) -> tuple[list[Any], Any]:
         """Start loading one bucket on every server; returns (ack refs, buffer to keep)."""
+        start = time.perf_counter()
         if self.transport == "object_store":
             refs, buf, metas = self._send_object_store(bucket, stats)
         elif self.transport == "cuda_ipc":
@@ -573,6 +659,7 @@ class WeightSyncer:
         stats.buckets += 1
         stats.tensors += len(metas)
         stats.bytes += sum(m[4] for m in metas)
+        stats.pack_seconds += time.perf_counter() - start
         return refs, buf
 
     def _send_object_store(self, bucket, stats: SyncStats):

@@ -14,7 +14,14 @@ same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
   and ``server_seconds``: what server 0 spent in the last push by part (``begin``,
   ``load`` over every bucket, ``finish``; ``RolloutServer.update_timings``; the table's
   "server s" is their sum): the push's wall time minus it is the calls' latency and
-  this process's own work.
+  this process's own work. The servers generate nothing between pushes, as in the
+  colocated loop, whose push follows the rollout's sleep (which resets the prefix
+  cache): ``prefix_reset`` says whether the last push's begin reset it (~3 ms on an
+  H200 when a generation came before; docs/rollout.md). ``pusher_seconds``: the last
+  push from this process's side (``SyncStats``): ``pack`` (packing and sending the
+  buckets), ``wait`` (for the servers' answers), ``to_begin`` / ``from_finish`` (wall
+  time from the push's start to server 0's begin, and from its finish to the push's
+  end); the table's "pack s" and "wait s".
 * ``load``: the load alone, in this process, on vLLM's model class built outside an
   engine on this device (``load_plan.bare_vllm_model``): one push of flat buckets through
   ``load_weights`` vs through a learned ``LoadPlanner``, next to a copy of the same bytes.
@@ -167,6 +174,7 @@ def bench_sync(
                 gbps = runs[0].bytes / seconds / 1e9
                 # the last push seen from server 0: its own work, the rest is call latency
                 server = ray.get(pool.servers[0].update_timings.remote())
+                last = runs[-1]
                 rows.append(
                     {
                         "transport": transport,
@@ -178,7 +186,20 @@ def bench_sync(
                         "gbps": gbps,
                         "memcpy_gbps": copy,
                         "ratio_to_memcpy": gbps / copy,
-                        "server_seconds": {k: v for k, v in server.items() if k != "buckets"},
+                        "server_seconds": {
+                            k: server[k] for k in ("begin", "load", "finish") if k in server
+                        },
+                        "prefix_reset": bool(server["prefix_reset"]),
+                        # the last push from this side: packing/sending vs waiting, and the
+                        # wall time from its start to server 0's begin, from server 0's
+                        # finish to its end (calls' latency at both ends)
+                        "pusher_seconds": {
+                            "pack": last.pack_seconds,
+                            "wait": last.wait_seconds,
+                            "to_begin": server["began_at"] - last.started_at,
+                            "from_finish": last.started_at + last.seconds - server["finished_at"],
+                            "push": last.seconds,
+                        },
                     }
                 )
                 if profile:
@@ -448,7 +469,7 @@ def table(rows: list[dict], load: dict | None, ratios: dict) -> str:
     """The sync rows, the load alone and the goal ratios as text (the JSON follows it)."""
     head = (
         f"{'transport':<13}{'source':<7}{'load':<13}{'MB':>9}{'seconds':>10}{'GB/s':>9}"
-        f"{'copy GB/s':>11}{'x copy':>8}{'server s':>10}"
+        f"{'copy GB/s':>11}{'x copy':>8}{'server s':>10}{'pack s':>8}{'wait s':>8}"
     )
     lines = [head]
     for r in rows:
@@ -456,6 +477,7 @@ def table(rows: list[dict], load: dict | None, ratios: dict) -> str:
             f"{r['transport']:<13}{r['source']:<7}{r['load']:<13}{r['bytes'] / 1e6:>9.1f}"
             f"{r['seconds']:>10.4f}{r['gbps']:>9.2f}{r['memcpy_gbps']:>11.1f}"
             f"{r['memcpy_gbps'] / r['gbps']:>8.1f}{sum(r['server_seconds'].values()):>10.4f}"
+            f"{r['pusher_seconds']['pack']:>8.4f}{r['pusher_seconds']['wait']:>8.4f}"
         )
     if load and "error" in load:
         lines.append(f"load alone: failed ({load['error']})")

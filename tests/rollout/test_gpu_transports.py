@@ -113,6 +113,7 @@ def test_cuda_ipc_planned_load_matches_load_weights(gpu_ray, padded_model_dir):
     assert push(a, True) == want_a
     stats = ray.get(server.load_plan_stats.remote())[0]
     assert stats["learned"] > 0 and stats["planned"] == 2 * stats["learned"]
+    assert stats["graphed"] == stats["planned"]  # the IPC buffer stays: CUDA graph replays
     assert stats["refused"] == 0 and stats["fallback_tensors"] == 0
     _check(pool, a, device)
     pool.shutdown()

@@ -105,6 +105,7 @@ def test_planned_load_is_bit_identical_to_load_weights(parallel, tiny_model_dir,
     assert planner.stats == {
         "learned": n_buckets,
         "planned": 2 * n_buckets,
+        "graphed": 0,  # (CUDA graphs: persistent CUDA buffers only)
         "fallback_tensors": 0,
         "refused": 0,
     }

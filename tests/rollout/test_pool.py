@@ -96,7 +96,14 @@ def test_seeded_samples_do_not_depend_on_split(pool, ray_session):
     )
 
 
-def test_synced_weights_match_transformers(pool, padded_model_dir):
+def _prefix_resets(pool, ray_session) -> list[float]:
+    return [
+        t["prefix_reset"]
+        for t in ray_session.get([s.update_timings.remote() for s in pool.servers])
+    ]
+
+
+def test_synced_weights_match_transformers(pool, padded_model_dir, ray_session):
     """After a push the servers score and decode like transformers with the new weights,
     including for a prompt longer than one KV block whose cache held old-weight KV."""
     # > one KV block (128 tokens on vLLM-CPU): the prefix cache would reuse that block.
@@ -104,9 +111,14 @@ def test_synced_weights_match_transformers(pool, padded_model_dir):
     greedy = SamplingSpec(temperature=0.0, max_tokens=10, seed=0)
     before = pool.generate(long_prompt, greedy)  # fills the prefix cache
 
+    # Two pushes: the first resets the prefix cache of the server that generated, the
+    # second has nothing to reset; the KV after both must be the second's.
+    push(pool, load_hf(padded_model_dir, seed=7))
+    assert 1.0 in _prefix_resets(pool, ray_session)
     new = load_hf(padded_model_dir, seed=123)
     push(pool, new)
-    assert pool.weight_versions() == [pool.version] * 2 and pool.version >= 1
+    assert _prefix_resets(pool, ray_session) == [0.0, 0.0]
+    assert pool.weight_versions() == [pool.version] * 2 and pool.version >= 2
 
     after = pool.generate(long_prompt, greedy)
     expected = hf_greedy(new, long_prompt["prompt_ids"][0], 10, vocab=58, eos=pool.eos_token_id)

@@ -148,6 +148,36 @@ def test_jax_buckets_pack_on_device_like_torch_buckets(device_arrays):
     assert len(own) == len(flat) and (buffer[len(flat) :] == 7).all()
 
 
+def test_packing_into_a_kept_buffer_writes_each_push_and_layout():
+    """pack_flat into a buffer that stays (a CUDA IPC slot) reuses its views of each layout:
+    every push must still land its own values, a transposed (non-contiguous) tensor
+    row-major, and a second layout or a second buffer its own bytes."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(1)
+    buffers = [torch.zeros(4096, dtype=torch.uint8) for _ in range(2)]
+    for step in range(3):
+        a = rng.standard_normal((6, 4)).astype(np.float32)
+        b = rng.standard_normal((5,)).astype(np.float32)
+        layouts = {
+            "one": [("a", torch.from_numpy(a).T), ("b", torch.from_numpy(b).bfloat16())],
+            "two": [("b", torch.from_numpy(b))],
+        }
+        want = {
+            "one": {
+                "a": np.ascontiguousarray(a.T).tobytes(),
+                "b": b.astype(ml_dtypes.bfloat16).tobytes(),
+            },
+            "two": {"b": b.tobytes()},
+        }
+        for buffer in buffers:
+            for name, bucket in layouts.items():
+                flat, metas = ws.pack_flat(bucket, alloc=lambda n, device, b=buffer: b)
+                assert flat.data_ptr() == buffer.data_ptr()
+                got = {n: _bits(t) for n, t in ws.unpack_flat(flat, metas)}
+                assert got == want[name], (step, name)
+
+
 def test_iter_buckets_groups_by_size_and_keeps_order():
     named = [(f"w{i}", np.zeros(n, dtype=np.float32)) for i, n in enumerate([10, 10, 30, 5, 5])]
     buckets = list(ws.iter_buckets(named, bucket_bytes=80))  # 80 bytes = 20 floats

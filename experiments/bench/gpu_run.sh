@@ -28,7 +28,10 @@
 #               where packing removes padding
 #   attention_tests  the attention kernels' gpu tests alone, one line per test (~2 minutes)
 #   sync_tests  the weight transports' gpu tests alone (CUDA IPC, load plan vs load_weights,
-#               NCCL where 2-3 GPUs), one line per test (~3 minutes; not in the default list)
+#               NCCL where 2-3 GPUs), one line per test (~3 minutes; not in the default list;
+#               SYNC_TESTS = a pytest -k expression)
+#   compile_tests tests/backends/torch_fsdp/test_compile.py on CUDA (torch.compile with Triton;
+#               not in the default list)
 #   scale_tests 2 GPUs: tests/trainer/test_gpu_sync.py's tensor-parallel rollout server and
 #               CUDA IPC from every rank, per backend (~6 minutes; not in the default list;
 #               SCALE_TESTS = another pytest -k expression)
@@ -39,7 +42,9 @@
 #   "polyrl.RunConfig.attn_implementation = 'auto'"), ASYNC_STEPS (default 6), SUITE (the
 #   train_step / update_shape sections' --suite), SECTION_TIMEOUT (their bound in s, default
 #   420: the +compile entries compile first), SYNC_BUCKET_MB (the weight_sync section's
-#   bucket size, default 1024: 3 buckets for the 3.1 GB), ROLLOUT_ARGS (more rollout.py flags, e.g.
+#   bucket size, default 1024: 3 buckets for the 3.1 GB), SYNC_TRANSPORTS (its
+#   --transports, default object_store,cuda_ipc), CKPT (0: the train_step and
+#   update_shape sections run without activation checkpointing; default 1), ROLLOUT_ARGS (more rollout.py flags, e.g.
 #   "--in-process-engine 0").
 # The GRPO sections also print the peak GPU memory that nvidia-smi saw on their GPUs (every
 # process: the trainer's engines and vLLM alike), sampled every 0.5 s.
@@ -48,6 +53,7 @@
 # Needs the offline bundle unpacked (.gpu/remote/unpack.sh; docs/install.md, "GPU machine without network").
 set -u
 sections=${*:-tests train_step grpo_torch grpo_jax rollout weight_sync}
+ckpt=--grad-ckpt; [ "${CKPT:-1}" = 0 ] && ckpt=
 transport=${TRANSPORT:-cuda_ipc}
 source .gpu/remote/env.sh
 export NCCL_NVLS_ENABLE=0
@@ -122,7 +128,7 @@ for s in $sections; do
   train_step)
     timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,jax_pjit:bfc,hf_torch} \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
-      --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt \
+      --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 $ckpt \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
       2> "$OUT/train_step.log" | tee -a "$OUT/summary.txt" ;;
   update_shape)
@@ -130,7 +136,7 @@ for s in $sections; do
     # micro-batches of 16, bf16, checkpointing; per backend and the hand loop
     timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,hf_torch} \
       --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936 \
-      --batch 64 --micro-batch 16 --prompt-len 128 --response-len 512 --dtype bfloat16 --grad-ckpt \
+      --batch 64 --micro-batch 16 --prompt-len 128 --response-len 512 --dtype bfloat16 $ckpt \
       --steps 3 --warmup 1 --json "$OUT/bench_update_shape.json" --profile "$OUT/prof/update_shape" \
       2> "$OUT/update_shape.log" | tee -a "$OUT/summary.txt" ;;
   grpo_torch|grpo_jax|grpo_split)
@@ -153,7 +159,7 @@ for s in $sections; do
   weight_sync)
     timeout 540 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \
       --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 --dtype bfloat16 --sections export,sync,load \
-      --bucket-mb ${SYNC_BUCKET_MB:-1024} --transports object_store,cuda_ipc \
+      --bucket-mb ${SYNC_BUCKET_MB:-1024} --transports ${SYNC_TRANSPORTS:-object_store,cuda_ipc} \
       --out "$OUT/bench_weight_sync.json" --profile "$OUT/prof/weight_sync" 2> "$OUT/weight_sync.log" \
       | tail -12 | tee -a "$OUT/summary.txt" ;;
   async)
@@ -167,8 +173,12 @@ for s in $sections; do
       tests/backends/jax_pjit/test_jax_packing.py 2>&1 | tee "$OUT/attention_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" \
       | tee -a "$OUT/summary.txt" ;;
   sync_tests)
-    timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/rollout/test_gpu_transports.py 2>&1 \
+    timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/rollout/test_gpu_transports.py -k "${SYNC_TESTS:-}" 2>&1 \
       | tee "$OUT/sync_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" \
+      | tee -a "$OUT/summary.txt" ;;
+  compile_tests)
+    timeout 540 python3 -m pytest -v -p no:cacheprovider tests/backends/torch_fsdp/test_compile.py 2>&1 \
+      | tee "$OUT/compile_tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" \
       | tee -a "$OUT/summary.txt" ;;
   scale_tests)
     # 2 GPUs: a rollout server with tensor_parallel_size=2 (object store) and CUDA IPC from

@@ -238,6 +238,7 @@ def hf_torch_step(args, path: Path, batch: Batch):
     ).to(device)
     mask = torch.from_numpy(batch["attention_mask"]).long().to(device)
     model.config.use_cache = False
+    model.train()  # from_pretrained returns eval mode, where HF skips checkpointing
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")

@@ -208,6 +208,16 @@ def _matmul_t(x: jax.Array, w: jax.Array, preferred_element_type: Any = None) ->
     )
 
 
+def _head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
+    """The LM head's logits in fp32: a GEMM in the compute dtype (fp32 accumulation,
+    output rounded to that dtype), then cast — what the torch backend's
+    ``F.linear(...).float()`` and vLLM compute. Its backward casts the fp32 cotangent to
+    the compute dtype and runs bf16 GEMMs; asking the GEMM for fp32 output instead
+    (``preferred_element_type``) makes both backward GEMMs fp32 (TF32 on GPU: the slowest
+    GEMMs of the JAX train step's trace, docs/performance.md)."""
+    return _matmul_t(hidden, weight).astype(jnp.float32)
+
+
 class Linear(nnx.Module):
     """``y = x @ weight.T + bias`` with ``weight`` [out, in] (HF's name and layout)."""
 
@@ -421,8 +431,8 @@ class CausalLM(nnx.Module):
         return self.model.embed_tokens.weight[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [..., E] -> logits [..., V] (fp32 accumulation)."""
-        return _matmul_t(hidden, self.head_weight(), jnp.float32)
+        """hidden [..., E] -> fp32 logits [..., V] (:func:`_head_logits`)."""
+        return _head_logits(hidden, self.head_weight())
 
     def token_scores(
         self,
@@ -450,7 +460,7 @@ class CausalLM(nnx.Module):
 
         @jax.checkpoint
         def chunk(w, x):
-            logits = _matmul_t(x[0], w, jnp.float32) / temperature
+            logits = _head_logits(x[0], w) / temperature
             lp, ent = log_probs_and_entropy(logits, x[1], entropy)
             return lp, ent if entropy else jnp.zeros_like(lp)
 

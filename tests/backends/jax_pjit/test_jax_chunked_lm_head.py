@@ -65,3 +65,37 @@ def test_entropy_off_returns_none_and_same_log_probs(engine):
     lp, ent = model.token_scores(hidden, ids, 1.0, entropy=False, vocab=VOCAB, chunk_tokens=3)
     assert ent is None
     np.testing.assert_allclose(lp, _full(model, hidden, ids, 1.0)[0], atol=ATOL)
+
+
+def _dots(jaxpr) -> list:
+    """Every dot_general of ``jaxpr`` and of the jaxprs inside it (lax.map, remat)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn)
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            found += _dots(sub)
+    return found
+
+
+def test_bf16_head_gradients_run_bf16_gemms(tiny_model_dir):
+    """In bf16 the chunked head's forward and backward GEMMs all take bf16 operands, as
+    the torch backend's ``F.linear(...).float()``: an fp32 GEMM output would make the
+    backward GEMMs fp32 (TF32 on GPU, the JAX train step's slowest GEMMs)."""
+    eng = JaxPjitEngine(devices=jax.devices()[:1])
+    eng.init(
+        ModelConfig(str(tiny_model_dir), role="reference", dtype="bfloat16"), None, ParallelConfig()
+    )
+    hidden = jnp.ones((2, 5, eng.config.hidden_size), jnp.bfloat16)
+    ids = jnp.zeros((2, 5), jnp.int32)
+
+    def objective(params, hidden):
+        model = eng._module(params)
+        lp, ent = model.token_scores(hidden, ids, 1.0, entropy=True, vocab=VOCAB, chunk_tokens=4)
+        return (lp + ent).sum()
+
+    jaxpr = jax.make_jaxpr(jax.grad(objective, argnums=(0, 1)))(eng.params, hidden).jaxpr
+    dots = _dots(jaxpr)
+    assert len(dots) >= 3  # the forward GEMM and its two transposes (input, weight)
+    operands = [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in dots]
+    assert all(o == ("bfloat16", "bfloat16") for o in operands), operands

@@ -52,9 +52,12 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The whole tensor on ``device`` (an all-gather for a DTensor shard)."""
+    """The whole tensor on ``device`` (an all-gather for a DTensor shard; a DTensor on a
+    mesh of one rank, or replicated, already holds it whole: no collective, no copy)."""
     if isinstance(t, DTensor):
         local = t.to_local()
+        if t.device_mesh.size() == 1 or all(p.is_replicate() for p in t.placements):
+            return local.to(device)
         if local.device != device:  # CPU-offloaded shard on a GPU world: gather on device
             t = DTensor.from_local(
                 local.to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()

@@ -2,8 +2,8 @@
 
 :func:`iter_buckets` gathers one parameter at a time (``DTensor.full_tensor()``, a
 collective every rank joins in the same order; on a one-rank mesh the local tensor is
-already whole) and groups the full tensors into buckets
-of about ``bucket_bytes``, so no rank holds more than one bucket of gathered weights.
+already whole) and groups the full tensors into buckets of about ``bucket_bytes``, so no
+rank holds more than one bucket of gathered weights.
 Names are exactly the keys ``save_pretrained`` writes: ``named_parameters()`` yields a
 tied parameter once, under its first name (``model.embed_tokens.weight``; the tied
 ``lm_head.weight`` is left out, as HF does), plus persistent buffers (non-persistent

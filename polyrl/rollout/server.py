@@ -7,9 +7,9 @@ when a server starts, never when this module is imported (the controller imports
 Weights: the server starts from ``RolloutConfig.model_path`` at weight version 0.
 ``polyrl.weight_sync.WeightSyncer`` drives an update as ``begin_weight_update`` (which
 resets the prefix cache if the server generated since its last reset or sleep: that KV
-was computed with the old weights, and nothing generates until the update ends) -> ``load_bucket*`` per bucket -> ``finish_weight_update(version)``,
-which sets the version. A
-generate call names the version it expects; a server that Ray restarted (back at
+was computed with the old weights, and nothing generates until the update ends) ->
+``load_bucket*`` per bucket -> ``finish_weight_update(version)``, which sets the
+version. A generate call names the version it expects; a server that Ray restarted (back at
 version 0) or that is mid-update refuses it with :class:`StaleWeightsError`, so the
 pool re-syncs it instead of sampling from the wrong policy.
 """

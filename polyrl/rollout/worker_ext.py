@@ -25,11 +25,11 @@ Version-specific part (kept to :func:`_begin`/:func:`_finish`):
   the re-pack, fp32 and bf16 — which GEMM kernel vLLM picks, and whether it keeps a
   packed copy, depends on dtype, shape and CPU ISA — so it stays as a cheap guard.)
 * GPU vLLM (0.26): ``model.load_weights`` copies into the live parameters; begin and
-  finish have nothing to do (the server does not call them there). There each bucket goes through a load plan
-  (``polyrl.rollout.load_plan``): the first bucket of each layout runs ``load_weights``
-  once while the planner records where every byte lands, later ones are a few fused
-  copies out of the flat buffer (from the CUDA IPC buffer, which stays, one CUDA graph
-  replay), with ``load_weights`` kept for any tensor the plan
+  finish have nothing to do (the server does not call them there). There each bucket
+  goes through a load plan (``polyrl.rollout.load_plan``): the first bucket of each
+  layout runs ``load_weights`` once while the planner records where every byte lands,
+  later ones are a few fused copies out of the flat buffer (from the CUDA IPC buffer,
+  which stays, one CUDA graph replay), with ``load_weights`` kept for any tensor the plan
   cannot cover. ``polyrl_set_load_plan(False)`` turns it off (benchmarks compare both).
 
 Payloads (see ``polyrl.weight_sync``): a list of ``(hf_name, torch.Tensor)`` when the

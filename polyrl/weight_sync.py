@@ -73,6 +73,7 @@ __all__ = [
     "replaced_ipc_buffers",
     "to_torch",
     "unpack_flat",
+    "LazyPairs",
 ]
 
 TRANSPORTS = ("object_store", "cuda_ipc", "nccl")
@@ -303,28 +304,41 @@ def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> Sequence[tuple[str, A
     return _Unpacked(flat, metas)
 
 
-class _Unpacked(Sequence):
-    def __init__(self, flat: Any, metas: Sequence[TensorMeta]):
-        self.flat, self.metas = flat, metas
-        self._pairs: list[tuple[str, Any]] | None = None
+class LazyPairs(Sequence):
+    """``(name, array)`` pairs made on first use by :meth:`make`, their count known
+    before (``__len__``): a consumer that never reads them (a planned load, a pack from
+    the source arrays) never pays for them."""
+
+    _pairs: list[tuple[str, Any]] | None = None
+
+    def make(self) -> list[tuple[str, Any]]:
+        raise NotImplementedError
 
     @property
     def pairs(self) -> list[tuple[str, Any]]:
         if self._pairs is None:
-            self._pairs = [
-                (name, self.flat[off : off + nbytes].view(_dtype(dtype)).reshape(shape))
-                for name, dtype, shape, off, nbytes in self.metas
-            ]
+            self._pairs = self.make()
         return self._pairs
-
-    def __len__(self) -> int:
-        return len(self.metas)
 
     def __getitem__(self, i):
         return self.pairs[i]
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return iter(self.pairs)
+
+
+class _Unpacked(LazyPairs):
+    def __init__(self, flat: Any, metas: Sequence[TensorMeta]):
+        self.flat, self.metas = flat, metas
+
+    def make(self) -> list[tuple[str, Any]]:
+        return [
+            (name, self.flat[off : off + nbytes].view(_dtype(dtype)).reshape(shape))
+            for name, dtype, shape, off, nbytes in self.metas
+        ]
+
+    def __len__(self) -> int:
+        return len(self.metas)
 
 
 def _as_uint8_numpy(t: Any):

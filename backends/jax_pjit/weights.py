@@ -17,7 +17,7 @@ import glob
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from polyrl.backends.jax_pjit.distributed import gather
 from polyrl.backends.jax_pjit.models import TransformerConfig
+from polyrl.weight_sync import LazyPairs
 from polyrl.weight_sync import iter_buckets as group_buckets
 
 __all__ = [
@@ -130,7 +131,7 @@ class _Planned(NamedTuple):
     nbytes: int
 
 
-class ExportBucket(Sequence):
+class ExportBucket(LazyPairs):
     """One bucket of :func:`export_buckets`: ``(hf_name, array)`` pairs, made on first
     access by one compiled program (the casts, :func:`_exporter`).
 
@@ -142,16 +143,10 @@ class ExportBucket(Sequence):
     def __init__(self, names: list[str], arrays: list[jax.Array], dtype, device):
         self.pack_source = (names, arrays, dtype)
         self._device = device
-        self._pairs: list[tuple[str, jax.Array]] | None = None
 
-    def _items(self) -> list[tuple[str, jax.Array]]:
-        if self._pairs is None:
-            names, arrays, dtype = self.pack_source
-            self._pairs = list(zip(names, _exporter(dtype, self._device)(*arrays)))
-        return self._pairs
-
-    def __getitem__(self, i):
-        return self._items()[i]
+    def make(self) -> list[tuple[str, jax.Array]]:
+        names, arrays, dtype = self.pack_source
+        return list(zip(names, _exporter(dtype, self._device)(*arrays)))
 
     def __len__(self) -> int:
         return len(self.pack_source[0])

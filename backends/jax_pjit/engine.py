@@ -34,7 +34,7 @@ from flax import nnx
 
 from polyrl import checkpoints, faults, micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
-from polyrl.backends.jax_pjit import attention, checkpoint, distributed, sharding
+from polyrl.backends.jax_pjit import attention, checkpoint, distributed, gpu_memory, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
 from polyrl.backends.jax_pjit.shapes import micro_rows, pack_rows, pad_batch
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
@@ -103,6 +103,7 @@ class JaxPjitEngine:
             )
         self.model_cfg, self.optim, self.parallel = model, optim, parallel
         self.mesh = sharding.make_mesh(parallel, self._devices)
+        gpu_memory.keep(self.mesh.devices.flat)
         self.config = TransformerConfig.from_hf(
             read_hf_config(model.path), where=f"{model.path}/config.json"
         )
@@ -461,7 +462,8 @@ class JaxPjitEngine:
 
     def offload(self) -> None:
         """Move parameters and optimizer state to host memory (pinned host memory where
-        the platform has it, else numpy) and free their device buffers."""
+        the platform has it, else numpy), free their device buffers and hand the memory
+        pool's unused memory back to the GPU (``gpu_memory.release``)."""
         if self._host is not None:
             return
         tree = {"params": self.params, "opt_state": self.opt_state}
@@ -472,9 +474,11 @@ class JaxPjitEngine:
             )
         else:
             self._host = jax.device_get(tree)
+        jax.block_until_ready(self._host)
         for x in jax.tree.leaves(tree):
             x.delete()
         self.params = self.opt_state = None
+        gpu_memory.release(self.mesh.devices.flat)
 
     def reload(self) -> None:
         if self._host is None:

@@ -9,7 +9,7 @@
 #   tests       the gpu-marked tests, one pytest per file (GPU_TEST_TIMEOUT s each, default
 #               300; some need 2 GPUs), and the torch backend's tests on CUDA
 #   train_step  1.5B shape, 8 x 2048 tokens, bf16, checkpointing: torch_fsdp (eager and
-#               +compile), jax_pjit (its default platform allocator and bfc) and the
+#               +compile), jax_pjit (its default allocator, cuda_async) and the
 #               hand-written HF loop (the limit)
 #   update_shape train_step.py on the GRPO experiment's update: 0.5B shape, 64 x (128 + 512)
 #               tokens, micro-batches of 16 (torch_fsdp eager and +compile, jax_pjit, the
@@ -126,7 +126,7 @@ for s in $sections; do
     timeout 480 python3 -m pytest -q -x -p no:cacheprovider tests/backends/torch_fsdp > "$OUT/torch_fsdp_tests.log" 2>&1
     echo "torch_fsdp tests rc=$?" | tee -a "$OUT/summary.txt" ;;
   train_step)
-    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,jax_pjit:bfc,hf_torch} \
+    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,hf_torch} \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 $ckpt \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
@@ -189,8 +189,8 @@ for s in $sections; do
   attention|ragged)
     shape="--hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1"
-    runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc@xla,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
-    flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit:bfc,jax_pjit:bfc+pack,hf_torch
+    runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit@xla,jax_pjit,jax_pjit+pack,hf_torch
+    flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
   *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape)" ;;

@@ -23,5 +23,5 @@ def _probe(**env: str) -> str:
 
 
 def test_backend_sets_allocator_defaults_and_user_value_wins():
-    assert _probe() == "false platform"
+    assert _probe() == "false cuda_async"
     assert _probe(XLA_PYTHON_CLIENT_ALLOCATOR="bfc") == "false bfc"

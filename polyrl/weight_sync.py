@@ -10,9 +10,9 @@ its weight version.
 Arrays become torch tensors through DLPack (:func:`to_torch`: zero-copy where the
 array allows it; a jax array sharded over this process's devices is gathered on
 device first; a numpy copy only for what DLPack cannot carry), so buckets from either
-backend take the same path. A bucket of jax arrays is packed into its flat buffer by
-one jitted XLA program on the device and handed to torch by DLPack
-(:func:`pack_flat`): JAX -> CUDA IPC / NCCL buckets never touch the host.
+backend take the same path: :func:`pack_flat` copies a bucket of jax arrays, viewed
+in place, into its flat buffer on the device (casting a JAX export bucket as it goes),
+so JAX -> CUDA IPC / NCCL buckets never touch the host.
 
 Transports (:data:`TRANSPORTS`):
 
@@ -27,7 +27,10 @@ Transports (:data:`TRANSPORTS`):
   ``i`` goes to buffer ``i % 2``, the one the servers finished with), and each worker
   keeps what it opened by the buffer's key, so after the first push a bucket costs the
   copy into the buffer and the load, with no IPC handle made or opened. They cost two
-  buckets of device memory in the pushing process for its lifetime.
+  buckets of device memory in the pushing process for its lifetime. Each buffer has an
+  interprocess CUDA event, recorded once a bucket's copies into it are queued: the
+  workers' copies out of it wait for that event on the GPU, so the pusher sends each
+  bucket without waiting for its copies on the host.
 * ``"nccl"`` — trainer and servers on separate devices (disaggregated): rank 0 of the
   trainer broadcasts each flat bucket to every server worker over one broadcast group
   (trainer rank 0 + every worker of every server), a torch.distributed process group made
@@ -50,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import math
 import os
 import time
 import warnings
@@ -171,32 +174,25 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: A
     ``device`` defaults to the first tensor's device; offsets are 256-byte aligned so
     every view is aligned for any dtype. ``alloc(nbytes, device)``, if given, returns
     the uint8 buffer to pack into (it may be longer; the result is its first
-    ``nbytes``), e.g. a persistent CUDA IPC buffer (:func:`_ipc_slot`). A bucket of jax
-    arrays is packed by XLA on the arrays' device (:func:`_pack_jax`: one fused
-    program, sharded arrays gathered on device) and handed over by DLPack, then copied
-    into ``alloc``'s buffer if given (CUDA IPC can share only memory torch allocated).
+    ``nbytes``), e.g. a persistent CUDA IPC buffer (:func:`_ipc_slot`). Jax arrays are
+    read in place by DLPack (:func:`to_torch`; sharded ones gathered on device first); a
+    JAX export bucket (``pack_source``: the arrays before their casts) is cast while it is
+    copied, so its pairs are never made.
     """
+    import numpy as np
     import torch
 
     if not bucket:
         raise ValueError("pack_flat: empty bucket; export_weights must not yield empty buckets")
     source = getattr(bucket, "pack_source", None)  # a JAX export bucket, before its program
-    if source is None and all(_is_jax(a) and a.is_fully_addressable for _, a in bucket):
-        first = bucket[0][1].addressable_shards[0].device
-        source = (
-            [name for name, _ in bucket],
-            [_on_one_device(a, first) for _, a in bucket],
-            None,
-        )
     if source is not None:
-        flat, metas = _pack_jax(*source)
-        device = flat.device if device is None else torch.device(device)
-        if alloc is not None:
-            return alloc(flat.numel(), device)[: flat.numel()].copy_(flat), metas
-        return (flat if flat.device == device else flat.to(device)), metas
-    tensors = [(name, to_torch(a)) for name, a in bucket]
+        names, arrays, dtype = source
+        tensors = [(name, to_torch(a)) for name, a in zip(names, arrays)]
+        cast = None if dtype is None else getattr(torch, np.dtype(dtype).name)
+    else:
+        tensors, cast = [(name, to_torch(a)) for name, a in bucket], None
     device = tensors[0][1].device if device is None else torch.device(device)
-    key, metas, nbytes = _layout(tensors)
+    key, metas, nbytes = _layout(tensors, cast)
     buffer = (alloc or _empty_bytes)(nbytes, device)
     with torch.no_grad():  # one multi-tensor copy (a launch or two, not one per tensor)
         torch._foreach_copy_(
@@ -213,16 +209,19 @@ _LAYOUTS: dict[tuple, tuple[list[TensorMeta], int]] = {}
 _VIEWS: dict[int, dict[tuple, list[Any]]] = {}
 
 
-def _layout(tensors: Sequence[tuple[str, Any]]) -> tuple[tuple, list[TensorMeta], int]:
-    key = tuple((name, t.dtype, t.shape) for name, t in tensors)
+def _layout(
+    tensors: Sequence[tuple[str, Any]], cast: Any = None
+) -> tuple[tuple, list[TensorMeta], int]:
+    """(key, metas, bytes) of packing ``tensors``, each as ``cast`` if given (a torch
+    dtype), else as its own dtype."""
+    key = tuple((name, cast or t.dtype, t.shape) for name, t in tensors)
     found = _LAYOUTS.get(key)
     if found is None:
         metas: list[TensorMeta] = []
         offset = 0
-        for name, t in tensors:
-            nbytes = t.numel() * t.element_size()
-            dtype = str(t.dtype).removeprefix("torch.")
-            metas.append((name, dtype, tuple(t.shape), offset, nbytes))
+        for name, dtype, shape in key:
+            nbytes = math.prod(shape) * dtype.itemsize
+            metas.append((name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
             offset += _aligned(nbytes)
         if len(_LAYOUTS) >= 1024:  # (a model has a few bucket layouts; this bounds odd callers)
             _LAYOUTS.clear()
@@ -254,47 +253,6 @@ def _empty_bytes(nbytes: int, device: Any):
     import torch
 
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _pack_jax(names: Sequence[str], arrays: Sequence[Any], dtype: Any):
-    """:func:`pack_flat` for jax arrays on one device: one jitted program casts each to
-    ``dtype`` (None: as it is) and writes their bytes, 256-byte aligned, into one uint8
-    array there, which torch wraps by DLPack (no copy)."""
-    import numpy as np
-    import torch
-
-    metas: list[TensorMeta] = []
-    offset = 0
-    for name, a in zip(names, arrays):
-        dt = np.dtype(dtype or a.dtype)
-        nbytes = int(a.size) * dt.itemsize
-        metas.append((name, dt.name, tuple(a.shape), offset, nbytes))
-        offset += _aligned(nbytes)
-    # 2-byte words when every size allows (bf16, fp32): XLA moves them far faster than bytes
-    word = 2 if all(m[4] % 2 == 0 for m in metas) else 1
-    flat = _jax_packer(dtype, word)(*arrays)
-    return torch.from_dlpack(flat).view(torch.uint8), metas
-
-
-@functools.cache
-def _jax_packer(dtype: Any, word: int = 1):
-    import jax
-    import jax.numpy as jnp
-
-    unsigned = {1: jnp.uint8, 2: jnp.uint16}[word]
-
-    def flat_words(*arrays):
-        parts = []
-        for a in arrays:
-            a = a.astype(dtype or a.dtype)
-            b = jax.lax.bitcast_convert_type(a.reshape(-1), unsigned).reshape(-1)
-            parts.append(b)
-            padded = _aligned(b.size * word) // word
-            if padded > b.size:
-                parts.append(jnp.zeros(padded - b.size, unsigned))
-        return jnp.concatenate(parts)
-
-    return jax.jit(flat_words)
 
 
 def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> Sequence[tuple[str, Any]]:
@@ -709,9 +667,11 @@ class WeightSyncer:
                 device = torch.device("cuda", ordinal)
                 shared[ordinal] = _ipc_slot(device, parity, flat.numel())
                 shared[ordinal][0][: flat.numel()].copy_(flat)
-        for buffer, _, _ in shared.values():  # the copies land before the workers read them
-            torch.cuda.synchronize(buffer.device)
-        slots = {uuids[o]: (key, handle) for o, (_, key, handle) in shared.items()}
+        # The workers' reads wait on the GPU for the copies (an IPC event recorded after
+        # them), not the host here: the calls below go out while the copies run.
+        for buffer, _, _, ready, _ in shared.values():
+            ready.record(torch.cuda.current_stream(buffer.device))
+        slots = {uuids[o]: (key, handle, ready) for o, (_, key, handle, _, ready) in shared.items()}
         refs = [s.load_bucket_ipc.remote(slots, metas) for s in self.servers]
         return refs, None, metas
 
@@ -820,9 +780,10 @@ def replaced_ipc_buffers(opened: Iterable[str], key: str) -> list[str]:
     return [k for k in opened if k.rsplit("-", 1)[0] == slot or not k.startswith(f"{pid}-")]
 
 
-def _ipc_slot(device: Any, parity: int, nbytes: int) -> tuple[Any, str, Any]:
+def _ipc_slot(device: Any, parity: int, nbytes: int) -> tuple[Any, str, Any, Any, bytes]:
     """This process's persistent IPC buffer ``parity`` on ``device``, at least
-    ``nbytes`` long: (buffer, key, ``reduce_tensor`` handle made once)."""
+    ``nbytes`` long: (buffer, key, its ``reduce_tensor`` handle, an interprocess CUDA
+    event recorded when a bucket is in the buffer, the event's IPC handle), made once."""
     import uuid
 
     import torch
@@ -834,7 +795,9 @@ def _ipc_slot(device: Any, parity: int, nbytes: int) -> tuple[Any, str, Any]:
         _IPC_SLOTS.pop((device.index, parity), None)  # (freed once no worker maps it)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         key = f"{os.getpid()}-{parity}-{uuid.uuid4().hex[:12]}"  # (replaced_ipc_buffers)
-        slot = (buffer, key, reduce_tensor(buffer))
+        ready = torch.cuda.Event(interprocess=True)
+        ready.record(torch.cuda.current_stream(device))  # (made on its device by a record)
+        slot = (buffer, key, reduce_tensor(buffer), ready, ready.ipc_handle())
         _IPC_SLOTS[(device.index, parity)] = slot
     return slot
 

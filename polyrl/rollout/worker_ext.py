@@ -90,10 +90,13 @@ class WeightReceiver:
 
     # ------------------------------------------------------------- CUDA IPC
     def polyrl_load_bucket_ipc(self, slots: dict[str, Any], metas: list) -> int:
-        """Load a bucket shared by CUDA IPC: ``slots[device_uuid]`` is ``(key, handle)`` of
-        the sender's persistent flat uint8 buffer on this worker's GPU (colocated: same
-        device). The buffer is opened once per key and kept: later buckets in it cost no
-        IPC open (``polyrl.weight_sync._ipc_slot``)."""
+        """Load a bucket shared by CUDA IPC: ``slots[device_uuid]`` is ``(key, handle,
+        event handle)`` of the sender's persistent flat uint8 buffer on this worker's GPU
+        (colocated: same device) and of the interprocess event the sender records once the
+        bucket is in it. The copies out of the buffer wait for that event on this GPU's
+        stream (the sender does not wait for its copies on the host). Buffer and event are
+        opened once per key and kept: later buckets cost no IPC open
+        (``polyrl.weight_sync._ipc_slot``)."""
         from polyrl.weight_sync import replaced_ipc_buffers, unpack_flat
 
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
@@ -103,7 +106,7 @@ class WeightReceiver:
                 f"(shared for {sorted(slots)}); IPC needs trainer and rollout colocated "
                 f"on the same GPUs — use transport='nccl' for separate GPUs"
             )
-        key, (rebuild, args) = slots[uuid]
+        key, (rebuild, args), event = slots[uuid]
         opened = self.__dict__.setdefault("polyrl_ipc_buffers", {})
         if key not in opened:
             for old in replaced_ipc_buffers(opened, key):
@@ -112,8 +115,9 @@ class WeightReceiver:
                     self.polyrl_planner.release_graphs()  # they hold the old buffer
             args = list(args)
             args[6] = self.device.index  # the sender's device ordinal may differ from ours
-            opened[key] = rebuild(*args)
-        flat = opened[key]
+            opened[key] = (rebuild(*args), torch.cuda.Event.from_ipc_handle(self.device, event))
+        flat, ready = opened[key]
+        torch.cuda.current_stream(self.device).wait_event(ready)
         weights = unpack_flat(flat, metas)
         _load(self, weights, flat, metas, persistent=True)
         torch.cuda.synchronize(self.device)  # the sender refills the buffer after the ack

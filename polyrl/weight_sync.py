@@ -10,9 +10,9 @@ its weight version.
 Arrays become torch tensors through DLPack (:func:`to_torch`: zero-copy where the
 array allows it; a jax array sharded over this process's devices is gathered on
 device first; a numpy copy only for what DLPack cannot carry), so buckets from either
-backend take the same path: :func:`pack_flat` copies a bucket of jax arrays, viewed
-in place, into its flat buffer on the device (casting a JAX export bucket as it goes),
-so JAX -> CUDA IPC / NCCL buckets never touch the host.
+backend take the same path. A bucket of jax arrays is packed into its flat buffer by
+one jitted XLA program on the device and handed to torch by DLPack
+(:func:`pack_flat`): JAX -> CUDA IPC / NCCL buckets never touch the host.
 
 Transports (:data:`TRANSPORTS`):
 
@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import functools
 import os
 import time
 import warnings
@@ -174,25 +174,32 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: A
     ``device`` defaults to the first tensor's device; offsets are 256-byte aligned so
     every view is aligned for any dtype. ``alloc(nbytes, device)``, if given, returns
     the uint8 buffer to pack into (it may be longer; the result is its first
-    ``nbytes``), e.g. a persistent CUDA IPC buffer (:func:`_ipc_slot`). Jax arrays are
-    read in place by DLPack (:func:`to_torch`; sharded ones gathered on device first); a
-    JAX export bucket (``pack_source``: the arrays before their casts) is cast while it is
-    copied, so its pairs are never made.
+    ``nbytes``), e.g. a persistent CUDA IPC buffer (:func:`_ipc_slot`). A bucket of jax
+    arrays is packed by XLA on the arrays' device (:func:`_pack_jax`: one fused
+    program, sharded arrays gathered on device) and handed over by DLPack, then copied
+    into ``alloc``'s buffer if given (CUDA IPC can share only memory torch allocated).
     """
-    import numpy as np
     import torch
 
     if not bucket:
         raise ValueError("pack_flat: empty bucket; export_weights must not yield empty buckets")
     source = getattr(bucket, "pack_source", None)  # a JAX export bucket, before its program
+    if source is None and all(_is_jax(a) and a.is_fully_addressable for _, a in bucket):
+        first = bucket[0][1].addressable_shards[0].device
+        source = (
+            [name for name, _ in bucket],
+            [_on_one_device(a, first) for _, a in bucket],
+            None,
+        )
     if source is not None:
-        names, arrays, dtype = source
-        tensors = [(name, to_torch(a)) for name, a in zip(names, arrays)]
-        cast = None if dtype is None else getattr(torch, np.dtype(dtype).name)
-    else:
-        tensors, cast = [(name, to_torch(a)) for name, a in bucket], None
+        flat, metas = _pack_jax(*source)
+        device = flat.device if device is None else torch.device(device)
+        if alloc is not None:
+            return alloc(flat.numel(), device)[: flat.numel()].copy_(flat), metas
+        return (flat if flat.device == device else flat.to(device)), metas
+    tensors = [(name, to_torch(a)) for name, a in bucket]
     device = tensors[0][1].device if device is None else torch.device(device)
-    key, metas, nbytes = _layout(tensors, cast)
+    key, metas, nbytes = _layout(tensors)
     buffer = (alloc or _empty_bytes)(nbytes, device)
     with torch.no_grad():  # one multi-tensor copy (a launch or two, not one per tensor)
         torch._foreach_copy_(
@@ -209,19 +216,16 @@ _LAYOUTS: dict[tuple, tuple[list[TensorMeta], int]] = {}
 _VIEWS: dict[int, dict[tuple, list[Any]]] = {}
 
 
-def _layout(
-    tensors: Sequence[tuple[str, Any]], cast: Any = None
-) -> tuple[tuple, list[TensorMeta], int]:
-    """(key, metas, bytes) of packing ``tensors``, each as ``cast`` if given (a torch
-    dtype), else as its own dtype."""
-    key = tuple((name, cast or t.dtype, t.shape) for name, t in tensors)
+def _layout(tensors: Sequence[tuple[str, Any]]) -> tuple[tuple, list[TensorMeta], int]:
+    key = tuple((name, t.dtype, t.shape) for name, t in tensors)
     found = _LAYOUTS.get(key)
     if found is None:
         metas: list[TensorMeta] = []
         offset = 0
-        for name, dtype, shape in key:
-            nbytes = math.prod(shape) * dtype.itemsize
-            metas.append((name, str(dtype).removeprefix("torch."), tuple(shape), offset, nbytes))
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            dtype = str(t.dtype).removeprefix("torch.")
+            metas.append((name, dtype, tuple(t.shape), offset, nbytes))
             offset += _aligned(nbytes)
         if len(_LAYOUTS) >= 1024:  # (a model has a few bucket layouts; this bounds odd callers)
             _LAYOUTS.clear()
@@ -253,6 +257,47 @@ def _empty_bytes(nbytes: int, device: Any):
     import torch
 
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _pack_jax(names: Sequence[str], arrays: Sequence[Any], dtype: Any):
+    """:func:`pack_flat` for jax arrays on one device: one jitted program casts each to
+    ``dtype`` (None: as it is) and writes their bytes, 256-byte aligned, into one uint8
+    array there, which torch wraps by DLPack (no copy)."""
+    import numpy as np
+    import torch
+
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, a in zip(names, arrays):
+        dt = np.dtype(dtype or a.dtype)
+        nbytes = int(a.size) * dt.itemsize
+        metas.append((name, dt.name, tuple(a.shape), offset, nbytes))
+        offset += _aligned(nbytes)
+    # 2-byte words when every size allows (bf16, fp32): XLA moves them far faster than bytes
+    word = 2 if all(m[4] % 2 == 0 for m in metas) else 1
+    flat = _jax_packer(dtype, word)(*arrays)
+    return torch.from_dlpack(flat).view(torch.uint8), metas
+
+
+@functools.cache
+def _jax_packer(dtype: Any, word: int = 1):
+    import jax
+    import jax.numpy as jnp
+
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}[word]
+
+    def flat_words(*arrays):
+        parts = []
+        for a in arrays:
+            a = a.astype(dtype or a.dtype)
+            b = jax.lax.bitcast_convert_type(a.reshape(-1), unsigned).reshape(-1)
+            parts.append(b)
+            padded = _aligned(b.size * word) // word
+            if padded > b.size:
+                parts.append(jnp.zeros(padded - b.size, unsigned))
+        return jnp.concatenate(parts)
+
+    return jax.jit(flat_words)
 
 
 def unpack_flat(flat: Any, metas: Sequence[TensorMeta]) -> Sequence[tuple[str, Any]]:

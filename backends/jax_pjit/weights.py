@@ -136,8 +136,8 @@ class ExportBucket(LazyPairs):
     access by one compiled program (the casts, :func:`_exporter`).
 
     ``pack_source`` is the same bucket before that program: ``(names, arrays on one
-    device, dtype)``. ``polyrl.weight_sync.pack_flat`` packs from it, casting each array
-    as it copies it into the flat buffer (CUDA IPC and NCCL pushes never make the
+    device, dtype)``. ``polyrl.weight_sync.pack_flat`` packs from it with one program
+    that casts and writes the flat bytes at once (CUDA IPC and NCCL pushes never make the
     pairs)."""
 
     def __init__(self, names: list[str], arrays: list[jax.Array], dtype, device):

@@ -64,8 +64,8 @@ def test_to_torch_is_zero_copy_for_torch_and_single_device_jax():
 @pytest.fixture
 def device_arrays(monkeypatch):
     """Forbids weight_sync's numpy path and records the arrays that jax.device_put (the
-    on-device gather) returns, so a test can check a torch tensor aliases one of them:
-    zero-copy from a device buffer, no host round trip."""
+    on-device gather) and the jitted packer return, so a test can check a torch tensor
+    aliases one of them: zero-copy from a device buffer, no host round trip."""
     import jax
 
     made = []
@@ -77,9 +77,17 @@ def device_arrays(monkeypatch):
         made.append(put(*args, **kwargs))
         return made[-1]
 
-    put = jax.device_put
+    def packer(*key):
+        def run(*arrays):
+            made.append(jitted(*key)(*arrays))
+            return made[-1]
+
+        return run
+
+    put, jitted = jax.device_put, ws._jax_packer
     monkeypatch.setattr(ws, "_numpy_to_torch", host)
     monkeypatch.setattr(jax, "device_put", device_put)
+    monkeypatch.setattr(ws, "_jax_packer", packer)
     return made
 
 
@@ -120,12 +128,12 @@ def test_to_torch_gathers_sharded_arrays_on_device(device_arrays):
 
 
 def test_jax_buckets_pack_on_device_like_torch_buckets(device_arrays):
-    """pack_flat of sharded jax arrays (gathered on device, read by DLPack: the fixture
-    forbids numpy) gives the metadata pack_flat gives for torch tensors of the same
-    values, and views with their bytes."""
+    """pack_flat of sharded jax arrays (XLA packs, DLPack hands over) gives the metadata
+    pack_flat gives for torch tensors of the same values, and views with their bytes."""
     arrays, want = _sharded()
     device_arrays.clear()
     flat, metas = ws.pack_flat(arrays)
+    assert _aliases(flat, device_arrays[-1:])  # the packer's output, wrapped by DLPack
     as_torch = {
         "rows": torch.from_numpy(want["rows"]),
         "replicated": torch.from_numpy(want["replicated"]),
@@ -136,10 +144,8 @@ def test_jax_buckets_pack_on_device_like_torch_buckets(device_arrays):
         assert _bits(t) == want[name].tobytes() and t.dtype == as_torch[name].dtype
     buffer = torch.full((len(flat) + 512,), 7, dtype=torch.uint8)
     own = ws.pack_flat(arrays, alloc=lambda n, device: buffer)[0]
-    assert own.data_ptr() == buffer.data_ptr() and len(own) == len(flat)
-    for (_, a), (_, b) in zip(ws.unpack_flat(own, metas), ws.unpack_flat(flat, metas)):
-        assert _bits(a) == _bits(b)
-    assert (buffer[len(flat) :] == 7).all()
+    assert torch.equal(own, flat) and own.data_ptr() == buffer.data_ptr()
+    assert len(own) == len(flat) and (buffer[len(flat) :] == 7).all()
 
 
 def test_packing_into_a_kept_buffer_writes_each_push_and_layout():

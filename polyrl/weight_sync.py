@@ -51,6 +51,7 @@ This module is controller core: torch, jax and ray are imported inside functions
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
@@ -314,8 +315,9 @@ class LazyPairs(Sequence):
 
     _pairs: list[tuple[str, Any]] | None = None
 
+    @abc.abstractmethod
     def make(self) -> list[tuple[str, Any]]:
-        raise NotImplementedError
+        """The pairs, made once."""
 
     @property
     def pairs(self) -> list[tuple[str, Any]]:
@@ -409,8 +411,8 @@ class SyncStats:
     seconds: float = 0.0
     servers: int = 0
     # Where ``seconds`` went in this process: packing and sending buckets (copies into the
-    # flat buffers and waiting for them, host payloads, calls) and waiting for the servers'
-    # acknowledgements; ``started_at``: the push's start, wall clock (time.time()).
+    # flat buffers, host payloads, calls; a CUDA IPC push does not wait for its copies
+    # here) and waiting for the servers' acknowledgements; ``started_at``: the push's start, wall clock (time.time()).
     pack_seconds: float = 0.0
     wait_seconds: float = 0.0
     started_at: float = 0.0

@@ -25,8 +25,11 @@ def _gpu() -> jax.Device:
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
         pytest.skip("needs a CUDA GPU visible to JAX (JAX_PLATFORMS=cuda,cpu)")
-    if os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR") != "cuda_async":
-        pytest.skip("the backend's default allocator (cuda_async) is overridden here")
+    allocator = os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR")
+    assert allocator == "cuda_async", (
+        f"XLA_PYTHON_CLIENT_ALLOCATOR={allocator!r} in this test run: these tests check the "
+        "backend's default (cuda_async); unset it"
+    )
     return gpus[0]
 
 

@@ -128,12 +128,13 @@ def test_to_torch_gathers_sharded_arrays_on_device(device_arrays):
 
 
 def test_jax_buckets_pack_on_device_like_torch_buckets(device_arrays):
-    """pack_flat of sharded jax arrays (XLA packs, DLPack hands over) gives the metadata
-    pack_flat gives for torch tensors of the same values, and views with their bytes."""
+    """pack_flat of sharded jax arrays (XLA packs into a torch buffer it gets by DLPack)
+    gives the metadata pack_flat gives for torch tensors of the same values, and views
+    with their bytes."""
     arrays, want = _sharded()
     device_arrays.clear()
     flat, metas = ws.pack_flat(arrays)
-    assert _aliases(flat, device_arrays[-1:])  # the packer's output, wrapped by DLPack
+    assert len(device_arrays) == 3  # two gathers on device, then the packer: no numpy
     as_torch = {
         "rows": torch.from_numpy(want["rows"]),
         "replicated": torch.from_numpy(want["replicated"]),
@@ -144,8 +145,41 @@ def test_jax_buckets_pack_on_device_like_torch_buckets(device_arrays):
         assert _bits(t) == want[name].tobytes() and t.dtype == as_torch[name].dtype
     buffer = torch.full((len(flat) + 512,), 7, dtype=torch.uint8)
     own = ws.pack_flat(arrays, alloc=lambda n, device: buffer)[0]
-    assert torch.equal(own, flat) and own.data_ptr() == buffer.data_ptr()
-    assert len(own) == len(flat) and (buffer[len(flat) :] == 7).all()
+    assert own.data_ptr() == buffer.data_ptr() and len(own) == len(flat)
+    assert [_bits(t) for _, t in ws.unpack_flat(own, metas)] == [
+        _bits(t) for _, t in ws.unpack_flat(flat, metas)
+    ]
+    assert (buffer[len(flat) :] == 7).all()
+
+
+@pytest.mark.gpu
+def test_jax_pack_writes_straight_into_the_torch_buffer_on_gpu(device_arrays):
+    """On GPU, XLA's pack program writes a JAX bucket into the torch buffer it donates
+    (a CUDA IPC slot, say): its output is that buffer, no copy follows, and the bytes
+    are the arrays' (cast to bf16 where asked)."""
+    import jax
+    import ml_dtypes
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU visible to JAX (JAX_PLATFORMS=cuda,cpu) and torch")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((300, 7)).astype(np.float32)
+    b = rng.standard_normal((5,)).astype(np.float32)
+    bucket = [("a", jax.device_put(a, gpus[0])), ("b", jax.device_put(b, gpus[0]))]
+    buffer = torch.full((16384,), 7, dtype=torch.uint8, device="cuda:0")
+    packed = []
+    for dtype, want in [(None, [a, b]), (np.dtype(ml_dtypes.bfloat16), None)]:
+        device_arrays.clear()
+        names, arrays = ["a", "b"], [x for _, x in bucket]
+        flat, metas = ws._pack_jax(names, arrays, dtype, alloc=lambda n, device: buffer)
+        assert flat.data_ptr() == buffer.data_ptr()
+        assert device_arrays[-1].unsafe_buffer_pointer() == buffer.data_ptr()  # in place
+        want = want or [x.astype(ml_dtypes.bfloat16) for x in (a, b)]
+        got = [_bits(t.cpu()) for _, t in ws.unpack_flat(flat, metas)]
+        assert got == [x.tobytes() for x in want]
+        packed.append(len(flat))
+    assert packed[0] == 8704 and (buffer[packed[0] :] == 7).all()  # the fp32 pack, the longer
 
 
 def test_packing_into_a_kept_buffer_writes_each_push_and_layout():

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from polyrl.backends.torch_fsdp import attention, compiling, lm_head
+from polyrl.backends.torch_fsdp import attention, compiling, lm_head, recompute
 from polyrl.config import ModelConfig
 
 __all__ = [
@@ -196,7 +196,7 @@ def load_model(
         )
         lm_head.install(module, logits_chunk_tokens, cfg.compile)
     backbone.config.use_cache = False
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing and cfg.checkpoint_policy == "full":
         # Non-reentrant checkpointing composes with FSDP2's hooks (re-gathers the layer).
         backbone.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -204,21 +204,26 @@ def load_model(
     if not cfg.trainable:
         module.requires_grad_(False)
     layers = set(getattr(backbone, "_no_split_modules", None) or ())
-    if cfg.compile:
-        _compile_layers(module, layers)
+    selective = cfg.gradient_checkpointing and cfg.checkpoint_policy == "selective"
+    _wrap_layers(module, layers, selective, cfg.compile)
     return LoadedModel(module, layers, backbone.config)
 
 
-def _compile_layers(module: nn.Module, layer_names: set[str]) -> None:
-    """``torch.compile`` the ``forward`` of each decoder layer (``ModelConfig.compile``).
+def _wrap_layers(module: nn.Module, layer_names: set[str], selective: bool, compile: bool):
+    """Wrap the ``forward`` of each decoder layer: selective activation checkpointing
+    (``recompute.selective``), then ``torch.compile`` (``ModelConfig.compile``).
 
-    The compiled function replaces the instance's ``forward`` only, so FSDP2's hooks (in
-    ``nn.Module.__call__``) and HF's activation checkpointing (the layer's ``__call__``)
-    stay outside it, as in eager mode. The layers share one compiled code object (same
-    class, same function), compiled once per variant (``compiling``)."""
+    Only the instance's ``forward`` is replaced, so FSDP2's hooks (in
+    ``nn.Module.__call__``) and HF's full checkpointing (the layer's ``__call__``) stay
+    outside both, as in eager mode; the selective checkpoint sits inside the compiled
+    function, where the compiler applies its policy. The layers share one compiled code
+    object (same class, same function), compiled once per variant (``compiling``)."""
     for m in module.modules():
         if type(m).__name__ in layer_names:
-            m.forward = compiling.compiled(m.forward)
+            if selective:
+                m.forward = recompute.selective(m.forward)
+            if compile:
+                m.forward = compiling.compiled(m.forward)
 
 
 def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -78,7 +78,9 @@ class ModelConfig:
       (docs/backends.md, "Activation checkpointing"): "full" keeps only the layer's
       input and recomputes the whole layer; "selective" keeps the matmul outputs
       (q/k/v/o and MLP projections) and the attention output, and recomputes only the
-      elementwise work (norms, rotary, activation, residual adds).
+      elementwise work (norms, rotary, activation, residual adds). torch with ``compile``:
+      compiled layers already keep that much without checkpointing (inductor's
+      partitioner), so "selective" adds nothing there and "full" is what saves memory.
     attn_implementation: torch: transformers' name (``sdpa``, ``polyrl_varlen``,
       ``flex_attention``, ...); JAX: ``auto`` (cuDNN where it applies, opt-in),
       ``cudnn`` (forced), anything else = XLA (docs/backends.md, "Attention and packing").

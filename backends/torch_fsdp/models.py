@@ -21,6 +21,7 @@ token (the last position with ``attention_mask == 1``), as
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -204,26 +205,27 @@ def load_model(
     if not cfg.trainable:
         module.requires_grad_(False)
     layers = set(getattr(backbone, "_no_split_modules", None) or ())
-    selective = cfg.gradient_checkpointing and cfg.checkpoint_policy == "selective"
-    _wrap_layers(module, layers, selective, cfg.compile)
+    if cfg.gradient_checkpointing and cfg.checkpoint_policy == "selective" and not cfg.compile:
+        _wrap_layers(module, layers, recompute.selective)
+    if cfg.compile:
+        _wrap_layers(module, layers, compiling.compiled)
     return LoadedModel(module, layers, backbone.config)
 
 
-def _wrap_layers(module: nn.Module, layer_names: set[str], selective: bool, compile: bool):
-    """Wrap the ``forward`` of each decoder layer: selective activation checkpointing
-    (``recompute.selective``), then ``torch.compile`` (``ModelConfig.compile``).
+def _wrap_layers(module: nn.Module, layer_names: set[str], wrap: Callable) -> None:
+    """Replace the ``forward`` of each decoder layer by ``wrap(forward)``: selective
+    activation checkpointing (``recompute``) or ``torch.compile`` (``ModelConfig.compile``).
 
     Only the instance's ``forward`` is replaced, so FSDP2's hooks (in
     ``nn.Module.__call__``) and HF's full checkpointing (the layer's ``__call__``) stay
-    outside both, as in eager mode; the selective checkpoint sits inside the compiled
-    function, where the compiler applies its policy. The layers share one compiled code
-    object (same class, same function), compiled once per variant (``compiling``)."""
+    outside, as in eager mode. Compiled layers share one code object (same class, same
+    function), compiled once per variant (``compiling``), and take no selective
+    checkpoint: inductor's partitioner already keeps the matmul outputs and recomputes
+    the pointwise work of each compiled graph, and a checkpoint around the graph break of
+    ``polyrl_varlen`` attention would make dynamo run the whole layer eagerly."""
     for m in module.modules():
         if type(m).__name__ in layer_names:
-            if selective:
-                m.forward = recompute.selective(m.forward)
-            if compile:
-                m.forward = compiling.compiled(m.forward)
+            m.forward = wrap(m.forward)
 
 
 def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,14 @@ around each decoder layer's ``forward``: the outputs of the matmuls (q/k/v/o and
 projections) and of the attention kernel are kept, and only the elementwise work (norms,
 rotary, activation, residual adds) runs again in the backward pass.
 
-The wrapper sits on the instance's ``forward``, under ``nn.Module.__call__``: FSDP2's
-hooks stay outside the checkpointed region, and with ``ModelConfig.compile`` the compiled
-function contains the checkpoint, so the compiler's partitioner applies the policy.
-(A checkpoint *around* a compiled region sees inductor's ``mm.out`` calls, not
-``mm.default``, and would recompute every matmul.)
+The wrapper sits on the instance's ``forward``, under ``nn.Module.__call__``, so FSDP2's
+hooks stay outside the checkpointed region. Compiled layers (``ModelConfig.compile``) take
+no wrapper (``models._wrap_layers``): inductor's partitioner keeps the matmul outputs and
+recomputes the pointwise work of each compiled graph by itself. A checkpoint *around* a
+compiled layer would see inductor's ``mm.out`` calls, not ``mm.default``, keep only the
+attention output and recompute every matmul; one *inside* it is traced into the graph
+(same bytes kept as without it, on the tiny model), unless the layer has a graph break
+(``polyrl_varlen`` attention), which makes dynamo run the whole checkpointed layer eagerly.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 ROLES = ("actor", "critic", "reference", "reward")
 DTYPES = ("float32", "bfloat16", "float16")
+CHECKPOINT_POLICIES = ("full", "selective")
 
 
 def closest(name: object, choices: object) -> str | None:
@@ -70,6 +71,16 @@ class ModelConfig:
     value_head_path: for critic/reward, a checkpoint whose ``score``/``value_head``
       weights initialise the head (e.g. a reward model); None -> zero-initialised head.
     dtype: parameter dtype ("float32" on CPU; "bfloat16" on GPU with fp32 reductions).
+    gradient_checkpointing: activation checkpointing per decoder layer: activations
+      are dropped after the forward pass and recomputed in the backward pass, as
+      ``checkpoint_policy`` says. Memory for compute; never changes results.
+    checkpoint_policy: with ``gradient_checkpointing``, what each decoder layer keeps
+      (docs/backends.md, "Activation checkpointing"): "full" keeps only the layer's
+      input and recomputes the whole layer; "selective" keeps the matmul outputs
+      (q/k/v/o and MLP projections) and the attention output, and recomputes only the
+      elementwise work (norms, rotary, activation, residual adds). torch with ``compile``:
+      compiled layers already keep that much without checkpointing (inductor's
+      partitioner), so "selective" adds nothing there and "full" is what saves memory.
     attn_implementation: torch: transformers' name (``sdpa``, ``polyrl_varlen``,
       ``flex_attention``, ...); JAX: ``auto`` (cuDNN where it applies, opt-in),
       ``cudnn`` (forced), anything else = XLA (docs/backends.md, "Attention and packing").
@@ -88,6 +99,7 @@ class ModelConfig:
     dtype: str = "float32"
     value_head_path: str | None = None
     gradient_checkpointing: bool = False
+    checkpoint_policy: str = "full"
     attn_implementation: str = "sdpa"
     sampling_vocab_size: int | None = None
     compile: bool = False
@@ -95,6 +107,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _choice("ModelConfig", "role", self.role, ROLES)
         _choice("ModelConfig", "dtype", self.dtype, DTYPES)
+        _choice("ModelConfig", "checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
         if self.sampling_vocab_size is not None and self.sampling_vocab_size < 1:
             raise ValueError(
                 f"ModelConfig.sampling_vocab_size={self.sampling_vocab_size} must be >= 1 or None"
@@ -278,8 +291,10 @@ class RunConfig:
       that share it sleep while the trainer works (with RolloutConfig.enable_sleep_mode).
       False: every engine stays resident. None: take turns unless everything fits side
       by side on the GPUs, measured after start-up (``polyrl.residency``).
-    model_dtype / gradient_checkpointing: the trained and reference engines' parameter
-      dtype ("bfloat16" on GPU) and activation checkpointing.
+    model_dtype / gradient_checkpointing / checkpoint_policy: the trained and reference
+      engines' parameter dtype ("bfloat16" on GPU), activation checkpointing and what it
+      keeps ("full": each layer's input only; "selective": also the matmul and attention
+      outputs, recomputing only elementwise work): the ``ModelConfig`` fields.
     attn_implementation: every engine's ``ModelConfig.attn_implementation`` (torch:
       transformers' name or ``polyrl_varlen``; JAX: ``auto``/``cudnn`` for cuDNN, else
       XLA; docs/backends.md).
@@ -354,6 +369,7 @@ class RunConfig:
     offload_colocated: bool | None = None
     model_dtype: str = "float32"
     gradient_checkpointing: bool = False
+    checkpoint_policy: str = "full"
     attn_implementation: str = "sdpa"
     compile: bool = False
     weight_transport: str = "object_store"

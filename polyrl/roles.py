@@ -136,6 +136,7 @@ def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
         role=name,
         dtype=cfg.model_dtype,
         gradient_checkpointing=cfg.gradient_checkpointing,
+        checkpoint_policy=cfg.checkpoint_policy,
         attn_implementation=cfg.attn_implementation,
         compile=cfg.compile,
     )

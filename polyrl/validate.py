@@ -106,10 +106,15 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"SamplingSpec.n={n}: algorithm {spec.name!r} compares samples of the same prompt "
             f"(group baseline), so one sample per prompt gives zero advantages; set n >= 2"
         )
-    from polyrl.config import DTYPES
+    from polyrl.config import CHECKPOINT_POLICIES, DTYPES, did_you_mean
 
     if cfg.model_dtype not in DTYPES:
         out.append(f"RunConfig.model_dtype={cfg.model_dtype!r} is not one of {list(DTYPES)}")
+    if cfg.checkpoint_policy not in CHECKPOINT_POLICIES:
+        out.append(
+            f"RunConfig.checkpoint_policy={cfg.checkpoint_policy!r} is not one of "
+            f"{list(CHECKPOINT_POLICIES)}{did_you_mean(cfg.checkpoint_policy, CHECKPOINT_POLICIES)}"
+        )
     if cfg.epochs < 1 or cfg.total_steps < 1:
         out.append(
             f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1"

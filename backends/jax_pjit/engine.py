@@ -126,7 +126,7 @@ class JaxPjitEngine:
                 with_lm_head=self.with_lm,
                 with_value_head=model.has_value_head,
                 constrain=sharding.ActivationSharding(self.mesh, parallel.rules),
-                remat=model.gradient_checkpointing,
+                remat=model.checkpoint_policy if model.gradient_checkpointing else None,
                 attention=self.attention,
             )
         )

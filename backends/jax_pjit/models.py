@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+from polyrl.backends.jax_pjit import recompute
 from polyrl.backends.jax_pjit.attention import attend
 from polyrl.tensor import log_probs_and_entropy
 
@@ -308,6 +310,7 @@ class Attention(nnx.Module):
             implementation=self.implementation,
             slots=segments[1],
         )
+        out = checkpoint_name(out, recompute.ATTENTION_OUT)
         return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
 
 
@@ -349,7 +352,7 @@ class Backbone(nnx.Module):
         dtype: Any,
         rngs: nnx.Rngs,
         constrain: Constrain,
-        remat: bool,
+        remat: str | None,
         attn: str,
     ):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, rngs)
@@ -371,8 +374,9 @@ class Backbone(nnx.Module):
         segments = (segment_ids.astype(jnp.int32), slots)
         x = self.constrain(self.embed_tokens(input_ids), ("batch", "length", None))
         for layer in self.layers:
-            if self.remat:  # gradient checkpointing: keep only each layer's input
-                x = nnx.remat(lambda lyr, h: lyr(h, cos, sin, segments))(layer, x)
+            if self.remat:  # gradient checkpointing: keep what the policy saves
+                call = lambda lyr, h: lyr(h, cos, sin, segments)  # noqa: E731
+                x = nnx.remat(call, policy=recompute.remat_policy(self.remat))(layer, x)
             else:
                 x = layer(x, cos, sin, segments)
             x = self.constrain(x, ("batch", "length", None))
@@ -384,7 +388,9 @@ class CausalLM(nnx.Module):
     matrix, as HF) and/or ``score``, a ``[1, E]`` value head (HF's
     ``*ForTokenClassification`` / ``*ForSequenceClassification`` name) for critics and
     reward models. ``with_lm_head=False`` builds a critic/reward model without logits.
-    ``attention``: ``xla``, ``cudnn`` or ``auto`` (``attention.resolve``)."""
+    ``attention``: ``xla``, ``cudnn`` or ``auto`` (``attention.resolve``). ``remat``: None
+    (no activation checkpointing) or a ``ModelConfig.checkpoint_policy`` ("full",
+    "selective": ``recompute.remat_policy``), applied to each decoder layer."""
 
     def __init__(
         self,
@@ -395,7 +401,7 @@ class CausalLM(nnx.Module):
         with_lm_head: bool = True,
         with_value_head: bool = False,
         constrain: Constrain | None = None,
-        remat: bool = False,
+        remat: str | None = None,
         attention: str = "xla",
     ):
         constrain = constrain or _no_constraint

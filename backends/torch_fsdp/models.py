@@ -21,12 +21,13 @@ token (the last position with ``attention_mask == 1``), as
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from polyrl.backends.torch_fsdp import attention, compiling, lm_head
+from polyrl.backends.torch_fsdp import attention, compiling, lm_head, recompute
 from polyrl.config import ModelConfig
 
 __all__ = [
@@ -196,7 +197,7 @@ def load_model(
         )
         lm_head.install(module, logits_chunk_tokens, cfg.compile)
     backbone.config.use_cache = False
-    if cfg.gradient_checkpointing:
+    if cfg.gradient_checkpointing and cfg.checkpoint_policy == "full":
         # Non-reentrant checkpointing composes with FSDP2's hooks (re-gathers the layer).
         backbone.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -204,21 +205,27 @@ def load_model(
     if not cfg.trainable:
         module.requires_grad_(False)
     layers = set(getattr(backbone, "_no_split_modules", None) or ())
+    if cfg.gradient_checkpointing and cfg.checkpoint_policy == "selective" and not cfg.compile:
+        _wrap_layers(module, layers, recompute.selective)
     if cfg.compile:
-        _compile_layers(module, layers)
+        _wrap_layers(module, layers, compiling.compiled)
     return LoadedModel(module, layers, backbone.config)
 
 
-def _compile_layers(module: nn.Module, layer_names: set[str]) -> None:
-    """``torch.compile`` the ``forward`` of each decoder layer (``ModelConfig.compile``).
+def _wrap_layers(module: nn.Module, layer_names: set[str], wrap: Callable) -> None:
+    """Replace the ``forward`` of each decoder layer by ``wrap(forward)``: selective
+    activation checkpointing (``recompute``) or ``torch.compile`` (``ModelConfig.compile``).
 
-    The compiled function replaces the instance's ``forward`` only, so FSDP2's hooks (in
-    ``nn.Module.__call__``) and HF's activation checkpointing (the layer's ``__call__``)
-    stay outside it, as in eager mode. The layers share one compiled code object (same
-    class, same function), compiled once per variant (``compiling``)."""
+    Only the instance's ``forward`` is replaced, so FSDP2's hooks (in
+    ``nn.Module.__call__``) and HF's full checkpointing (the layer's ``__call__``) stay
+    outside, as in eager mode. Compiled layers share one code object (same class, same
+    function), compiled once per variant (``compiling``), and take no selective
+    checkpoint: inductor's partitioner already keeps the matmul outputs and recomputes
+    the pointwise work of each compiled graph, and a checkpoint around the graph break of
+    ``polyrl_varlen`` attention would make dynamo run the whole layer eagerly."""
     for m in module.modules():
         if type(m).__name__ in layer_names:
-            m.forward = compiling.compiled(m.forward)
+            m.forward = wrap(m.forward)
 
 
 def _mask(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,12 @@ chunk; the warm-up steps absorb the compile time). A suite entry may carry them 
     python experiments/bench/train_step.py --ragged --suite \
         torch_fsdp,torch_fsdp@polyrl_varlen+pack+compile,jax_pjit,jax_pjit@auto+pack,hf_torch
 
+``--grad-ckpt`` turns on ``ModelConfig.gradient_checkpointing`` and ``--ckpt-policy`` picks
+its ``checkpoint_policy`` (docs/backends.md, "Activation checkpointing"): ``full``
+recomputes each decoder layer, ``selective`` keeps its matmul and attention outputs and
+recomputes the elementwise work (``hf_torch`` passes the same SAC policy to HF's
+``gradient_checkpointing_enable``). The JSON and the suite's table record the policy.
+
 Under torchrun each rank gets ``--batch / WORLD_SIZE`` samples and the mesh is
 ``fsdp = WORLD_SIZE`` unless ``--mesh`` says otherwise.
 """
@@ -100,6 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    p.add_argument(
+        "--ckpt-policy",
+        default="full",
+        choices=["full", "selective"],
+        help="ModelConfig.checkpoint_policy: what --grad-ckpt keeps per layer",
+    )
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--mesh", help='e.g. "data=1,fsdp=2" (default: fsdp = world size)')
     p.add_argument("--json", help="write the result here")
@@ -240,7 +252,12 @@ def hf_torch_step(args, path: Path, batch: Batch):
     model.config.use_cache = False
     model.train()  # from_pretrained returns eval mode, where HF skips checkpointing
     if args.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if args.ckpt_policy == "selective":  # torch's SAC, with the backend's policy
+            from polyrl.backends.torch_fsdp.recompute import selective_contexts
+
+            kwargs["context_fn"] = selective_contexts
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     ids = torch.from_numpy(batch["input_ids"]).long().to(device)
     labels = torch.full_like(ids, -100)  # the loss covers the real response tokens
@@ -284,6 +301,7 @@ def run(args) -> dict:
                     str(path),
                     dtype=args.dtype,
                     gradient_checkpointing=args.grad_ckpt,
+                    checkpoint_policy=args.ckpt_policy,
                     attn_implementation=args.attn,
                     compile=args.compile,
                 ),
@@ -324,6 +342,7 @@ def run(args) -> dict:
         "model": {k: config[k] for k in SHAPE_KEYS},
         "dtype": args.dtype,
         "grad_ckpt": args.grad_ckpt,
+        "ckpt_policy": args.ckpt_policy if args.grad_ckpt else None,
         "batch": args.batch,
         "micro_batch": args.micro_batch,
         "prompt_len": args.prompt_len,
@@ -389,7 +408,7 @@ def suite(args, argv: list[str]) -> dict:
     width = max(14, *(len(r["backend"]) for r in runs))
     lines = [
         f"{'backend':<{width}} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak GiB':>9} "
-        f"{'vs hf_torch':>12}  attention"
+        f"{'vs hf_torch':>12} {'ckpt':>9}  attention"
     ]
     for r in runs:
         if "error" in r:
@@ -400,7 +419,8 @@ def suite(args, argv: list[str]) -> dict:
         peak = r.get("device_peak_gib", r["host_peak_rss_gib"])
         lines.append(
             f"{r['backend']:<{width}} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
-            f"{peak:>9.1f} {vs:>12}  {r.get('attention_kernel', '-')}"
+            f"{peak:>9.1f} {vs:>12} {r.get('ckpt_policy') or '-':>9}  "
+            f"{r.get('attention_kernel', '-')}"
         )
     for r in runs:
         if "profile" in r:

@@ -126,3 +126,26 @@ def test_attention_binding_reaches_every_engine(tmp_path):
     engines = [r for r in roles.values() if r.model is not None]
     assert {r.name for r in engines} == {"actor", "reference"}
     assert {r.model.attn_implementation for r in engines} == {"polyrl_varlen"}
+
+
+def test_checkpoint_bindings_reach_every_engine(tmp_path):
+    cfg, spec = _cfg(
+        tmp_path,
+        "polyrl.RunConfig.gradient_checkpointing = True",
+        "polyrl.RunConfig.checkpoint_policy = 'selective'",
+    )
+    engines = [r.model for r in build_roles(cfg, spec).values() if r.model is not None]
+    assert {(m.gradient_checkpointing, m.checkpoint_policy) for m in engines} == {
+        (True, "selective")
+    }
+
+
+def test_bad_checkpoint_policy_names_field_value_and_choices():
+    from polyrl.config import ModelConfig
+
+    with pytest.raises(
+        ValueError,
+        match=r"ModelConfig\.checkpoint_policy='selectiv' is not one of \['full', 'selective'\]; "
+        r"did you mean 'selective'\?",
+    ):
+        ModelConfig("/models/m", gradient_checkpointing=True, checkpoint_policy="selectiv")

@@ -77,6 +77,9 @@ CASES = [
      "SamplingSpec.top_p=0.0 must be in (0, 1]"),
     ("dtype-typo", GRPO, ["polyrl.RunConfig.model_dtype = 'bf16'"],
      "RunConfig.model_dtype='bf16' is not one of"),
+    ("checkpoint-policy-typo", GRPO, ["polyrl.RunConfig.checkpoint_policy = 'selectiv'"],
+     "RunConfig.checkpoint_policy='selectiv' is not one of ['full', 'selective']; "
+     "did you mean 'selective'?"),
     ("backend-typo", GRPO, ["polyrl.RunConfig.backend = 'pytorch'"],
      "RunConfig.backend='pytorch' is not a registered backend"),
     # pitfall 2: batch arithmetic

@@ -247,12 +247,14 @@ def test_column_of_unknown_length_is_named(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_gradient_checkpointing_changes_memory_not_results(tiny_model_dir):
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_gradient_checkpointing_changes_memory_not_results(tiny_model_dir, policy):
     batch = _rl_batch()
     plain = _engine(tiny_model_dir).train_step(batch, LOSS, entropy=True)
     parallel = ParallelConfig(micro_batch_size=8)
     eng = JaxPjitEngine(devices=jax.devices()[:1])
-    eng.init(ModelConfig(str(tiny_model_dir), gradient_checkpointing=True), OPTIM, parallel)
+    model = ModelConfig(str(tiny_model_dir), gradient_checkpointing=True, checkpoint_policy=policy)
+    eng.init(model, OPTIM, parallel)
     remat = eng.train_step(batch, LOSS, entropy=True)
     for key in ("loss", "grad_norm"):  # recompute reorders nothing but fusion: see TOL_MESH
         assert remat[key] == pytest.approx(plain[key], abs=TOL_MESH)

@@ -153,18 +153,24 @@ def test_frozen_reference_cannot_train(tiny_model_dir):
         engine.train_step(random_batch(2), nll_loss)
 
 
-@pytest.mark.parametrize("knob", ["gradient_checkpointing", "cpu_offload"])
+@pytest.mark.parametrize(
+    "knob", ["gradient_checkpointing", "selective_checkpointing", "cpu_offload"]
+)
 def test_memory_knobs_do_not_change_the_update(tiny_model_dir, knob):
-    """Activation checkpointing (recompute) and FSDP CPU offload trade speed for memory
-    and must leave loss, grad norm and weights as they were. (On a CPU world offload
-    moves nothing; this proves the CPUOffloadPolicy path runs and changes no result.)"""
+    """Activation checkpointing (recompute: every layer, or only its elementwise work)
+    and FSDP CPU offload trade speed for memory and must leave loss, grad norm and
+    weights as they were. (On a CPU world offload moves nothing; this proves the
+    CPUOffloadPolicy path runs and changes no result. test_recompute shows what each
+    checkpoint policy keeps.)"""
     batch = random_batch(8, seed=4)
     runs = []
     for on in (False, True):
         engine = get_engine("torch_fsdp")()
         engine.init(
             ModelConfig(
-                str(tiny_model_dir), gradient_checkpointing=on and knob == "gradient_checkpointing"
+                str(tiny_model_dir),
+                gradient_checkpointing=on and knob.endswith("checkpointing"),
+                checkpoint_policy="selective" if knob == "selective_checkpointing" else "full",
             ),
             OptimConfig(lr=1e-3, eps=PARITY_EPS),
             ParallelConfig(micro_batch_size=4, cpu_offload=on and knob == "cpu_offload"),

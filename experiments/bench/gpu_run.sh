@@ -44,7 +44,8 @@
 #   420: the +compile entries compile first), SYNC_BUCKET_MB (the weight_sync section's
 #   bucket size, default 1024: 3 buckets for the 3.1 GB), SYNC_TRANSPORTS (its
 #   --transports, default object_store,cuda_ipc), CKPT (0: the train_step and
-#   update_shape sections run without activation checkpointing; default 1), ROLLOUT_ARGS (more rollout.py flags, e.g.
+#   update_shape sections run without activation checkpointing; default 1), CKPT_POLICY (their
+#   --ckpt-policy: full, the default, or selective), ROLLOUT_ARGS (more rollout.py flags, e.g.
 #   "--in-process-engine 0").
 # The GRPO sections also print the peak GPU memory that nvidia-smi saw on their GPUs (every
 # process: the trainer's engines and vLLM alike), sampled every 0.5 s.
@@ -53,7 +54,7 @@
 # Needs the offline bundle unpacked (.gpu/remote/unpack.sh; docs/install.md, "GPU machine without network").
 set -u
 sections=${*:-tests train_step grpo_torch grpo_jax rollout weight_sync}
-ckpt=--grad-ckpt; [ "${CKPT:-1}" = 0 ] && ckpt=
+ckpt="--grad-ckpt --ckpt-policy ${CKPT_POLICY:-full}"; [ "${CKPT:-1}" = 0 ] && ckpt=
 transport=${TRANSPORT:-cuda_ipc}
 source .gpu/remote/env.sh
 export NCCL_NVLS_ENABLE=0

@@ -173,7 +173,8 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: A
     the :data:`TensorMeta` list that :func:`unpack_flat` reads it back with.
 
     ``device`` defaults to the first tensor's device; offsets are 256-byte aligned so
-    every view is aligned for any dtype. ``alloc(nbytes, device)``, if given, returns
+    every view is aligned for any dtype (the padding is never written: its bytes are
+    whatever the buffer held, and no reader looks at them). ``alloc(nbytes, device)``, if given, returns
     the uint8 buffer to pack into (it may be longer; the result is its first
     ``nbytes``), e.g. a persistent CUDA IPC buffer (:func:`_ipc_slot`). A bucket of jax
     arrays is packed by XLA on the arrays' device (:func:`_pack_jax`: one program,

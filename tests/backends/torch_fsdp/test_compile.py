@@ -40,6 +40,9 @@ def test_compiled_engine_equals_eager(tiny_model_dir, pack):
     # frozen roles in the same process: more variants of the same compiled code
     ref_e = _engine(tiny_model_dir, False, pack, role="reference")
     ref_c = _engine(tiny_model_dir, True, pack, role="reference")
+    # dynamo's caches live on the code objects, shared with earlier tests' engines (whose
+    # graphs would serve these unseen): start empty, so the count below sees this run
+    torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     # hitting the recompile limit would silently run eager code: make it an error
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):

@@ -128,6 +128,9 @@ def test_compiled_selective_engine_equals_eager(tiny_model_dir, pack):
     selective = _engine(
         tiny_model_dir, pack, compile=True, gradient_checkpointing=True, **POLICIES["selective"]
     )
+    # dynamo's caches live on the code objects, shared with earlier tests' engines (whose
+    # graphs would serve this one unseen): start empty, so the count below sees this run
+    torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for seed in range(2):  # batches of different lengths

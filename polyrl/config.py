@@ -302,6 +302,8 @@ class RunConfig:
       layer and LM-head chunk; JAX: no effect).
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
+    weight_bucket_mb: the size of one weight-sync bucket (MiB). None: the transport's
+      (``polyrl.weight_sync.BUCKET_MB``: 1024 for CUDA IPC, 64 otherwise).
     async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
       while the actor trains on step k (``polyrl.async_rollout``; staleness <= 1, logged
       as ``rollout/staleness_mean``). Off: every batch is sampled by the current weights.
@@ -374,7 +376,7 @@ class RunConfig:
     compile: bool = False
     weight_transport: str = "object_store"
     async_rollout: bool = False
-    weight_bucket_mb: float = 64.0
+    weight_bucket_mb: float | None = None
     save_every: int = 0
     keep_checkpoints: int = 2
     max_nonfinite_steps: int = 3

@@ -571,7 +571,9 @@ class RLTrainer(Loop):
 
     @property
     def bucket_bytes(self) -> int:
-        return int(self.cfg.weight_bucket_mb * 2**20)
+        from polyrl.weight_sync import bucket_bytes
+
+        return bucket_bytes(self.cfg.weight_transport, self.cfg.weight_bucket_mb)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         self.syncer.ensure_group(self.actor.form_weight_group)  # again after a server restart

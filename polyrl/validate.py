@@ -163,6 +163,11 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             cfg.rollout.tensor_parallel_size,
             cfg.rollout.in_process_engine,
         )
+        if cfg.weight_bucket_mb is not None and not cfg.weight_bucket_mb > 0:
+            out.append(
+                f"RunConfig.weight_bucket_mb={cfg.weight_bucket_mb} must be > 0 (MiB per weight-sync "
+                f"bucket); leave it unbound (None) for the transport's default"
+            )
     from polyrl.roles import role_names
 
     for role in role_names(cfg, spec):

@@ -64,6 +64,8 @@ from typing import Any
 
 __all__ = [
     "TRANSPORTS",
+    "BUCKET_MB",
+    "bucket_bytes",
     "SyncStats",
     "group_broadcast",
     "ipc_peers",
@@ -81,6 +83,19 @@ __all__ = [
 ]
 
 TRANSPORTS = ("object_store", "cuda_ipc", "nccl")
+
+# Bucket size (MiB) per transport where RunConfig.weight_bucket_mb is None. Each bucket
+# costs a Ray call to every server; a CUDA IPC bucket is one device copy into a buffer
+# kept for the run (two per GPU), so few large ones: a 1.5B model's 3.1 GB in 3 buckets
+# (docs/performance.md "Weight sync"). The object store copies each bucket through host
+# memory and NCCL's servers allocate a receive buffer per bucket: small ones stream.
+BUCKET_MB = {"object_store": 64.0, "cuda_ipc": 1024.0, "nccl": 64.0}
+
+
+def bucket_bytes(transport: str, mb: float | None = None) -> int:
+    """One bucket's bytes: ``mb`` MiB, or :data:`BUCKET_MB` of ``transport`` if None."""
+    return int((BUCKET_MB[transport] if mb is None else mb) * 2**20)
+
 
 # (hf_name, torch dtype name, shape, byte offset in the bucket's flat buffer, nbytes)
 TensorMeta = tuple[str, str, tuple[int, ...], int, int]

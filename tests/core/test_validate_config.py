@@ -106,6 +106,8 @@ CASES = [
     ("model-len-too-short", GRPO, ["polyrl.RolloutConfig.max_model_len = 34",
                                    "polyrl.SamplingSpec.max_tokens = 8"],
      "RolloutConfig.max_model_len=34 is shorter than the prompt limit (32)"),
+    ("bucket-zero", GRPO, ["polyrl.RunConfig.weight_bucket_mb = 0"],
+     "RunConfig.weight_bucket_mb=0 must be > 0 (MiB per weight-sync bucket); leave it unbound"),
     ("truncated-sampling", GRPO, ["polyrl.SamplingSpec.top_p = 0.9"],
      "SamplingSpec.top_p=0.9 / top_k=0: truncated sampling"),
     # pitfall 1: role isolation

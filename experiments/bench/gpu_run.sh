@@ -109,6 +109,16 @@ print(f"peak GPU memory used (nvidia-smi, GPUs {sys.argv[2]}, all processes): "
 PY
   return $rc
 }
+# pack_logs NAME: what a section wrote besides summary.txt and its bench_*.json (logs,
+# traces, memory samples) into $OUT/NAME.logs.tgz: a copy back that takes few files gets
+# every section whole, and a section cut off by a time-out leaves the earlier ones packed.
+pack_logs() {
+  local files
+  files=$(cd "$OUT" && find . -type f ! -name summary.txt ! -name gpu.txt ! -name 'bench_*.json' \
+    ! -name '*.logs.tgz' | sort)
+  [ -n "$files" ] || return 0
+  (cd "$OUT" && tar czf "$1.logs.tgz" $files && rm -f $files && find . -mindepth 1 -type d -empty -delete)
+}
 for s in $sections; do
   echo "=== $s" | tee -a "$OUT/summary.txt"
   case $s in
@@ -196,4 +206,5 @@ for s in $sections; do
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
   *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape)" ;;
   esac
+  pack_logs "$s"
 done

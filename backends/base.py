@@ -216,10 +216,12 @@ class ProcessModel:
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """A registry entry: the engine class (``"module:Class"``, imported lazily, so the
-    core never imports torch or jax) and the backend's process model."""
+    core never imports torch or jax), the backend's process model and the framework whose
+    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``)."""
 
     engine: str
     process: ProcessModel
+    profiler: str
 
 
 # Registered backends. The controller core reads a backend's process model from here
@@ -228,10 +230,12 @@ ENGINES: dict[str, Backend] = {
     "torch_fsdp": Backend(
         "polyrl.backends.torch_fsdp.engine:TorchFSDPEngine",
         ProcessModel("device", "torch.distributed", lambda devices, gpu: {}, _torch_group_env),
+        "torch",
     ),
     "jax_pjit": Backend(
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
         ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env),
+        "jax",
     ),
 }
 

@@ -325,6 +325,10 @@ class RunConfig:
       ``dump_samples`` decoded samples to ``<run_dir>/rollouts.jsonl`` (``polyrl.dumps``).
     timeline: write each phase of each role as spans to ``<run_dir>/timeline.json``
       (Chrome/Perfetto trace, ``polyrl.timeline``).
+    profile_steps: steps (1 = the first) during which every trainer role's worker (actor,
+      reference, critic, reward model) runs under its framework's profiler
+      (``polyrl.profiler``: torch.profiler, jax.profiler); each step's traces go to
+      ``<run_dir>/profile/step_<k>/`` with ``summary.json`` (each worker's top ops).
     debug: ``polyrl.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
       binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
     """
@@ -391,6 +395,7 @@ class RunConfig:
     dump_every: int = 10
     dump_samples: int = 4
     timeline: bool = True
+    profile_steps: tuple[int, ...] = ()
     debug: object = None
 
 

@@ -18,6 +18,7 @@ import abc
 import concurrent.futures
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,6 +55,8 @@ COMPUTE_PHASES = (
     "update_actor",
     "update_critic",
 )
+# The roles whose workers host a TrainEngine (RunConfig.profile_steps records them).
+ENGINE_ROLES = ("actor", "reference", "critic", "reward_model")
 
 
 class Loop(abc.ABC):
@@ -164,7 +167,7 @@ class Loop(abc.ABC):
             if evaluator and self.start_step == 0 and total > 0:
                 tracker.log(0, evaluator.evaluate(0))
             for step in range(self.start_step, total):
-                metrics, done = self.step(step), step + 1
+                metrics, done = self._profiled(step), step + 1
                 if evaluator and (evaluator.due(done) or done == total):
                     metrics |= evaluator.evaluate(done)
                 with reliability.writing(f"the metrics of step {done}"):
@@ -205,6 +208,30 @@ class Loop(abc.ABC):
         plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "summary.png")
         print(phase_summary(rows, COMPUTE_PHASES), flush=True)
         return latest_metrics(rows)
+
+    def _profiled(self, step: int) -> dict[str, float]:
+        """:meth:`step`; where ``step + 1`` is one of ``RunConfig.profile_steps``, with
+        every trainer role's worker recording it under its framework's profiler
+        (``EngineWorker.profile_start``). The traces and ``summary.json`` (each worker's top
+        ops) go to ``<run_dir>/profile/step_<k>/``, each written on its worker's node."""
+        if step + 1 not in self.cfg.profile_steps:
+            return self.step(step)
+        import ray
+
+        out = self.run_dir / "profile" / f"step_{step + 1}"
+        workers = {f"{r}_{i}": w for r, i, w in self.role_workers() if r in ENGINE_ROLES}
+        ray.get([w.profile_start.remote(str(out), name) for name, w in workers.items()])
+        metrics = self.step(step)  # (a failed step abandons the recordings with its workers)
+        got = dict(zip(workers, ray.get([w.profile_stop.remote() for w in workers.values()])))
+        (out / "summary.json").write_text(json.dumps(got, indent=1))
+        first, profile = next(iter(got.items()))
+        top = ", ".join(f"{o['name'][:40]} {100 * o['share']:.1f}%" for o in profile["top"][:3])
+        print(
+            f"[profile] step {step + 1}: {', '.join(got)} traced in {out} (summary.json); "
+            f"{first}: {top}",
+            flush=True,
+        )
+        return metrics
 
     def update(
         self,

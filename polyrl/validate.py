@@ -115,6 +115,15 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"RunConfig.checkpoint_policy={cfg.checkpoint_policy!r} is not one of "
             f"{list(CHECKPOINT_POLICIES)}{did_you_mean(cfg.checkpoint_policy, CHECKPOINT_POLICIES)}"
         )
+    outside = [
+        s for s in cfg.profile_steps if not (isinstance(s, int) and 1 <= s <= cfg.total_steps)
+    ]
+    if outside:
+        out.append(
+            f"RunConfig.profile_steps={list(cfg.profile_steps)}: {outside} are not steps of this "
+            f"run (1 to RunConfig.total_steps={cfg.total_steps}); list steps in that range, e.g. "
+            f"profile_steps = [{min(3, cfg.total_steps)}] (a step after the first compiles)"
+        )
     if cfg.epochs < 1 or cfg.total_steps < 1:
         out.append(
             f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1"

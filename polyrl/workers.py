@@ -146,6 +146,19 @@ class EngineWorker(Traced):
         node = ray.get_runtime_context().get_node_id()
         return {"gpu": f"{node}:{gpu}", "used": used, "total": total}
 
+    def profile_start(self, out_dir: str, name: str) -> None:
+        """Record what this worker runs from now on with its backend's profiler
+        (``polyrl.profiler``; ``RunConfig.profile_steps``) until :meth:`profile_stop`."""
+        from polyrl import profiler
+        from polyrl.backends.base import get_backend
+
+        self.recording = profiler.start(get_backend(self.backend).profiler, out_dir, name)
+
+    def profile_stop(self) -> dict[str, Any]:
+        """End the recording; its trace's path and top ops (``polyrl.profiler.summary``)."""
+        recording, self.recording = self.recording, None
+        return recording.stop()
+
     def ping(self) -> int:
         return os.getpid()
 

@@ -10,7 +10,9 @@ on one H200). The limits to read the compute phases against are measured by
 ``train_step.py`` (training alone) and ``rollout.py`` (vLLM alone on the same rollout);
 writes everything to ``--json``. ``--profile DIR`` keeps the run's ``timeline.json``
 (every phase of every role as spans; ui.perfetto.dev) in DIR and prints each phase's share
-of the measured steps.
+of the measured steps; it also records the last step's trainer workers with their
+framework's profiler (``RunConfig.profile_steps``): their traces go to ``DIR/ops/`` and
+each worker's top ops are printed.
 
     python experiments/bench/grpo_step.py --steps 4                        # tiny, CPU
     python experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \\
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,12 +100,23 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _worker_ops(step_dir: Path, out: Path) -> dict[str, dict]:
+    """The profiled step's traces (``<run_dir>/profile/step_<k>``) copied to ``out/ops``;
+    each worker's summary, its trace path made the copy's."""
+    shutil.copytree(step_dir, out / "ops", dirs_exist_ok=True)
+    found = json.loads((step_dir / "summary.json").read_text())
+    for worker in found.values():
+        worker["trace"] = str(out / "ops" / Path(worker["trace"]).relative_to(step_dir))
+    return found
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         params = [
             *args.gin_param,
+            *([f"polyrl.RunConfig.profile_steps = [{args.steps}]"] if args.profile else []),
             f"polyrl.RunConfig.run_dir = '{run_dir}'",
             f"polyrl.RunConfig.total_steps = {args.steps}",
         ]
@@ -120,22 +134,23 @@ def main(argv=None) -> None:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise SystemExit(f"polyrl train failed (rc={proc.returncode}): {' '.join(cmd)}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        profile = (
-            phase_table(run_dir / "timeline.json", args.profile, args.skip)
-            if args.profile
-            else None
-        )
+        profile, ops = None, {}
+        if args.profile:
+            profile = phase_table(run_dir / "timeline.json", args.profile, args.skip)
+            ops = _worker_ops(run_dir / "profile" / f"step_{args.steps}", Path(args.profile))
     summary = summarise(rows, args.skip)
     text = table(summary)
     if profile is not None:
         text += "\n" + "\n".join(format_top(profile, "phase or worker call (all tracks)"))
+    for name, worker in ops.items():
+        text += "\n" + "\n".join(format_top(worker, f"{name} op, step {args.steps}"))
     print(text)
     result = {
         "gin": gin_files,
         "gin_params": params[:-2],
         **summary,
         "table": text.splitlines(),
-        **({"profile": profile} if profile else {}),
+        **({"profile": profile, "worker_ops": ops} if profile else {}),
         "last_metrics": rows[-1],
     }
     if args.json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import signal
 import sys
@@ -318,6 +319,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     ):
         if Path(args.run_dir, name).exists():
             print(f"{name.split('.')[0]}: {Path(args.run_dir, name)} {what}".rstrip())
+    profiled = Path(args.run_dir, "profile").glob("step_*/summary.json")
+    for summary in sorted(profiled, key=lambda p: int(p.parent.name.removeprefix("step_"))):
+        workers = ", ".join(json.loads(summary.read_text()))
+        print(f"profile: {summary.parent} ({workers}; top ops in summary.json)")
     return 0
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from polyrl.cli import main
 from polyrl.launch import train
 
 GIN = {
@@ -43,4 +44,8 @@ def test_profiled_step_traces_every_trainer_worker(ray_session, tmp_path, backen
     printed = capsys.readouterr().out
     assert f"[profile] step 2: actor_0, reference_0 traced in {out} (summary.json); actor_0: " in (
         printed
+    )
+    assert main(["report", str(run)]) == 0
+    assert f"profile: {out} (actor_0, reference_0; top ops in summary.json)" in (
+        capsys.readouterr().out.splitlines()
     )

@@ -40,6 +40,7 @@ class EngineWorker(Traced):
     def __init__(self, backend: str):
         self.backend, self.rank, self.engine = backend, 0, None
         self.forwards = 0  # forward calls so far (the ``kill_in_forward`` fault counts them)
+        self.recording = None  # a running profiler (profile_start .. profile_stop)
 
     def rendezvous(self) -> tuple[str, int]:
         """This node's address and a free port on it: where the role's group meets."""
@@ -157,6 +158,8 @@ class EngineWorker(Traced):
     def profile_stop(self) -> dict[str, Any]:
         """End the recording; its trace's path and top ops (``polyrl.profiler.summary``)."""
         recording, self.recording = self.recording, None
+        if recording is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: profile_stop without profile_start")
         return recording.stop()
 
     def ping(self) -> int:

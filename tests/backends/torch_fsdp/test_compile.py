@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch_fsdp_helpers import PARITY_EPS, full_weights, nll_loss, random_batch
+from torch_fsdp_helpers import (
+    PARITY_EPS,
+    full_weights,
+    graphs_before_compiling,
+    nll_loss,
+    random_batch,
+)
 
 from polyrl.backends import get_engine
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -40,10 +46,7 @@ def test_compiled_engine_equals_eager(tiny_model_dir, pack):
     # frozen roles in the same process: more variants of the same compiled code
     ref_e = _engine(tiny_model_dir, False, pack, role="reference")
     ref_c = _engine(tiny_model_dir, True, pack, role="reference")
-    # dynamo's caches live on the code objects, shared with earlier tests' engines (whose
-    # graphs would serve these unseen): start empty, so the count below sees this run
-    torch._dynamo.reset()
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = graphs_before_compiling()
     # hitting the recompile limit would silently run eager code: make it an error
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for seed in range(3):  # batches of different lengths

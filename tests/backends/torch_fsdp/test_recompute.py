@@ -14,7 +14,13 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch_fsdp_helpers import PARITY_EPS, full_weights, nll_loss, random_batch
+from torch_fsdp_helpers import (
+    PARITY_EPS,
+    full_weights,
+    graphs_before_compiling,
+    nll_loss,
+    random_batch,
+)
 
 from polyrl.backends import get_engine
 from polyrl.backends.torch_fsdp import models
@@ -128,10 +134,7 @@ def test_compiled_selective_engine_equals_eager(tiny_model_dir, pack):
     selective = _engine(
         tiny_model_dir, pack, compile=True, gradient_checkpointing=True, **POLICIES["selective"]
     )
-    # dynamo's caches live on the code objects, shared with earlier tests' engines (whose
-    # graphs would serve this one unseen): start empty, so the count below sees this run
-    torch._dynamo.reset()
-    graphs = counters["stats"]["unique_graphs"]
+    graphs = graphs_before_compiling()
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for seed in range(2):  # batches of different lengths
             batch = random_batch(9, seed=seed)

@@ -70,6 +70,16 @@ def actor(
     return engine
 
 
+def graphs_before_compiling() -> int:
+    """Empty dynamo's caches and return how many graphs it has compiled so far, for a test
+    to check that its own engines compiled: the caches live on the code objects, shared
+    with earlier tests' engines, whose graphs would otherwise serve these unseen."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    return counters["stats"]["unique_graphs"]
+
+
 def full_weights(engine) -> dict[str, torch.Tensor]:
     """The engine's exported weights as host tensors."""
     return {n: t.cpu().clone() for bucket in engine.export_weights(1 << 20) for n, t in bucket}

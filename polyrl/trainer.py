@@ -223,6 +223,7 @@ class Loop(abc.ABC):
         ray.get([w.profile_start.remote(str(out), name) for name, w in workers.items()])
         metrics = self.step(step)  # (a failed step abandons the recordings with its workers)
         got = dict(zip(workers, ray.get([w.profile_stop.remote() for w in workers.values()])))
+        out.mkdir(parents=True, exist_ok=True)  # (the workers made it on their nodes)
         (out / "summary.json").write_text(json.dumps(got, indent=1))
         first, profile = next(iter(got.items()))
         top = ", ".join(f"{o['name'][:40]} {100 * o['share']:.1f}%" for o in profile["top"][:3])

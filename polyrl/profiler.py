@@ -88,9 +88,7 @@ class Recording:
         with raw.open("rb") as src, gzip.open(trace, "wb") as dst:
             shutil.copyfileobj(src, dst)
         raw.unlink()
-        attr = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        ops = {e.key: getattr(e, attr) / 1e3 for e in self.prof.key_averages()}
-        return summary(trace, wall, ops, outside=True)
+        return summary(trace, wall, _torch_ops(self.prof.key_averages(), self.cuda), outside=True)
 
 
 def summary(trace: Path, wall: float, ms: dict[str, float], outside: bool) -> dict[str, Any]:
@@ -108,6 +106,19 @@ def summary(trace: Path, wall: float, ms: dict[str, float], outside: bool) -> di
     if outside:
         out["outside_share"] = max(0.0, 1 - sum(ms.values()) / 1e3 / wall)
     return out
+
+
+def _torch_ops(averages, cuda: bool) -> dict[str, float]:
+    """Milliseconds by name: on CUDA the device's own events (kernels, copies, memsets), as
+    torch's table totals them (a CPU op's self device time is its kernels' time again, so
+    counting both would count the GPU's work twice); on CPU the ops' self times."""
+    if not cuda:
+        return {e.key: e.self_cpu_time_total / 1e3 for e in averages}
+    from torch.autograd import DeviceType
+
+    return {
+        e.key: e.self_device_time_total / 1e3 for e in averages if e.device_type != DeviceType.CPU
+    }
 
 
 def _jax_ops(trace: Path) -> dict[str, float]:

@@ -56,6 +56,34 @@ def test_torch_profile_names_the_matmul(tmp_path):
         assert any(e.get("name") == "aten::mm" for e in json.load(f)["traceEvents"])
 
 
+def test_cuda_op_times_count_each_kernel_once():
+    """On CUDA a CPU op's self device time is its kernels' time again: the ops table sums
+    to the GPU time that torch's own table totals, not twice that."""
+    import re
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    from polyrl.profiler import _torch_ops
+
+    def event(i, name, start, end, device=DeviceType.CPU):
+        return FunctionEvent(i, name, thread=0, start_us=start, end_us=end, use_device="cuda",
+                             device_type=device, stack=[], input_shapes=[])  # fmt: skip
+
+    mm = event(0, "aten::mm", 0, 100)
+    mm.append_kernel("gemm_kernel", 0, 80)
+    events = EventList(
+        [mm, event(1, "gemm_kernel", 10, 90, DeviceType.CUDA), event(2, "aten::relu", 100, 130)],
+        use_device="cuda",
+    )
+    events._build_tree()
+    averages = events.key_averages()
+    total_us = float(re.search(r"Self CUDA time total: ([\d.]+)us", averages.table())[1])
+    ops = _torch_ops(averages, cuda=True)
+    assert ops == {"gemm_kernel": pytest.approx(0.08)}
+    assert sum(ops.values()) == pytest.approx(total_us / 1e3)
+
+
 def test_jax_profile_writes_a_perfetto_trace(tmp_path):
     import jax
     import jax.numpy as jnp

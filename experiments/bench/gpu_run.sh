@@ -12,8 +12,8 @@
 #               +compile), jax_pjit (its default allocator, cuda_async) and the
 #               hand-written HF loop (the limit)
 #   update_shape train_step.py on the GRPO experiment's update: 0.5B shape, 64 x (128 + 512)
-#               tokens, micro-batches of 16 (torch_fsdp eager and +compile, jax_pjit, the
-#               hand loop; not in the default list)
+#               tokens, micro-batches of UPDATE_MB rows (default 64, the experiment's;
+#               torch_fsdp eager and +compile, jax_pjit, the hand loop; not in the default list)
 #   grpo_torch  gin/experiments/gpu_grpo_0p5b.gin on the torch backend: phase breakdown
 #   grpo_jax    the same on the JAX backend, at the experiment's defaults
 #   grpo_split  the torch GRPO step on 2 GPUs: actor + rollout on one, the reference on the
@@ -37,9 +37,11 @@
 #               SCALE_TESTS = another pytest -k expression)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out),
-#   GRPO_STEPS (steps per GRPO run, default 4; the first is left out of the means),
-#   GIN_EXTRA (one more --gin_param for the GRPO runs, e.g.
-#   "polyrl.RunConfig.attn_implementation = 'auto'"), ASYNC_STEPS (default 6), SUITE (the
+#   GRPO_STEPS (timed steps per GRPO run, default 4; the first is left out of the means, and
+#   one more runs under the profiler),
+#   GIN_EXTRA (more --gin_param bindings for the GRPO runs, separated by ';', e.g.
+#   "polyrl.RunConfig.attn_implementation = 'auto'; actor/polyrl.ParallelConfig.micro_batch_size = 16"),
+#   UPDATE_MB (the update_shape section's micro-batch rows, default 64), ASYNC_STEPS (default 6), SUITE (the
 #   train_step / update_shape sections' --suite), SECTION_TIMEOUT (their bound in s, default
 #   420: the +compile entries compile first), SYNC_BUCKET_MB (the weight_sync section's
 #   bucket size, default 1024: 3 buckets for the 3.1 GB), SYNC_TRANSPORTS (its
@@ -109,15 +111,20 @@ print(f"peak GPU memory used (nvidia-smi, GPUs {sys.argv[2]}, all processes): "
 PY
   return $rc
 }
-# pack_logs NAME: what a section wrote besides summary.txt and its bench_*.json (logs,
-# traces, memory samples) into $OUT/NAME.logs.tgz: a copy back that takes few files gets
-# every section whole, and a section cut off by a time-out leaves the earlier ones packed.
+# pack_logs NAME: what a section wrote besides summary.txt and its bench_*.json into
+# $OUT/NAME.prof.tgz (profiler traces, under prof/) and $OUT/NAME.logs.tgz (logs, memory
+# samples): a copy back that takes few files gets every section whole, the logs come back
+# even when the traces are over the copy's size limit, and a section cut off by a time-out
+# leaves the earlier ones packed.
 pack_logs() {
   local files
-  files=$(cd "$OUT" && find . -type f ! -name summary.txt ! -name gpu.txt ! -name 'bench_*.json' \
-    ! -name '*.logs.tgz' | sort)
-  [ -n "$files" ] || return 0
-  (cd "$OUT" && tar czf "$1.logs.tgz" $files && rm -f $files && find . -mindepth 1 -type d -empty -delete)
+  for kind in prof logs; do
+    files=$(cd "$OUT" && find . -type f ! -name summary.txt ! -name gpu.txt ! -name 'bench_*.json' \
+      ! -name '*.tgz' | { if [ $kind = prof ]; then grep '^./prof/'; else cat; fi; } | sort)
+    [ -n "$files" ] || continue
+    (cd "$OUT" && tar czf "$1.$kind.tgz" $files && rm -f $files)
+  done
+  (cd "$OUT" && find . -mindepth 1 -type d -empty -delete)
 }
 for s in $sections; do
   echo "=== $s" | tee -a "$OUT/summary.txt"
@@ -144,10 +151,10 @@ for s in $sections; do
       2> "$OUT/train_step.log" | tee -a "$OUT/summary.txt" ;;
   update_shape)
     # the GRPO experiment's actor update alone: 0.5B shape, 64 x (128 + 512) tokens in
-    # micro-batches of 16, bf16, checkpointing; per backend and the hand loop
+    # micro-batches of UPDATE_MB rows, bf16, checkpointing; per backend and the hand loop
     timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,hf_torch} \
       --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936 \
-      --batch 64 --micro-batch 16 --prompt-len 128 --response-len 512 --dtype bfloat16 $ckpt \
+      --batch 64 --micro-batch ${UPDATE_MB:-64} --prompt-len 128 --response-len 512 --dtype bfloat16 $ckpt \
       --steps 3 --warmup 1 --json "$OUT/bench_update_shape.json" --profile "$OUT/prof/update_shape" \
       2> "$OUT/update_shape.log" | tee -a "$OUT/summary.txt" ;;
   grpo_torch|grpo_jax|grpo_split)
@@ -155,14 +162,15 @@ for s in $sections; do
     split=()
     [ $s = grpo_split ] && split=(--gin_param 'polyrl.RunConfig.pools = {"a": {"CPU": 6, "GPU": 1}, "b": {"CPU": 6, "GPU": 1}}'
       --gin_param 'polyrl.RunConfig.role_pools = {"actor": "a", "rollout": "a", "reference": "b"}')
-    [ -n "${GIN_EXTRA:-}" ] && split+=(--gin_param "$GIN_EXTRA")
-    steps=${GRPO_STEPS:-4}
-    peak_mem $s timeout $((steps * 60 + 180)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
-      --backend $backend --steps $steps --skip 1 --timeout $((steps * 60 + 160)) \
+    IFS=';' read -ra extra <<< "${GIN_EXTRA:-}"
+    for b in ${extra[@]+"${extra[@]}"}; do split+=(--gin_param "${b#"${b%%[! ]*}"}"); done
+    steps=${GRPO_STEPS:-4}  # and one more, profiled
+    peak_mem $s timeout $((steps * 60 + 240)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
+      --backend $backend --steps $steps --skip 1 --timeout $((steps * 60 + 220)) \
       --gin_param "polyrl.RunConfig.model_path = '$M'" \
       --gin_param "polyrl.RunConfig.weight_transport = '$transport'" ${split[@]+"${split[@]}"} \
       --log "$OUT/$s.log" --json "$OUT/bench_$s.json" --profile "$OUT/prof/$s" > "$OUT/$s.stdout" 2>&1
-    cat "$OUT/$s.stdout" "$OUT/$s.mem.txt" | cut -c1-300 | tail -31 | tee -a "$OUT/summary.txt" ;;
+    cat "$OUT/$s.stdout" "$OUT/$s.mem.txt" | cut -c1-300 | tail -80 | tee -a "$OUT/summary.txt" ;;
   rollout)
     model
     timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" ${ROLLOUT_ARGS:-} \

@@ -10,9 +10,10 @@ on one H200). The limits to read the compute phases against are measured by
 ``train_step.py`` (training alone) and ``rollout.py`` (vLLM alone on the same rollout);
 writes everything to ``--json``. ``--profile DIR`` keeps the run's ``timeline.json``
 (every phase of every role as spans; ui.perfetto.dev) in DIR and prints each phase's share
-of the measured steps; it also records the last step's trainer workers with their
-framework's profiler (``RunConfig.profile_steps``): their traces go to ``DIR/ops/`` and
-each worker's top ops are printed.
+of the measured steps; it also runs one step more, recorded by each trainer worker's
+framework profiler (``RunConfig.profile_steps``) and left out of the means (the profiler
+slows a host-bound step): the traces go to ``DIR/ops/``, each worker's top ops and the
+profiled step's time are printed.
 
     python experiments/bench/grpo_step.py --steps 4                        # tiny, CPU
     python experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \\
@@ -42,12 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gin", default="gin/experiments/tiny_grpo.gin")
     p.add_argument("--gin_param", action="append", default=[], help="extra gin binding")
     p.add_argument("--backend", choices=["torch_fsdp", "jax_pjit"], help="swap the backend")
-    p.add_argument("--steps", type=int, default=4, help="RunConfig.total_steps")
+    p.add_argument("--steps", type=int, default=4, help="timed steps, the --skip ones included")
     p.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the means")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--log", help="write the training run's output here")
     p.add_argument("--json", help="write the result here")
-    p.add_argument("--profile", metavar="DIR", help="keep the run's timeline trace here")
+    p.add_argument("--profile", metavar="DIR", help="keep the timeline here; profile one more step")
     return p.parse_args(argv)
 
 
@@ -114,11 +115,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
+        profiled = args.steps + 1 if args.profile else None  # the step under the profiler
         params = [
             *args.gin_param,
-            *([f"polyrl.RunConfig.profile_steps = [{args.steps}]"] if args.profile else []),
+            *([f"polyrl.RunConfig.profile_steps = [{profiled}]"] if profiled else []),
             f"polyrl.RunConfig.run_dir = '{run_dir}'",
-            f"polyrl.RunConfig.total_steps = {args.steps}",
+            f"polyrl.RunConfig.total_steps = {profiled or args.steps}",
         ]
         gin_files = [args.gin] + ([f"gin/backends/{args.backend}.gin"] if args.backend else [])
         cmd = [sys.executable, "-m", "polyrl.cli", "train"]
@@ -134,16 +136,22 @@ def main(argv=None) -> None:
             sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
             raise SystemExit(f"polyrl train failed (rc={proc.returncode}): {' '.join(cmd)}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if "time/step" in r]
         profile, ops = None, {}
-        if args.profile:
-            profile = phase_table(run_dir / "timeline.json", args.profile, args.skip)
-            ops = _worker_ops(run_dir / "profile" / f"step_{args.steps}", Path(args.profile))
-    summary = summarise(rows, args.skip)
+        if profiled:
+            profile = phase_table(run_dir / "timeline.json", args.profile, args.skip, args.steps)
+            ops = _worker_ops(run_dir / "profile" / f"step_{profiled}", Path(args.profile))
+    summary = summarise(rows[: args.steps], args.skip)
     text = table(summary)
     if profile is not None:
         text += "\n" + "\n".join(format_top(profile, "phase or worker call (all tracks)"))
+    if profiled:
+        phases = ", ".join(
+            f"{k[5:]} {v:.2f}" for k, v in rows[-1].items() if k.startswith("time/") and v >= 0.01
+        )
+        text += f"\nprofiled step {profiled} (not in the means): {phases}"
     for name, worker in ops.items():
-        text += "\n" + "\n".join(format_top(worker, f"{name} op, step {args.steps}"))
+        text += "\n" + "\n".join(format_top(worker, f"{name} op, step {profiled}"))
     print(text)
     result = {
         "gin": gin_files,

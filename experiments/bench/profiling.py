@@ -69,16 +69,20 @@ def profile_actors(actors: list, out_dir: str | Path, name: str, fn: Callable[[]
     return got[0]
 
 
-def phase_table(timeline: str | Path, out_dir: str | Path, skip_steps: int = 1) -> dict:
+def phase_table(
+    timeline: str | Path, out_dir: str | Path, skip_steps: int = 1, last_step: int | None = None
+) -> dict:
     """Copy a run's ``timeline.json`` to ``out_dir`` and sum its phase spans over the steps
-    after the first ``skip_steps`` (share: of those steps' wall time, first span to last)."""
+    after the first ``skip_steps`` up to ``last_step`` (None: the last one) (share: of
+    those steps' wall time, first span to last)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = Path(timeline).read_text().rstrip().rstrip(",")
     events = json.loads(text if text.endswith("]") else text + "]")
     # Phase spans carry their step; worker-level spans (no step) stay in the trace only.
     steps = [(e, (e.get("args") or {}).get("step")) for e in events if e.get("ph") == "X"]
-    spans = [e for e, step in steps if isinstance(step, int) and step > skip_steps]
+    end = float("inf") if last_step is None else last_step
+    spans = [e for e, step in steps if isinstance(step, int) and skip_steps < step <= end]
     trace = out / "timeline.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump(events, f)

@@ -26,12 +26,13 @@ def test_phase_table_sums_the_measured_steps(tmp_path):
         span("old_log_probs", 3, 12_000_000, 500_000, 2),
         span("update_actor", 3, 13_000_000, 1_000_000, 2),
         span("actor.sync_weights", 9, 14_000_000, 3_000_000, None),  # a worker's, no step
+        span("generate", 0, 20_000_000, 9_000_000, 3),  # step 3: past last_step, left out
     ]
     # A running run's file: the array is not closed yet (polyrl.timeline).
     path = tmp_path / "timeline.json"
     path.write_text("[\n" + ",\n".join(json.dumps(e) for e in events))
-    prof = phase_table(path, tmp_path / "prof", skip_steps=1)
-    # Steps after the first span 10 s .. 14 s: 4 s; generate 2 s = 50%.
+    prof = phase_table(path, tmp_path / "prof", skip_steps=1, last_step=2)
+    # Step 2 spans 10 s .. 14 s: 4 s; generate 2 s = 50%.
     assert prof["wall_s"] == pytest.approx(4.0)
     assert [(r["name"], r["ms"]) for r in prof["top"]] == [
         ("generate", 2000.0),
@@ -43,6 +44,10 @@ def test_phase_table_sums_the_measured_steps(tmp_path):
     with gzip.open(prof["trace"], "rt") as f:
         assert json.load(f) == events
     assert "generate" in "\n".join(format_top(prof, "phase"))
+    # Without last_step every step after the first counts: 10 s .. 29 s.
+    everything = phase_table(path, tmp_path / "prof", skip_steps=1)
+    assert everything["wall_s"] == pytest.approx(19.0)
+    assert everything["top"][0] == {"name": "generate", "ms": 11000.0, "share": 11 / 19}
 
 
 def test_torch_profile_names_the_matmul(tmp_path):

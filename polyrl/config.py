@@ -179,9 +179,10 @@ class ParallelConfig:
       gradients are accumulated over micro-batches with global normalisers, so it changes
       speed and memory, never the update.
     max_tokens_per_micro_batch: a token budget instead of a fixed row count: rows sorted
-      by length fill each micro-batch while ``rows x (longest prompt + longest response)``
-      stays within it (``polyrl.micro_batch``), so short rows travel in large
-      micro-batches and long ones in small ones. None: ``micro_batch_size`` rows each.
+      by length fill each micro-batch while the tokens its forward computes stay within it
+      (``polyrl.micro_batch``): ``rows x (longest prompt + longest response)``, the real
+      tokens when packed, and on JAX after its power-of-two padding. Short rows travel in
+      large micro-batches and long ones in small ones. None: ``micro_batch_size`` rows each.
       Like ``micro_batch_size``, it changes speed and memory, never the update.
     cpu_offload: keep parameters/optimizer state in host memory between uses.
     pack_sequences: run each micro-batch as one row of its real tokens (JAX: one row per

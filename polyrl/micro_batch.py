@@ -7,11 +7,13 @@ never the update. Two ways to group (``ParallelConfig``):
 
 * ``micro_batch_size`` rows each, in order (the default);
 * a token budget, ``max_tokens_per_micro_batch``: rows sorted by length (longest first)
-  are added to a micro-batch while ``rows x (longest prompt + longest response)`` -- the
-  padded tokens one forward computes -- stays within the budget. A row longer than the
-  budget gets a micro-batch of its own. Short rows therefore travel in large
-  micro-batches and long ones in small ones, and users stop tuning ``micro_batch_size``
-  per model and sequence length.
+  are added to a micro-batch while the tokens one forward computes on it stay within the
+  budget. A row longer than the budget gets a micro-batch of its own. Short rows
+  therefore travel in large micro-batches and long ones in small ones, and users stop
+  tuning ``micro_batch_size`` per model and sequence length. What a forward computes is
+  the backend's ``cost``: :func:`padded_tokens` (``rows x (longest prompt + longest
+  response)``, the default), :func:`real_tokens` (a packed micro-batch), or a backend's own
+  rule (JAX rounds rows and lengths up to powers of two).
 
 :func:`trim` then drops the columns of a micro-batch that are padding in every row, so a
 micro-batch of short rows costs short-row compute even when the mini-batch was padded
@@ -22,11 +24,22 @@ to its longest row. Layout (``polyrl.batch``): ``input_ids``/``attention_mask``/
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from polyrl.batch import Batch
 
-__all__ = ["lengths", "plan", "split_to", "trim", "scatter", "SEQUENCE_COLUMNS"]
+__all__ = [
+    "lengths",
+    "plan",
+    "padded_tokens",
+    "real_tokens",
+    "split_to",
+    "trim",
+    "scatter",
+    "SEQUENCE_COLUMNS",
+]
 
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids")
 
@@ -38,24 +51,42 @@ def lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return mask[:, :-r].sum(1), mask[:, -r:].sum(1)
 
 
-def plan(batch: Batch, micro_batch_size: int, max_tokens: int | None = None) -> list[np.ndarray]:
+def padded_tokens(prompt: np.ndarray, response: np.ndarray) -> int:
+    """Tokens a forward computes on rows of these real lengths, trimmed to the longest
+    prompt and response (:func:`trim`): ``rows x (longest prompt + longest response)``."""
+    return len(prompt) * int(prompt.max() + response.max())
+
+
+def real_tokens(prompt: np.ndarray, response: np.ndarray) -> int:
+    """Tokens a forward computes on these rows packed without padding."""
+    return int(prompt.sum() + response.sum())
+
+
+Cost = Callable[[np.ndarray, np.ndarray], int]
+
+
+def plan(
+    batch: Batch,
+    micro_batch_size: int,
+    max_tokens: int | None = None,
+    cost: Cost = padded_tokens,
+) -> list[np.ndarray]:
     """Row indices of each micro-batch (see the module docstring). ``max_tokens`` None:
-    ``micro_batch_size`` rows each, in order; else the token budget (rows reordered)."""
+    ``micro_batch_size`` rows each, in order; else the token budget (rows reordered), with
+    ``cost(prompt_lengths, response_lengths)`` the tokens a forward computes on a
+    micro-batch of rows of those real lengths, in the micro-batch's order."""
     n = len(batch)
     if max_tokens is None:
         return [np.arange(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)]
     prompt, response = lengths(batch)
     order = np.argsort(-(prompt + response), kind="stable")
     groups: list[list[int]] = []
-    longest = (0, 0)
     for i in order:
-        grown = (max(longest[0], prompt[i]), max(longest[1], response[i]))
-        if groups and (len(groups[-1]) + 1) * sum(grown) <= max_tokens:
-            groups[-1].append(int(i))
-            longest = grown
+        grown = groups[-1] + [int(i)] if groups else []
+        if grown and cost(prompt[grown], response[grown]) <= max_tokens:
+            groups[-1] = grown
         else:
             groups.append([int(i)])
-            longest = (prompt[i], response[i])
     return [np.asarray(g) for g in groups]
 
 

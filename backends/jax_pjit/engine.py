@@ -36,7 +36,7 @@ from polyrl import checkpoints, faults, micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
 from polyrl.backends.jax_pjit import attention, checkpoint, distributed, gpu_memory, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
-from polyrl.backends.jax_pjit.shapes import micro_rows, pack_rows, pad_batch
+from polyrl.backends.jax_pjit.shapes import micro_rows, pack_rows, pad_batch, padded_cost
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -246,7 +246,8 @@ class JaxPjitEngine:
         """(row indices, padded global micro-batch) pairs. Fixed ``micro_batch_size``: the
         whole batch padded once (shapes.py) and cut into equal micro-batches (one shape);
         token budget (``max_tokens_per_micro_batch`` per data shard): ``polyrl.micro_batch``'s
-        groups, each trimmed and padded to its own shape. ``pack_sequences``: each padded
+        groups, each trimmed and padded to its own shape, the budget counting the padded
+        shape (``shapes.padded_cost``). ``pack_sequences``: each padded
         micro-batch's sequences packed into one row per data shard (``shapes.pack_rows``).
 
         With several hosts (distributed.py) ``batch`` is this host's shard: every host pads
@@ -279,8 +280,9 @@ class JaxPjitEngine:
                 "a multi-host JAX role; use a fixed micro_batch_size (set it to None)"
             )
         budget = par.max_tokens_per_micro_batch * par.dp_size
+        cost = padded_cost(par.dp_size, self.min_padded_len, par.pack_sequences)
         out = []
-        for idx in micro_batch.plan(batch, par.micro_batch_size, budget):
+        for idx in micro_batch.plan(batch, par.micro_batch_size, budget, cost=cost):
             trimmed = micro_batch.trim(batch.take(idx))
             rows = micro_rows(len(idx), len(idx), par.dp_size)
             out.append((idx, put(pad_batch(trimmed, rows, self.min_padded_len).arrays)))

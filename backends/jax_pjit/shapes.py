@@ -16,12 +16,13 @@ zero-padded on the right. Outputs are cut back to ``[:B, :R]``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
 from polyrl.batch import Batch
 
-__all__ = ["Padded", "pow2_len", "micro_rows", "pad_batch", "pack_rows"]
+__all__ = ["Padded", "pow2_len", "micro_rows", "padded_cost", "pad_batch", "pack_rows"]
 
 SEQUENCE = ("input_ids", "attention_mask", "position_ids")  # [B, P + R]
 REQUIRED = (*SEQUENCE, "responses", "response_mask")
@@ -39,6 +40,24 @@ def micro_rows(batch_size: int, micro_batch_size: int, dp: int) -> int:
     micro-batch yet still compile a bounded number of shapes."""
     per_shard = -(-batch_size // dp)
     return dp * min(micro_batch_size, pow2_len(per_shard, 1))
+
+
+def padded_cost(shards: int, min_len: int, packed: bool) -> Callable[[np.ndarray, np.ndarray], int]:
+    """``polyrl.micro_batch.plan``'s cost of a global micro-batch as this backend pads it,
+    from its rows' real prompt and response lengths (in the micro-batch's order): rows up
+    to :func:`micro_rows` (``shards`` x a power of two) and prompt and response lengths up
+    to powers of two (:func:`pad_batch`); ``packed`` (:func:`pack_rows`): ``shards`` rows
+    as long as the longest shard's real tokens rounded up to a power of two."""
+
+    def cost(prompt: np.ndarray, response: np.ndarray) -> int:
+        rows = micro_rows(len(prompt), len(prompt), shards)
+        if not packed:
+            return rows * (pow2_len(prompt.max(), min_len) + pow2_len(response.max(), min_len))
+        tokens = np.zeros(rows, np.int64)
+        tokens[: len(prompt)] = prompt + response
+        return shards * pow2_len(tokens.reshape(shards, -1).sum(1).max(), min_len)
+
+    return cost
 
 
 @dataclasses.dataclass

@@ -137,10 +137,14 @@ class TorchFSDPEngine:
 
     def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, Batch]]:
         """(row indices, micro-batch with all-padding columns trimmed) pairs: fixed
-        ``micro_batch_size`` rows or the token budget (``polyrl.micro_batch``). Every rank
-        runs the same number (each micro-batch is a collective)."""
+        ``micro_batch_size`` rows or the token budget (``polyrl.micro_batch``; counting
+        real tokens when packed, else the trimmed rows' padded ones). Every rank runs the
+        same number (each micro-batch is a collective)."""
         par = self.parallel
-        groups = micro_batch.plan(batch, par.micro_batch_size, par.max_tokens_per_micro_batch)
+        cost = micro_batch.real_tokens if par.pack_sequences else micro_batch.padded_tokens
+        groups = micro_batch.plan(
+            batch, par.micro_batch_size, par.max_tokens_per_micro_batch, cost=cost
+        )
         count = int(sharding.all_reduce_sum(self._rank_onehot(len(groups))).max())
         return [
             (idx, micro_batch.trim(batch.take(idx))) for idx in micro_batch.split_to(groups, count)

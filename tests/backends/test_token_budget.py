@@ -38,6 +38,28 @@ def test_plan_by_hand():
     assert [g.tolist() for g in plan] == [[1], [3, 0], [2]]
     # a row longer than the budget still gets a micro-batch of its own
     assert [g.tolist() for g in micro_batch.plan(batch, 3, max_tokens=4)] == [[1], [3], [0], [2]]
+    # packed: real tokens; 8 + 7 = 15 <= 16, + 3 -> 18 > 16; 3 + 2 = 5
+    packed = micro_batch.plan(batch, 3, max_tokens=16, cost=micro_batch.real_tokens)
+    assert [g.tolist() for g in packed] == [[1, 3], [0, 2]]
+
+
+def test_jax_budget_counts_its_padded_shapes():
+    from polyrl.backends.jax_pjit.shapes import padded_cost
+
+    batch = _hand_batch()  # (prompt, response): row 1 (5, 3), 3 (3, 4), 0 (2, 1), 2 (1, 1)
+    # lengths to powers of two >= 4: row 1 -> 8 + 4 = 12; + row 3 -> 2 x (8 + 4) = 24 > 20;
+    # row 3 -> 4 + 4; + row 0 -> 2 x (4 + 4) = 16; + row 2 -> 3 x 8 = 24 > 20
+    cost = padded_cost(shards=1, min_len=4, packed=False)
+    plan = micro_batch.plan(batch, 3, max_tokens=20, cost=cost)
+    assert [g.tolist() for g in plan] == [[1], [3, 0], [2]]
+    # unpadded the first two fit: 2 x (5 + 4) = 18 <= 20
+    assert micro_batch.plan(batch, 3, max_tokens=20)[0].tolist() == [1, 3]
+    # packed on 2 shards: each shard a row of its rows' real tokens, up to a power of two.
+    # [1, 3]: shards of 8 and 7 tokens -> 2 x 8 = 16; + row 0: 4 rows, shards [8 + 7, 3 + 0]
+    # -> 2 x 16 = 32 > 16; [0, 2]: shards of 3 and 2 -> 2 x 4 = 8
+    cost = padded_cost(shards=2, min_len=4, packed=True)
+    packed = micro_batch.plan(batch, 3, max_tokens=16, cost=cost)
+    assert [g.tolist() for g in packed] == [[1, 3], [0, 2]]
 
 
 def test_split_to_matches_the_busiest_rank():
@@ -83,6 +105,49 @@ def _weights(engine):
         for bucket in engine.export_weights(1 << 22)
         for k, v in bucket
     }
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_jax_micro_batches_stay_within_the_budget(tiny_model_dir, pack):
+    """The JAX engine pads each micro-batch's lengths to powers of two (at least 16): a
+    budget of 40 tokens holds one padded row of these lengths (16 + 16), or packed, rows
+    whose real tokens add up to at most 32. Counted unpadded, rows 3 and 0 (10 + 10 tokens
+    each) would share a micro-batch of 2 x 32 = 64 padded tokens."""
+    pytest.importorskip("jax")
+    batch = _batch()
+    assert [3, 0] in [g.tolist() for g in micro_batch.plan(batch, 4, 40)]
+    engine = _engine(
+        "jax_pjit",
+        tiny_model_dir,
+        micro_batch_size=4,
+        max_tokens_per_micro_batch=40,
+        pack_sequences=pack,
+    )
+    parts = engine._micro_batches(batch)
+    assert sorted(i for idx, _ in parts for i in idx.tolist()) == list(range(len(batch)))
+    sizes = [arrays["packed_ids" if pack else "input_ids"].size for _, arrays in parts]
+    assert max(sizes) <= 40, sizes
+    rows = [len(idx) for idx, _ in parts]
+    assert max(rows) == (2 if pack else 1), rows  # packing fits more rows in the budget
+
+
+def test_torch_packed_micro_batches_count_real_tokens(tiny_model_dir):
+    """Packed, a torch micro-batch computes its rows' real tokens only, so the budget
+    counts those: more rows fit than padded to the longest would."""
+    batch = _batch()
+    engine = _engine(
+        "torch_fsdp",
+        tiny_model_dir,
+        micro_batch_size=4,
+        max_tokens_per_micro_batch=40,
+        pack_sequences=True,
+    )
+    prompt, response = micro_batch.lengths(batch)
+    groups = [idx for idx, _ in engine._micro_batches(batch)]
+    assert sorted(i for g in groups for i in g.tolist()) == list(range(len(batch)))
+    assert max(int((prompt[g] + response[g]).sum()) for g in groups) <= 40
+    padded = [len(g) * int(prompt[g].max() + response[g].max()) for g in groups]
+    assert max(padded) > 40, padded  # counted padded, these rows could not share
 
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])

@@ -411,9 +411,14 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
     ray.get(direct.timed_generate.remote(prompts[:2], spec))  # start-up + warm-up
     through_pool()  # warm-up
     rows = {"pool": [], "direct": []}
-    for _ in range(args.repeats):  # interleaved, so load changes hit both alike
-        rows["pool"].append(through_pool())
-        rows["direct"].append(ray.get(direct.timed_generate.remote(prompts, spec)))
+    calls = {
+        "pool": through_pool,
+        "direct": lambda: ray.get(direct.timed_generate.remote(prompts, spec)),
+    }
+    # Interleaved, each side first in turn: load changes hit both alike.
+    for i in range(args.repeats):
+        for side in ("pool", "direct") if i % 2 == 0 else ("direct", "pool"):
+            rows[side].append(calls[side]())
     traces = {}
     if profile:
         import dataclasses
@@ -444,7 +449,7 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
         "pool_tok_s": rate["pool"],
         "direct_tok_s": rate["direct"],
         "ratio_pool_to_direct": rate["pool"] / rate["direct"],
-        # every timed call, in order (pool and direct interleaved): the noise beside the median
+        # every timed call, in order (each side first in turn): the noise beside the median
         "calls_tok_s": {k: [n / s for n, s in v] for k, v in rows.items()},
     }
 

@@ -81,12 +81,12 @@ def plan(
     prompt, response = lengths(batch)
     order = np.argsort(-(prompt + response), kind="stable")
     groups: list[list[int]] = []
-    for i in order:
-        grown = groups[-1] + [int(i)] if groups else []
+    for i in map(int, order):
+        grown = groups[-1] + [i] if groups else None
         if grown and cost(prompt[grown], response[grown]) <= max_tokens:
-            groups[-1] = grown
+            groups[-1].append(i)
         else:
-            groups.append([int(i)])
+            groups.append([i])
     return [np.asarray(g) for g in groups]
 
 

@@ -55,9 +55,16 @@ def padded_cost(shards: int, min_len: int, packed: bool) -> Callable[[np.ndarray
             return rows * (pow2_len(prompt.max(), min_len) + pow2_len(response.max(), min_len))
         tokens = np.zeros(rows, np.int64)
         tokens[: len(prompt)] = prompt + response
-        return shards * pow2_len(tokens.reshape(shards, -1).sum(1).max(), min_len)
+        return shards * packed_len(tokens, shards, min_len)
 
     return cost
+
+
+def packed_len(lengths: np.ndarray, shards: int, min_len: int) -> int:
+    """The length of each packed row (:func:`pack_rows`) of a padded micro-batch whose
+    rows have these real ``lengths`` (a multiple of ``shards`` of them): the longest
+    shard's tokens, up to a power of two."""
+    return pow2_len(lengths.reshape(shards, -1).sum(1).max(), min_len)
 
 
 @dataclasses.dataclass
@@ -138,7 +145,7 @@ def pack_rows(arrays: dict[str, np.ndarray], shards: int, min_len: int) -> dict[
     r = arrays["responses"].shape[1]
     per = b // shards
     lengths = mask.sum(1)
-    t = pow2_len(lengths.reshape(shards, per).sum(1).max(), min_len)
+    t = packed_len(lengths, shards, min_len)
     ids, positions, segments = (np.zeros((shards, t), np.int32) for _ in range(3))
     index, last = np.zeros((b, r), np.int32), np.zeros(b, np.int32)
     start = 0

@@ -29,7 +29,7 @@ import numpy as np
 from polyrl import faults
 from polyrl.debug import place, setup_worker
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
-from polyrl.timeline import Traced
+from polyrl.timeline import Traced, record
 
 __all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "server_env"]
 
@@ -210,7 +210,11 @@ class RolloutServer(Traced):
         """
         self._check_version(expected_version)
         self._cached_prefixes = True
-        outputs = self.llm.generate(*vllm_requests(requests, spec, self._allowed), use_tqdm=False)
+        inputs, params = vllm_requests(requests, spec, self._allowed)
+        start = time.time()
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        # vLLM's own time inside this call: the rest of the call's span is polyrl's.
+        record("generate.vllm", start, time.time() - start, None)
         completions = [out.outputs[0] for out in outputs]
         ids = [list(c.token_ids) for c in completions]
         texts = (

@@ -97,6 +97,7 @@ def test_healthy_demo_is_silent_and_dumps(tmp_path, capsys, reward_override):
         ("actor.sync_weights", 0),
         ("reference.forward", 0),
         ("rollout.generate", 0),
+        ("rollout.generate.vllm", 0),  # vLLM's own call, inside rollout.generate
         ("reward.score", 0),
         ("reward.score", 1),  # RunConfig.reward_workers = 2
     }
@@ -106,33 +107,47 @@ def test_healthy_demo_is_silent_and_dumps(tmp_path, capsys, reward_override):
 # forward also runs once outside its phase: the isolation check after the first update).
 PHASE_OF = {"actor.train_step": "update_actor", "actor.sync_weights": "sync_weights"}
 PHASE_OF |= {"actor.forward": "old_log_probs", "rollout.generate": "generate"}
+PHASE_OF |= {"rollout.generate.vllm": "generate"}
 TOLERANCE_US = 20_000  # the driver's perf_counter and the workers' wall clock, converted
 
 
 def _worker_spans(events: list[dict]) -> list[dict]:
     """The workers' spans, each checked: within the driver's phases, inside the phase
-    PHASE_OF names, not overlapping the same worker's other calls."""
+    PHASE_OF names, not overlapping the same worker's other calls; and each
+    rollout.generate.vllm (vLLM's own part of a call) inside one rollout.generate."""
     phases = [e for e in events if e["ph"] == "X" and e["pid"] == 0]
     worker = [e for e in events if e["ph"] == "X" and e["pid"] != 0]
-    first, last = min(p["ts"] for p in phases), max(p["ts"] + p["dur"] for p in phases)
+    first, last = min(p["ts"] for p in phases), max(_end(p) for p in phases)
     for e in worker:
-        assert first <= e["ts"] and e["ts"] + e["dur"] <= last, e
+        assert first <= e["ts"] and _end(e) <= last, e
         inside = [
             p
             for p in phases
             if e["args"]["step"] in (None, p["args"]["step"])
             and p["name"] == PHASE_OF.get(e["name"], p["name"])
             and p["ts"] - TOLERANCE_US <= e["ts"]
-            and e["ts"] + e["dur"] <= p["ts"] + p["dur"] + TOLERANCE_US
+            and _end(e) <= _end(p) + TOLERANCE_US
         ]
         assert inside or e["name"] not in PHASE_OF, f"{e} is not inside its phase"
+    nested = [e for e in worker if e["name"] == "rollout.generate.vllm"]
     by_worker: dict[tuple[int, int], list[dict]] = {}
     for e in worker:
-        by_worker.setdefault((e["pid"], e["tid"]), []).append(e)
+        if e not in nested:
+            by_worker.setdefault((e["pid"], e["tid"]), []).append(e)
     for spans in by_worker.values():
         spans.sort(key=lambda e: e["ts"])
-        assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(spans, spans[1:])), spans
+        assert all(_end(a) <= b["ts"] for a, b in zip(spans, spans[1:])), spans
+    calls = [e for e in worker if e["name"] == "rollout.generate"]
+    assert len(nested) == len(calls)
+    for e in nested:  # 2 us: a span's start and length are rounded to microseconds each
+        assert any(
+            c["tid"] == e["tid"] and c["ts"] <= e["ts"] and _end(e) <= _end(c) + 2 for c in calls
+        ), e
     return worker
+
+
+def _end(span: dict) -> int:
+    return span["ts"] + span["dur"]
 
 
 @pytest.mark.slow

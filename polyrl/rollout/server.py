@@ -100,14 +100,18 @@ def allowed_token_ids(llm: Any, config: RolloutConfig) -> list[int] | None:
     return None
 
 
-def sampled_log_probs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:
+def sampled_log_probs(logprobs: Any, token_ids: np.ndarray) -> np.ndarray:
     """float32 [len(token_ids)]: the log-prob of each sampled token from vLLM's flat
     log-probs (``SamplingParams(flat_logprobs=True, logprobs=0)``), where each position's
     entries start with the sampled token."""
-    first = np.asarray(logprobs.start_indices, dtype=np.int64)
-    if not np.array_equal(np.asarray(logprobs.token_ids, dtype=np.int64)[first], token_ids):
+    values = np.asarray(logprobs.logprobs, dtype=np.float32)
+    ids = np.asarray(logprobs.token_ids, dtype=np.int64)
+    if len(ids) != len(token_ids):  # more entries than the sampled one at some position
+        first = np.asarray(logprobs.start_indices, dtype=np.int64)
+        values, ids = values[first], ids[first]
+    if not np.array_equal(ids, token_ids):
         raise RuntimeError("vLLM's flat log-probs do not start with the sampled tokens")
-    return np.asarray(logprobs.logprobs, dtype=np.float32)[first]
+    return values
 
 
 def vllm_requests(
@@ -204,9 +208,11 @@ class RolloutServer(Traced):
     ) -> list[dict[str, Any]]:
         """Sample one response per request.
 
-        Returns per request: ``token_ids`` (list[int]), ``log_probs`` (float32 [len],
+        Returns per request: ``token_ids`` (int32 [len]), ``log_probs`` (float32 [len],
         processed log-probs of the sampled tokens), ``finish_reason`` ("stop" |
         "length" | ...), ``text`` (None unless ``spec.detokenize``), ``version``.
+        Arrays, not lists: Ray sends them as buffers, and the pool copies them into its
+        padded batch row by row without converting a Python int per token.
         """
         self._check_version(expected_version)
         self._cached_prefixes = True
@@ -216,9 +222,11 @@ class RolloutServer(Traced):
         # vLLM's own time inside this call: the rest of the call's span is polyrl's.
         record("generate.vllm", start, time.time() - start, None)
         completions = [out.outputs[0] for out in outputs]
-        ids = [list(c.token_ids) for c in completions]
+        ids = [np.asarray(c.token_ids, dtype=np.int32) for c in completions]
         texts = (
-            self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            self.tokenizer.batch_decode(
+                [c.token_ids for c in completions], skip_special_tokens=True
+            )
             if spec.detokenize
             else [None] * len(ids)
         )

@@ -85,3 +85,12 @@ def test_sampled_log_probs_read_the_first_entry_of_each_position():
     assert sampled_log_probs(FlatLogprobs(), []).shape == (0,)
     with pytest.raises(RuntimeError, match="do not start with the sampled tokens"):
         sampled_log_probs(flat, [3, 5])
+    # One entry per position (logprobs=0, as the servers ask): the sampled tokens' own.
+    single = FlatLogprobs()
+    for token, value in ((4, -0.75), (9, -2.0), (4, -0.125)):
+        single.append_fast([token], [value], iter([1]), [None])
+    np.testing.assert_array_equal(
+        sampled_log_probs(single, np.int32([4, 9, 4])), np.float32([-0.75, -2.0, -0.125])
+    )
+    with pytest.raises(RuntimeError, match="do not start with the sampled tokens"):
+        sampled_log_probs(single, [4, 4, 4])

@@ -75,6 +75,7 @@ ln -sfn ../backends polyrl/backends; ln -sfn ../algos polyrl/algos
 export PYTHONPATH=$PWD:$PYTHONPATH POLYRL_BENCH_DIR=/tmp/bench
 mkdir -p $POLYRL_BENCH_DIR
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
+lscpu | grep -E "^(Model name|Thread|Core|Socket|NUMA|CPU\(s\))" >> "$OUT/gpu.txt"  # the host the engines share
 python3 - >> "$OUT/gpu.txt" 2>&1 <<'PY'  # the versions the attention kernels depend on
 import jax, torch, transformers
 from jax._src.lib import cuda_versions
@@ -173,7 +174,7 @@ for s in $sections; do
     cat "$OUT/$s.stdout" "$OUT/$s.mem.txt" | cut -c1-300 | tail -80 | tee -a "$OUT/summary.txt" ;;
   rollout)
     model
-    timeout 300 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" ${ROLLOUT_ARGS:-} \
+    timeout 540 python3 experiments/bench/rollout.py --model $M --json "$OUT/bench_rollout.json" ${ROLLOUT_ARGS:-} \
       --profile "$OUT/prof/rollout" 2> "$OUT/rollout.log" | tee -a "$OUT/summary.txt" ;;
   weight_sync)
     timeout 540 python3 experiments/bench/weight_sync.py --work /tmp/bench/sync --hidden 1536 --layers 28 \

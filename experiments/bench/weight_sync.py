@@ -31,9 +31,10 @@ same bytes: "x copy"), the load alone and the goal ratios. The JSON holds:
 * ``goals``: the issue's ratios — the planned CUDA IPC sync from torch over a copy of the
   same bytes (goal <= 3), from JAX over from torch (goal <= 1.5), and load_weights over
   the plan, for the sync and for the load alone.
-* ``rollout``: generated tokens/s through ``RolloutPool.generate`` and through a bare
-  ``vllm.LLM`` with the same engine arguments (in a Ray actor with the same resources
-  as a server), on the same prompts, and the ratio.
+* ``rollout``: generated tokens/s through ``RolloutPool.generate`` and through vLLM
+  alone on the same requests (``bench_rollout``: inside each pool call, on the server's
+  own engine in its process, and in a Ray actor of its own with the same engine
+  arguments and resources as a server), and the ratios.
 
 The model is a random Qwen2 of the requested shape (tiny tokenizer, --dtype, fp32 by
 default) built under --work; the GPU run uses Qwen2.5-1.5B's shape in bf16 (--hidden 1536
@@ -338,11 +339,26 @@ def goals(rows: list[dict], load: dict | None) -> dict:
     return out
 
 
+def _generate_with(llm, allowed, prompts: list, spec) -> tuple[int, float]:
+    """``llm.generate`` (a ``vllm.LLM``) on the servers' own requests for ``prompts``
+    (``polyrl.rollout.server.vllm_requests``: one seeded sample per request, the same
+    allowed token ids): generated tokens and seconds. Text as vLLM gives it when
+    ``spec.detokenize``: detokenized token by token in its loop."""
+    from polyrl.rollout.server import vllm_requests
+
+    requests = [(i * spec.n + j, p) for i, p in enumerate(prompts) for j in range(spec.n)]
+    inputs, params = vllm_requests(requests, spec, allowed)
+    for p in params:
+        p.detokenize = spec.detokenize
+    start = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start
+
+
 class DirectEngine:
     """``vllm.LLM`` with the pool's engine arguments, in a Ray actor with the same
     resources and environment as a rollout server, given the same requests as the
-    servers (``polyrl.rollout.server.vllm_requests``: one seeded sample per request, the
-    same allowed token ids), so the comparison is like for like."""
+    servers, so the comparison is like for like but for the process."""
 
     def __init__(self, config, on_gpu: bool) -> None:
         from vllm import LLM
@@ -353,23 +369,41 @@ class DirectEngine:
         self.allowed = allowed_token_ids(self.llm, config)
 
     def timed_generate(self, prompts: list, spec) -> tuple[int, float]:
-        from polyrl.rollout.server import vllm_requests
+        return _generate_with(self.llm, self.allowed, prompts, spec)
 
-        requests = [(i * spec.n + j, p) for i, p in enumerate(prompts) for j in range(spec.n)]
-        inputs, params = vllm_requests(requests, spec, self.allowed)
-        for p in params:  # text as vLLM gives it: detokenized token by token in its loop
-            p.detokenize = spec.detokenize
-        start = time.perf_counter()
-        outs = self.llm.generate(inputs, params, use_tqdm=False)
-        return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start
+
+def _engine_generate(server, prompts: list, spec) -> tuple[int, float]:
+    """Inside a rollout server (``__ray_call__``): its own vLLM engine called directly,
+    with no polyrl code around it: same engine, same process as the pool's calls."""
+    server._cached_prefixes = True  # the weight protocol's flag: this fills the cache too
+    return _generate_with(server.llm, server._allowed, prompts, spec)
+
+
+def _process_stats(_actor) -> dict:
+    """Inside an actor: its process's CPU seconds so far (every thread), involuntary
+    context switches (a busy CPU took it off), threads, and the CPU it runs on now."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    with open("/proc/self/stat") as f:  # field 39: the CPU last run on
+        cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+    return {
+        "cpu_s": r.ru_utime + r.ru_stime,
+        "nivcsw": r.ru_nivcsw,
+        "threads": len(os.listdir("/proc/self/task")),
+        "cpu": cpu,
+    }
 
 
 PROFILE_TOKENS = 64
 
 
 def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = False) -> dict:
-    """Generated tokens/s (median of --repeats): pool.generate vs vllm.LLM.generate.
-    ``detokenize``: both return text too (the pool decodes each response once, vLLM
+    """Generated tokens/s (median of --repeats): pool.generate vs vllm.LLM.generate in its
+    own actor (``direct``) and, with one server, on the server's engine in its process
+    (``engine``); per pool call, vLLM's own seconds in it over the call's; per call, the
+    generating process's CPU seconds and involuntary context switches (server 0 for
+    ``pool`` and ``engine``). ``detokenize``: both return text too (the pool decodes each response once, vLLM
     detokenizes token by token), as a training run's rollout does.
     ``profile``: a directory for torch.profiler traces of one more call of each (at most
     ``PROFILE_TOKENS`` new tokens), taken inside the rollout servers and inside the
@@ -408,17 +442,46 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
         )
         .remote(pool.config, _on_gpu())
     )
+    server = pool.servers[0]
+    from ray import cloudpickle
+
+    # The actors cannot import this script's directory: send its functions by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.get(direct.timed_generate.remote(prompts[:2], spec))  # start-up + warm-up
     through_pool()  # warm-up
-    rows = {"pool": [], "direct": []}
-    calls = {
-        "pool": through_pool,
-        "direct": lambda: ray.get(direct.timed_generate.remote(prompts, spec)),
+    # Three sides: the pool; vLLM alone in its own actor; and vLLM alone on the server's
+    # own engine in its own process (one server: the pool's whole batch), which tells
+    # polyrl's cost from the difference between two processes on a shared host.
+    sides = {
+        "pool": (server, through_pool),
+        "direct": (direct, lambda: ray.get(direct.timed_generate.remote(prompts, spec))),
     }
-    # Interleaved, each side first in turn: load changes hit both alike.
+    if pool.config.num_servers == 1:
+        sides["engine"] = (
+            server,
+            lambda: ray.get(server.__ray_call__.remote(_engine_generate, prompts, spec)),
+        )
+    rows = {side: [] for side in sides}
+    stats = {side: [] for side in sides}
+    names = list(sides)
+    vllm_share = []  # per pool call: vLLM's own seconds in it (the servers' spans) / its wall
+    # Interleaved, each side first in turn: load changes hit all alike.
     for i in range(args.repeats):
-        for side in ("pool", "direct") if i % 2 == 0 else ("direct", "pool"):
-            rows[side].append(calls[side]())
+        for side in names[i % len(names) :] + names[: i % len(names)]:
+            actor, call = sides[side]
+            before = ray.get(actor.__ray_call__.remote(_process_stats))
+            rows[side].append(call())
+            after = ray.get(actor.__ray_call__.remote(_process_stats))
+            stats[side].append(
+                {k: after[k] - before[k] for k in ("cpu_s", "nivcsw")}
+                | {k: after[k] for k in ("threads", "cpu")}
+            )
+            if side == "pool":
+                spans = ray.get([s.spans.remote() for s in pool.servers])
+                engine_s = max(
+                    [sec for m, _, sec, _ in got if m == "generate.vllm"][-1] for got in spans
+                )
+                vllm_share.append(engine_s / rows["pool"][-1][1])
     traces = {}
     if profile:
         import dataclasses
@@ -438,7 +501,8 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
         )
     ray.kill(direct)
     rate = {k: statistics.median(n / s for n, s in v) for k, v in rows.items()}
-    return traces | {
+    per_call = {k: [n / s for n, s in v] for k, v in rows.items()}
+    out = {
         "prompts": args.prompts,
         "n": args.n,
         "prompt_len": args.prompt_len,
@@ -446,12 +510,27 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
         "servers": pool.config.num_servers,
         "tokens_per_call": rows["pool"][0][0],
         "detokenize": detokenize,
-        "pool_tok_s": rate["pool"],
-        "direct_tok_s": rate["direct"],
-        "ratio_pool_to_direct": rate["pool"] / rate["direct"],
-        # every timed call, in order (each side first in turn): the noise beside the median
-        "calls_tok_s": {k: [n / s for n, s in v] for k, v in rows.items()},
+        **{f"{k}_tok_s": v for k, v in rate.items()},
+        # every timed call, in order: the noise beside the median
+        "calls_tok_s": per_call,
+        # per call, of the process that generated (the server for pool and engine)
+        "process": stats,
+        # per pool call, vLLM's seconds inside it over the call's: the pool's tokens/s
+        # over its own engine's in the same call, free of the host's drift between calls
+        "pool_to_its_vllm": vllm_share,
+        "pool_to_its_vllm_median": statistics.median(vllm_share),
     }
+    for ref in ("direct", "engine"):
+        if ref in rate:
+            # Each round's calls ran back to back: their ratio cancels load that drifts
+            # between rounds, which the ratio of the medians does not.
+            paired = [a / b for a, b in zip(per_call["pool"], per_call[ref])]
+            out |= {
+                f"ratio_pool_to_{ref}": rate["pool"] / rate[ref],
+                f"paired_ratios_{ref}": paired,
+                f"paired_ratio_median_{ref}": statistics.median(paired),
+            }
+    return traces | out
 
 
 def _other_gpu(pool) -> str:

@@ -403,7 +403,8 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
     own actor (``direct``) and, with one server, on the server's engine in its process
     (``engine``); per pool call, vLLM's own seconds in it over the call's; per call, the
     generating process's CPU seconds and involuntary context switches (server 0 for
-    ``pool`` and ``engine``). ``detokenize``: both return text too (the pool decodes each response once, vLLM
+    ``pool`` and ``engine``).
+    ``detokenize``: both return text too (the pool decodes each response once, vLLM
     detokenizes token by token), as a training run's rollout does.
     ``profile``: a directory for torch.profiler traces of one more call of each (at most
     ``PROFILE_TOKENS`` new tokens), taken inside the rollout servers and inside the

@@ -132,7 +132,7 @@ def _worker_spans(events: list[dict]) -> list[dict]:
     nested = [e for e in worker if e["name"] == "rollout.generate.vllm"]
     by_worker: dict[tuple[int, int], list[dict]] = {}
     for e in worker:
-        if e not in nested:
+        if e["name"] != "rollout.generate.vllm":
             by_worker.setdefault((e["pid"], e["tid"]), []).append(e)
     for spans in by_worker.values():
         spans.sort(key=lambda e: e["ts"])

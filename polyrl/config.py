@@ -332,6 +332,10 @@ class RunConfig:
       ``<run_dir>/profile/step_<k>/`` with ``summary.json`` (each worker's top ops).
     debug: ``polyrl.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
       binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
+    cache_dir: where compiled programs are kept across runs (``polyrl.compile_cache``:
+      torch Inductor/Triton, JAX's persistent cache, vLLM's compile cache), shared safely
+      by concurrent runs; a warm cache shortens the first step. None or "": each
+      framework's own default (JAX then keeps nothing).
     """
 
     run_dir: str
@@ -398,6 +402,7 @@ class RunConfig:
     timeline: bool = True
     profile_steps: tuple[int, ...] = ()
     debug: object = None
+    cache_dir: str | None = "~/.cache/polyrl"
 
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")

@@ -128,7 +128,13 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     if not ray.is_initialized():
         # A local start gets the pools' CPUs plus RunConfig.user_cpus for the user's own tasks.
         pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
-        init_ray(cfg.run_dir, cfg.ray_num_cpus or pool_cpus + cfg.user_cpus, cfg.imports, cfg.debug)
+        init_ray(
+            cfg.run_dir,
+            cfg.ray_num_cpus or pool_cpus + cfg.user_cpus,
+            cfg.imports,
+            cfg.debug,
+            cfg.cache_dir,
+        )
     debug = DebugSession.start(cfg.debug)
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles, reserved=trial_placement())

@@ -64,20 +64,28 @@ def worker_line_matters(line: str) -> bool:
 
 
 def init_ray(
-    run_dir: str | Path, num_cpus: float | None, imports: Iterable[str] = (), debug: Any = None
+    run_dir: str | Path,
+    num_cpus: float | None,
+    imports: Iterable[str] = (),
+    debug: Any = None,
+    cache_dir: str | None = None,
 ) -> None:
     """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
     --head``, or ``auto``: docs/scaling.md), else start a private local one of
     ``num_cpus`` CPUs (never a cluster some other ``ray start`` left on the machine),
     watched so that it ends with the driver. ``debug``: a ``polyrl.debug.DebugConfig``
-    (docs/debugging.md); with it enabled every worker line reaches the driver."""
+    (docs/debugging.md); with it enabled every worker line reaches the driver.
+    ``cache_dir``: ``RunConfig.cache_dir``, the compile caches of the driver and every
+    worker (``polyrl.compile_cache``)."""
     import ray
 
+    from polyrl.compile_cache import use_cache
     from polyrl.user_code import runtime_env
 
     address = os.environ.get("RAY_ADDRESS") or "local"
     local: dict[str, Any] = {"num_cpus": local_cpus(num_cpus)} if address == "local" else {}
     env = runtime_env(imports)
+    env["env_vars"].update(use_cache(cache_dir))
     debugging = debug is not None and debug.enabled
     if debugging:
         env["env_vars"].update(debug.env())

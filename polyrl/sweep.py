@@ -426,7 +426,12 @@ def run_sweep(
     if not ray.is_initialized():
         # The machine's CPUs (or RunConfig.ray_num_cpus) for the trials' pools, plus one
         # logical CPU for the trial drivers' 0.01-CPU bundles (local Ray only).
-        init_ray(root, math.ceil(base.ray_num_cpus or os.cpu_count()) + 1, imports)
+        init_ray(
+            root,
+            math.ceil(base.ray_num_cpus or os.cpu_count()) + 1,
+            imports,
+            cache_dir=base.cache_dir,
+        )
     trainable = functools.partial(
         _trial,
         gin_files=gin_files,

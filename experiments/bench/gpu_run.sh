@@ -35,6 +35,10 @@
 #   scale_tests 2 GPUs: tests/trainer/test_gpu_sync.py's tensor-parallel rollout server and
 #               CUDA IPC from every rank, per backend (~6 minutes; not in the default list;
 #               SCALE_TESTS = another pytest -k expression)
+#   first_torch / first_jax  time to the first step of the GRPO experiment (first_step.py):
+#               cold (empty RunConfig.cache_dir) then warm (not in the default list; ~5 min each)
+#   rollout_7b  the rollout bench on a random Qwen2.5-7B-shape model (random_model.py),
+#               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out),
 #   GRPO_STEPS (timed steps per GRPO run, default 4; the first is left out of the means, and
@@ -187,6 +191,18 @@ for s in $sections; do
     timeout 560 python3 experiments/bench/async_step.py --work /tmp/bench/async --steps ${ASYNC_STEPS:-6} \
       --gin_param "polyrl.RunConfig.model_path = '$M'" --out "$OUT/bench_async.json" --profile "$OUT/prof/async" \
       > "$OUT/async.log" 2>&1; tail -30 "$OUT/async.log" | tee -a "$OUT/summary.txt" ;;
+  first_torch|first_jax)
+    model; backend=torch_fsdp; [ $s = first_jax ] && backend=jax_pjit
+    timeout 580 python3 experiments/bench/first_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
+      --backend $backend --runs ${FIRST_RUNS:-cold,warm} --timeout 280 --cache-dir /tmp/polyrl-cache-$backend \
+      --gin_param "polyrl.RunConfig.model_path = '$M'" --log-dir "$OUT/$s" \
+      --json "$OUT/bench_$s.json" 2>&1 | tail -30 | tee -a "$OUT/summary.txt" ;;
+  rollout_7b)
+    M7=/tmp/models/qwen2-7b-random
+    python3 experiments/bench/random_model.py 7b $M7 --max-positions 1024 > "$OUT/make_7b.log" 2>&1
+    timeout 540 python3 experiments/bench/rollout.py --model $M7 --json "$OUT/bench_rollout_7b.json" \
+      --gpu-memory-utilization 0.85 --repeats ${ROLLOUT_7B_REPEATS:-2} ${ROLLOUT_ARGS:-} \
+      2> "$OUT/rollout_7b.log" | tee -a "$OUT/summary.txt" ;;
   attention_tests)
     # JAX_PLATFORMS set: the test session pins JAX to the CPU only when it is unset
     JAX_PLATFORMS=cuda,cpu timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/backends/torch_fsdp/test_attention.py \

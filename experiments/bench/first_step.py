@@ -1,0 +1,136 @@
+"""Benchmark: time to the first step, cold and warm (``RunConfig.cache_dir``).
+
+Runs ``polyrl train`` on ``--gin`` for ``--steps`` steps in a subprocess, once per entry
+of ``--runs`` (``cold``: the compile cache directory emptied first, and torch's default
+Inductor directory too; ``warm``: the directory as the run before left it), and
+timestamps every line the run prints. For each run it reports the seconds from the
+command's start to the run's header line (``[polyrl] run ...``: parsing, validation), to
+each start-up line the run prints (lines starting ``[start]``), and to the first progress
+line (``step 1/N``), plus step 1's phase times from ``metrics.jsonl``. Not a test;
+numbers go to stdout and ``--json``.
+
+    python experiments/bench/first_step.py --runs cold,warm                   # tiny, CPU
+    python experiments/bench/first_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \\
+        --gin_param "polyrl.RunConfig.model_path = '/tmp/models/qwen2-0.5b-random'" \\
+        --backend jax_pjit --runs cold,warm --json first_jax.json              # one GPU
+
+The goal (issue 32): warm <= 60 s to the first progress line on each backend, on the
+shipped GRPO experiment; cold is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GOAL_WARM_S = 60.0
+PROGRESS = re.compile(r"\] step 1/\d+")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gin", default="gin/experiments/tiny_grpo.gin")
+    p.add_argument("--gin_param", action="append", default=[], help="extra gin binding")
+    p.add_argument("--backend", choices=["torch_fsdp", "jax_pjit"], help="swap the backend")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--runs", default="cold,warm", help="comma-separated: cold, warm")
+    p.add_argument("--cache-dir", help="RunConfig.cache_dir (default: a fresh temp dir)")
+    p.add_argument("--timeout", type=float, default=540)
+    p.add_argument("--log-dir", help="write each run's output here")
+    p.add_argument("--json", help="write the result here")
+    return p.parse_args(argv)
+
+
+def timed_lines(cmd: list[str], timeout: float) -> tuple[int, list[tuple[float, str]]]:
+    """Run ``cmd``; every output line with its seconds since the start."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append((time.perf_counter() - t0, line.rstrip("\n")))
+        if time.perf_counter() - t0 > timeout:
+            proc.kill()
+            break
+    return proc.wait(), lines
+
+
+def one_run(args, kind: str, cache: Path, run_dir: Path) -> dict:
+    if kind == "cold":
+        shutil.rmtree(cache, ignore_errors=True)
+        # torch's own default, used by anything that ignores TORCHINDUCTOR_CACHE_DIR
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}", True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    gin_files = [args.gin] + ([f"gin/backends/{args.backend}.gin"] if args.backend else [])
+    cmd = [sys.executable, "-m", "polyrl.cli", "train"]
+    for f in gin_files:
+        cmd += ["--gin_file", f]
+    for b in [
+        *args.gin_param,
+        f"polyrl.RunConfig.run_dir = '{run_dir}'",
+        f"polyrl.RunConfig.total_steps = {args.steps}",
+        f"polyrl.RunConfig.cache_dir = '{cache}'",
+    ]:
+        cmd += ["--gin_param", b]
+    rc, lines = timed_lines(cmd, args.timeout)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        log = "\n".join(f"{t:8.2f}  {line}" for t, line in lines)
+        (Path(args.log_dir) / f"first_step_{kind}.log").write_text(log)
+    header = next((t for t, line in lines if line.startswith("[polyrl] run ")), None)
+    first = next((t for t, line in lines if PROGRESS.search(line)), None)
+    starts = [(round(t, 2), line) for t, line in lines if line.startswith("[start]")]
+    rows = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    step1 = next((r for r in rows if "time/step" in r), {})
+    if rc or first is None:
+        sys.stderr.write("\n".join(line for _, line in lines[-40:]) + "\n")
+    return {
+        "kind": kind,
+        "rc": rc,
+        "to_header_s": header,
+        "start_lines": starts,
+        "to_first_step_s": first,
+        "step1_phases_s": {k[5:]: v for k, v in step1.items() if k.startswith("time/")},
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(args.cache_dir or Path(tmp) / "cache")
+        results = [one_run(args, k, cache, Path(tmp) / "run") for k in args.runs.split(",")]
+    print(f"{'run':<6} {'header s':>9} {'first step s':>13}  step 1 (s)")
+    for r in results:
+        phases = ", ".join(
+            f"{k} {v:.1f}"
+            for k, v in sorted(r["step1_phases_s"].items(), key=lambda kv: -kv[1])
+            if v >= 0.5
+        )
+        first = r["to_first_step_s"]
+        print(
+            f"{r['kind']:<6} {r['to_header_s'] or float('nan'):>9.1f} "
+            f"{first or float('nan'):>13.1f}  {phases}"
+        )
+        for t, line in r["start_lines"]:
+            print(f"         {t:>7.1f}  {line[:100]}")
+    warm = [r["to_first_step_s"] for r in results if r["kind"] == "warm" and r["to_first_step_s"]]
+    if warm:
+        verdict = "met" if max(warm) <= GOAL_WARM_S else "MISSED"
+        print(f"warm first step <= {GOAL_WARM_S:g} s: {verdict} ({max(warm):.1f} s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gin": args.gin, "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

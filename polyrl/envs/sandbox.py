@@ -160,7 +160,12 @@ program = os.fork()
 if program == 0:
     run()
     sys.exit(0)
-tell(wait_status=os.waitpid(program, 0)[1])
+ended = os.waitpid(program, 0)[1]
+try:
+    os.kill(-1, 9)  # from a namespace's init: every other process in it
+except OSError:
+    pass
+tell(wait_status=ended)
 os._exit(0)
 """
 
@@ -168,6 +173,7 @@ os._exit(0)
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _CHUNK = 65536
 _DRAIN_S = 1.0  # after a kill, how long to read what is left in the pipes
+_STATUS_BYTES = 65536  # the status pipe holds a few short lines
 
 
 def _environment(workdir: str) -> dict[str, str]:
@@ -201,7 +207,11 @@ def _remove(path: str) -> None:
 
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:  # noqa: B008 (frozen)
     """Run ``code`` as ``__main__`` in a fresh sandboxed interpreter; see the module
-    docstring for the limits. Never raises for the code's faults."""
+    docstring for the limits. Never raises for the code's faults; limits that cannot
+    work (``limits.problems()``) raise ValueError."""
+    problems = limits.problems()
+    if problems:
+        raise ValueError("run_python: " + "; ".join(problems))
     start = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="polyrl-sandbox-")
     try:
@@ -304,6 +314,8 @@ def _collect(proc, status_r: int, limits: SandboxLimits, deadline: float):
                     continue
                 buf = data[streams[key.fd]]
                 buf += chunk
+                if key.fd == status_r and len(buf) > _STATUS_BYTES:
+                    del buf[: -_STATUS_BYTES // 2]  # the code flooded it: keep the tail
                 if key.fd != status_r and len(buf) > limits.max_output_bytes and stopped is None:
                     stopped = "output"
                     _kill_group(proc.pid)

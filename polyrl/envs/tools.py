@@ -15,16 +15,18 @@ Built-in tools (registered at import): ``calculator`` (arithmetic evaluated over
 from __future__ import annotations
 
 import ast
+import collections
+import contextlib
 import dataclasses
 import difflib
 import inspect
 import math
 import operator
+import queue
 import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jsonschema
@@ -44,6 +46,7 @@ __all__ = [
     "tool_problems",
     "run_tool_calls",
     "calculate",
+    "python_tool",
     "unknown_name",
 ]
 
@@ -266,58 +269,45 @@ def _error(name: str, content: str, start: float, reason: str) -> ToolResult:
     return ToolResult(name, "error: " + content, True, time.monotonic() - start, reason)
 
 
-def _run_one(call: ToolCall, tools: Mapping[str, Tool]) -> ToolResult:
+def _checked(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[Tool, dict] | ToolResult:
+    """The tool and the arguments to call it with, or the error result of a call that
+    cannot run (unknown tool, arguments that break the schema or the signature)."""
     start = time.monotonic()
     tool = tools.get(call.name)
     if tool is None:
         return _error(call.name, unknown_name("tool", call.name, tools), start, "unknown_tool")
-    args = call.arguments
+    args = dict(call.arguments) if isinstance(call.arguments, Mapping) else call.arguments
     problems = (
         _argument_problems(tool, args)
-        if isinstance(args, Mapping)
+        if isinstance(args, dict)
         else [f"arguments are a {type(args).__name__}, not a JSON object"]
     )
     if problems:
-        return _error(
-            call.name,
-            f"bad arguments for tool {call.name!r}: " + "; ".join(problems),
-            start,
-            "bad_arguments",
-        )
-    box: dict[str, Any] = {}
+        text = f"bad arguments for tool {call.name!r}: " + "; ".join(problems)
+        return _error(call.name, text, start, "bad_arguments")
+    return tool, args
 
-    def target():
-        try:
-            box["value"] = tool.fn(**args)
-        except BaseException as e:  # noqa: BLE001 (a tool's fault is the model's observation)
-            box["error"] = e
 
-    # A daemon thread, joined with the timeout: a hung function cannot be stopped, but
-    # its call slot is given back at the timeout and it never blocks interpreter exit.
-    worker = threading.Thread(target=target, name=f"tool-{call.name}", daemon=True)
-    worker.start()
-    worker.join(tool.timeout_s)
-    if worker.is_alive():
-        return _error(
-            call.name, f"tool {call.name!r} timed out after {tool.timeout_s:g} s", start, "timeout"
-        )
+def _call(tool: Tool, args: dict, box: dict, finished: queue.SimpleQueue, index: int) -> None:
+    try:
+        box["value"] = tool.fn(**args)
+    except BaseException as e:  # noqa: BLE001 (a tool's fault is the model's observation)
+        box["error"] = e
+    finished.put(index)
+
+
+def _outcome(name: str, box: dict, start: float) -> ToolResult:
     if "error" in box:
         e = box["error"]
         text = (
-            str(e)
-            if isinstance(e, ToolError)
-            else f"tool {call.name!r} failed: {type(e).__name__}: {e}"
+            str(e) if isinstance(e, ToolError) else f"tool {name!r} failed: {type(e).__name__}: {e}"
         )
-        return _error(call.name, text, start, "exception")
-    value = box.get("value")
+        return _error(name, text, start, "exception")
+    value = box["value"]
     if not isinstance(value, str):
-        return _error(
-            call.name,
-            f"tool {call.name!r} returned a {type(value).__name__}, not text",
-            start,
-            "exception",
-        )
-    return ToolResult(call.name, value, False, time.monotonic() - start, None)
+        text = f"tool {name!r} returned a {type(value).__name__}, not text"
+        return _error(name, text, start, "exception")
+    return ToolResult(name, value, False, time.monotonic() - start, None)
 
 
 def run_tool_calls(
@@ -327,31 +317,66 @@ def run_tool_calls(
     max_concurrency: int = 4,
     max_calls: int | None = None,
 ) -> list[ToolResult]:
-    """Run ``calls`` against ``tools`` (name -> Tool), at most ``max_concurrency`` at once;
-    one result per call, in order. Calls past ``max_calls`` (the episode's remaining
-    budget; None: no limit) are not run: they get a "limit" error result."""
+    """Run ``calls`` against ``tools`` (name -> Tool), at most ``max_concurrency`` at once,
+    in order of the calls; one result per call, in that order. Calls past ``max_calls``
+    (the episode's remaining budget; None: no limit) are not run: they get a "limit" error
+    result. Never raises for a tool's fault.
+
+    Each call runs on a daemon thread of its own, timed from its start: at its tool's
+    ``timeout_s`` it becomes a "timeout" result and its slot goes to the next call (the
+    function cannot be stopped and runs on unseen; a daemon thread never holds up the
+    interpreter's exit)."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency={max_concurrency}: give at least 1")
     budget = len(calls) if max_calls is None else max(0, min(len(calls), max_calls))
-    run, over = list(calls[:budget]), calls[budget:]
-    if len(run) <= 1 or max_concurrency == 1:
-        results = [_run_one(c, tools) for c in run]
-    else:
-        with ThreadPoolExecutor(
-            min(max_concurrency, len(run)), thread_name_prefix="tool-call"
-        ) as pool:
-            results = list(pool.map(lambda c: _run_one(c, tools), run))
+    results: list[ToolResult | None] = [None] * len(calls)
+    waiting: collections.deque[tuple[int, Tool, dict]] = collections.deque()
+    for i, call in enumerate(calls[:budget]):
+        checked = _checked(call, tools)
+        if isinstance(checked, ToolResult):
+            results[i] = checked
+        else:
+            waiting.append((i, *checked))
+    finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+    running: dict[int, tuple[float, float, dict]] = {}  # index -> (deadline, start, box)
+    while waiting or running:
+        while waiting and len(running) < max_concurrency:
+            i, tool, args = waiting.popleft()
+            box: dict[str, Any] = {}
+            start = time.monotonic()
+            threading.Thread(
+                target=_call,
+                args=(tool, args, box, finished, i),
+                name=f"tool-{tool.name}",
+                daemon=True,
+            ).start()
+            running[i] = (start + tool.timeout_s, start, box)
+        first_deadline = min(deadline for deadline, _, _ in running.values())
+        with contextlib.suppress(queue.Empty):
+            done = finished.get(timeout=max(0.0, first_deadline - time.monotonic()))
+            if done in running:
+                _, start, box = running.pop(done)
+                results[done] = _outcome(calls[done].name, box, start)
+        now = time.monotonic()
+        for i in [i for i, (deadline, _, _) in running.items() if deadline <= now]:
+            _, start, box = running.pop(i)
+            name = calls[i].name
+            # A call that finished right at its deadline keeps its result.
+            results[i] = (
+                _outcome(name, box, start)
+                if box
+                else _error(
+                    name,
+                    f"tool {name!r} timed out after {tools[name].timeout_s:g} s",
+                    start,
+                    "timeout",
+                )
+            )
     now = time.monotonic()
-    results += [
-        _error(
-            c.name,
-            f"tool call limit reached ({max_calls} calls); this call was not run",
-            now,
-            "limit",
-        )
-        for c in over
-    ]
-    return results
+    for i in range(budget, len(calls)):
+        text = f"tool call limit reached ({max_calls} calls); this call was not run"
+        results[i] = _error(calls[i].name, text, now, "limit")
+    return results  # type: ignore[return-value] (every index was filled)
 
 
 # --- calculator ------------------------------------------------------------------------
@@ -455,18 +480,44 @@ CALCULATOR = register_tool(
 
 # --- python ----------------------------------------------------------------------------
 
-PYTHON_LIMITS = sandbox.SandboxLimits()
+
+def python_tool(
+    limits: sandbox.SandboxLimits = sandbox.SandboxLimits(),  # noqa: B008 (frozen)
+    name: str = "python",
+) -> Tool:
+    """A tool that runs the model's program in the sandbox under ``limits`` and returns
+    what it printed; a failure or a limit is an error result naming it, with the output
+    so far. The registered ``python`` tool is ``python_tool()``; register another under
+    its own name for other limits."""
+    problems = limits.problems()
+    if problems:
+        raise ValueError(f"python_tool({name!r}): " + "; ".join(problems))
+
+    def run(code: str) -> str:
+        result = sandbox.run_python(code, limits)
+        if result.reason is None and result.exit_code == 0:
+            return result.stdout or "(no output; print() what you want to see)"
+        raise ToolError(_python_failure(result, limits))
+
+    return Tool(
+        name=name,
+        description=(
+            "Run a Python program in a fresh interpreter and return what it prints "
+            "(print the values you need). Each call starts from nothing."
+        ),
+        parameters={
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the complete program"}},
+            "required": ["code"],
+        },
+        fn=run,
+        # The sandbox stops the program at wall_s itself and says which limit it hit;
+        # this outer limit only covers starting and cleaning up.
+        timeout_s=limits.wall_s + 5.0,
+    )
 
 
-def _python(code: str) -> str:
-    result = sandbox.run_python(code, PYTHON_LIMITS)
-    if result.reason is None and result.exit_code == 0:
-        return result.stdout if result.stdout else "(no output; print() what you want to see)"
-    raise ToolError(_python_failure(result))
-
-
-def _python_failure(result: sandbox.SandboxResult) -> str:
-    limits = PYTHON_LIMITS
+def _python_failure(result: sandbox.SandboxResult, limits: sandbox.SandboxLimits) -> str:
     stopped = {
         "timeout": f"the program was stopped at its time limit of {limits.wall_s:g} s",
         "cpu": f"the program was stopped at its CPU-time limit of {limits.cpu_s:g} s",
@@ -483,21 +534,4 @@ def _python_failure(result: sandbox.SandboxResult) -> str:
     return "\n".join(parts)
 
 
-PYTHON = register_tool(
-    Tool(
-        name="python",
-        description=(
-            "Run a Python program in a fresh interpreter and return what it prints "
-            "(print the values you need). Each call starts from nothing."
-        ),
-        parameters={
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "the complete program"}},
-            "required": ["code"],
-        },
-        fn=_python,
-        # The sandbox stops the program at wall_s itself and says which limit it hit;
-        # this outer limit only covers starting and cleaning up.
-        timeout_s=PYTHON_LIMITS.wall_s + 5.0,
-    )
-)
+PYTHON = register_tool(python_tool())

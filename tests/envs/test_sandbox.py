@@ -204,3 +204,5 @@ def test_bad_limits_are_named():
         "give at least 64"
     ]
     assert SandboxLimits().problems() == []
+    with pytest.raises(ValueError, match="run_python: SandboxLimits.wall_s=-1"):
+        run_python("print(1)", SandboxLimits(wall_s=-1))

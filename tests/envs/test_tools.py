@@ -11,6 +11,7 @@ import pytest
 
 from polyrl.data.tiny import build_tokenizer
 from polyrl.envs.parsers import parse_tool_calls
+from polyrl.envs.sandbox import SandboxLimits
 from polyrl.envs.tools import (
     TOOLS,
     Tool,
@@ -18,6 +19,7 @@ from polyrl.envs.tools import (
     ToolError,
     calculate,
     get_tool,
+    python_tool,
     register_tool,
     registered_tools,
     run_tool_calls,
@@ -118,6 +120,33 @@ def test_python_tool_returns_what_the_program_prints():
     assert failed.error and failed.reason == "exception"
     assert failed.content.startswith("error: the program exited with status 1\nstdout:\npartial")
     assert "ZeroDivisionError: division by zero" in failed.content
+
+
+def test_python_tool_names_the_limit_that_stopped_the_program():
+    tight = python_tool(SandboxLimits(wall_s=0.5, max_output_bytes=64), name="python_tight")
+    assert tool_problems([tight]) == [] and tight.timeout_s == 5.5
+    results = run_tool_calls(
+        [
+            call("python_tight", code="import time\nprint('working')\ntime.sleep(30)"),
+            call("python_tight", code="print('y' * 100)"),
+        ],
+        {"python_tight": tight},
+    )
+    assert [(r.reason, r.content) for r in results] == [
+        (
+            "exception",
+            "error: the program was stopped at its time limit of 0.5 s\nstdout:\nworking\n",
+        ),
+        (
+            "exception",
+            "error: the program was stopped: its output passed 64 bytes\nstdout:\n" + "y" * 64,
+        ),
+    ]
+
+
+def test_python_tool_refuses_limits_that_cannot_work():
+    with pytest.raises(ValueError, match=r"python_tool\('python'\): SandboxLimits.wall_s=0"):
+        python_tool(SandboxLimits(wall_s=0))
 
 
 # --- run_tool_calls --------------------------------------------------------------------

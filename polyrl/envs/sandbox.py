@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import time
 
-__all__ = ["SandboxLimits", "SandboxResult", "run_python", "REASONS"]
+__all__ = ["SandboxLimits", "SandboxResult", "run_python", "isolation", "REASONS"]
 
 # SandboxResult.reason values; None: the program ended on its own (any exit code).
 REASONS = ("timeout", "cpu", "memory", "output", "error")
@@ -220,6 +221,14 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
         return _run(workdir, limits, start)
     finally:
         _remove(workdir)
+
+
+@functools.cache
+def isolation() -> dict[str, bool]:
+    """Which namespaces a sandboxed run gets on this machine (one probe run, cached):
+    ``{"network": ..., "pids": ...}``."""
+    probe = run_python("pass")
+    return {"network": probe.network_isolated, "pids": probe.pid_namespace}
 
 
 def _run(workdir: str, limits: SandboxLimits, start: float) -> SandboxResult:

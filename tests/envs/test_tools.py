@@ -132,16 +132,15 @@ def test_python_tool_names_the_limit_that_stopped_the_program():
         ],
         {"python_tight": tight},
     )
-    assert [(r.reason, r.content) for r in results] == [
-        (
-            "exception",
-            "error: the program was stopped at its time limit of 0.5 s\nstdout:\nworking\n",
-        ),
-        (
-            "exception",
-            "error: the program was stopped: its output passed 64 bytes\nstdout:\n" + "y" * 64,
-        ),
-    ]
+    assert [r.reason for r in results] == ["exception", "exception"]
+    # The output so far follows when the program printed before the limit (under heavy
+    # load it may not have started printing within 0.5 s; test_sandbox.py checks that part).
+    assert results[0].content.startswith(
+        "error: the program was stopped at its time limit of 0.5 s"
+    )
+    assert results[1].content == (
+        "error: the program was stopped: its output passed 64 bytes\nstdout:\n" + "y" * 64
+    )
 
 
 def test_python_tool_refuses_limits_that_cannot_work():

@@ -9,6 +9,9 @@ returns it as an error observation). Parsers are registered by name
 ``hermes`` -- Hermes 2 Pro / Qwen2.5 / Qwen3: each call is a JSON object
 ``{"name": ..., "arguments": {...}}`` between ``<tool_call>`` and ``</tool_call>``; a
 turn may hold several.
+
+``llama3_json`` -- Llama 3.1-3.3: the turn is ``{"name": ..., "parameters": {...}}``
+(several separated by ``;``), optionally after ``<|python_tag|>``.
 """
 
 from __future__ import annotations
@@ -133,20 +136,70 @@ def _hermes_call(body: str, raw: str) -> ToolCall | str:
         obj = json.loads(body)
     except json.JSONDecodeError as e:
         return f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno}) in {_snippet(body)}"
+    return _call_from_json(obj, raw, "arguments")
+
+
+def _call_from_json(obj: Any, raw: str, key: str) -> ToolCall | str:
+    """``{"name": ..., key: {...}}`` as a call, or what is wrong with it. The arguments may
+    be left out (a tool without parameters) or be a JSON string holding the object (as
+    OpenAI's API writes them, which some models copy)."""
     if not isinstance(obj, dict):
         return f"the call is a JSON {_json_type(obj)}, not an object"
     name = obj.get("name")
     if not isinstance(name, str) or not name.strip():
         return 'the call has no "name" (a non-empty string)'
-    arguments = obj.get("arguments", {})
-    if isinstance(arguments, str):  # some models encode the arguments as a JSON string
+    arguments = obj.get(key, {})
+    if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except json.JSONDecodeError:
-            return f'"arguments" of {name!r} is a string that is not JSON: {_snippet(arguments)}'
+            return f'"{key}" of {name!r} is a string that is not JSON: {_snippet(arguments)}'
     if not isinstance(arguments, dict):
-        return f'"arguments" of {name!r} is a JSON {_json_type(arguments)}, not an object'
+        return f'"{key}" of {name!r} is a JSON {_json_type(arguments)}, not an object'
     return ToolCall(name=name.strip(), arguments=arguments, raw=raw)
+
+
+# --- llama3_json -----------------------------------------------------------------------
+
+PYTHON_TAG = "<|python_tag|>"
+LLAMA3_FORMAT = '{"name": "<tool name>", "parameters": {<arguments>}}'
+_DECODER = json.JSONDecoder()
+
+
+@register_parser("llama3_json")
+def llama3_json(text: str) -> ParseResult:
+    """Llama 3.1 / 3.2 / 3.3 JSON tool calls: the turn *is* the call(s) --
+    ``{"name": ..., "parameters": {...}}``, several separated by ``;``, optionally after
+    ``<|python_tag|>`` (a special token: only there if the turn was decoded with special
+    tokens). A turn that does not start with ``{`` is an answer, not a call. Text after
+    the last call is kept as ``text``; JSON that does not parse ends the calls there."""
+    body = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return ParseResult(text.strip(), [], [])
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    pos = 0
+    while pos < len(body) and body[pos] == "{":
+        number = len(calls) + len(errors) + 1
+        try:
+            obj, end = _DECODER.raw_decode(body, pos)
+        except json.JSONDecodeError as e:
+            errors.append(
+                f"tool call {number}: invalid JSON ({e.msg} at column {e.pos - pos + 1}) in "
+                f"{_snippet(body[pos:])}. Write each call as {LLAMA3_FORMAT}"
+            )
+            return ParseResult("", calls, errors)
+        call = _call_from_json(
+            obj, body[pos:end], "parameters" if "parameters" in obj else "arguments"
+        )
+        if isinstance(call, ToolCall):
+            calls.append(call)
+        else:
+            errors.append(f"tool call {number}: {call}. Write each call as {LLAMA3_FORMAT}")
+        pos = end
+        while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+            pos += 1
+    return ParseResult(body[pos:].strip(), calls, errors)
 
 
 def _json_type(value: Any) -> str:

@@ -119,3 +119,48 @@ def test_register_a_parser_and_refuse_a_second_under_its_name():
         from polyrl.envs.parsers import PARSERS
 
         PARSERS.pop("test-bracket", None)
+
+
+# --- llama3_json -----------------------------------------------------------------------
+
+
+def test_llama3_json_call_with_or_without_the_python_tag():
+    call = '{"name": "calculator", "parameters": {"expression": "2 + 3"}}'
+    for turn in (call, f"<|python_tag|>{call}", f"  {call}\n"):
+        result = parse_tool_calls(turn, parser="llama3_json")
+        assert result == ParseResult(
+            "", [ToolCall("calculator", {"expression": "2 + 3"}, call)], []
+        )
+
+
+def test_llama3_json_several_calls_and_arguments_key():
+    first = '{"name": "f", "parameters": {"x": 1}}'
+    second = '{"name": "g", "arguments": {"y": [2, 3]}}'
+    result = parse_tool_calls(f"{first}; {second}\nThanks.", parser="llama3_json")
+    assert [(c.name, dict(c.arguments), c.raw) for c in result.calls] == [
+        ("f", {"x": 1}, first),
+        ("g", {"y": [2, 3]}, second),
+    ]
+    assert (result.text, result.errors) == ("Thanks.", [])
+
+
+def test_llama3_json_answer_is_not_a_call():
+    turn = 'The answer is {"x": 1}, computed by hand.'
+    assert parse_tool_calls(turn, parser="llama3_json") == ParseResult(turn, [], [])
+
+
+@pytest.mark.parametrize(
+    ("turn", "number", "expected"),
+    [
+        ('{"name": "f", "parameters": {"x": 1}', 1, "invalid JSON"),
+        ('{"parameters": {"x": 1}}', 1, 'the call has no "name"'),
+        ('{"name": "f", "parameters": [1]}', 1, "\"parameters\" of 'f' is a JSON array"),
+        ('{"name": "f", "parameters": {}}; {"name": ', 2, "invalid JSON"),
+    ],
+)
+def test_llama3_json_malformed(turn, number, expected):
+    result = parse_tool_calls(turn, parser="llama3_json")
+    (error,) = result.errors
+    assert error.startswith(f"tool call {number}: ") and expected in error, error
+    assert '{"name": "<tool name>", "parameters": {<arguments>}}' in error
+    assert [c.name for c in result.calls] == ["f"] * (number - 1)

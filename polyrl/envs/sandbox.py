@@ -151,7 +151,6 @@ cap(resource.RLIMIT_CORE, 0, 0)
 if not pids:
     run()
     sys.exit(0)
-sys.stdout.flush()
 init = os.fork()
 if init:
     os.waitpid(init, 0)
@@ -200,8 +199,10 @@ def _remove(path: str) -> None:
             os.chmod(p, stat.S_IRWXU)
         func(p)
 
+    # Python 3.12 renamed the hook (same arguments but the last: an exception, not exc_info).
+    hook = {"onexc" if sys.version_info >= (3, 12) else "onerror": retry}
     try:
-        shutil.rmtree(path, onerror=retry)
+        shutil.rmtree(path, **hook)
     except OSError:
         shutil.rmtree(path, ignore_errors=True)
 

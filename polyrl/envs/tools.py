@@ -277,11 +277,14 @@ def _checked(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[Tool, dict] | T
     if tool is None:
         return _error(call.name, unknown_name("tool", call.name, tools), start, "unknown_tool")
     args = dict(call.arguments) if isinstance(call.arguments, Mapping) else call.arguments
-    problems = (
-        _argument_problems(tool, args)
-        if isinstance(args, dict)
-        else [f"arguments are a {type(args).__name__}, not a JSON object"]
-    )
+    if not isinstance(args, dict):
+        problems = [f"arguments are a {type(args).__name__}, not a JSON object"]
+    else:
+        try:
+            problems = _argument_problems(tool, args)
+        except Exception as e:  # the tool's schema, not the call: e.g. an unresolvable $ref
+            text = f"tool {call.name!r} could not check its arguments: {type(e).__name__}: {e}"
+            return _error(call.name, text, start, "exception")
     if problems:
         text = f"bad arguments for tool {call.name!r}: " + "; ".join(problems)
         return _error(call.name, text, start, "bad_arguments")

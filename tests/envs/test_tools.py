@@ -256,6 +256,34 @@ def test_unknown_tool_and_bad_arguments_become_error_results():
     assert "arguments are a list, not a JSON object" in results[4].content
 
 
+def test_nested_argument_errors_are_all_named():
+    schema = {
+        "type": "object",
+        "properties": {
+            "points": {"type": "array", "items": {"type": "integer"}},
+            "label": {"type": "object", "properties": {"text": {"type": "string"}}},
+        },
+    }
+    nested = tool("nested", lambda points=(), label=None: "ok", parameters=schema)
+    (result,) = run_tool_calls(
+        [call("nested", points=[1, "b"], label={"text": 3})], {"nested": nested}
+    )
+    assert result.reason == "bad_arguments"
+    assert result.content == (
+        "error: bad arguments for tool 'nested': label/text: 3 is not of type 'string'; "
+        "points/1: 'b' is not of type 'integer'"
+    )
+
+
+def test_a_schema_that_cannot_be_checked_is_an_error_result():
+    schema = {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}
+    broken = tool("broken", lambda x=0: "ok", parameters=schema)
+    (result,) = run_tool_calls([call("broken", x=1)], {"broken": broken})
+    assert result.reason == "exception" and result.content.startswith(
+        "error: tool 'broken' could not check its arguments: "
+    )
+
+
 def test_calls_past_the_limit_are_not_run():
     ran = []
     tools = {"r": tool("r", lambda x: ran.append(x) or "ok")}

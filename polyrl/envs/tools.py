@@ -319,6 +319,7 @@ def run_tool_calls(
     *,
     max_concurrency: int = 4,
     max_calls: int | None = None,
+    timeouts: bool = True,
 ) -> list[ToolResult]:
     """Run ``calls`` against ``tools`` (name -> Tool), at most ``max_concurrency`` at once,
     in order of the calls; one result per call, in that order. Calls past ``max_calls``
@@ -328,7 +329,9 @@ def run_tool_calls(
     Each call runs on a daemon thread of its own, timed from its start: at its tool's
     ``timeout_s`` it becomes a "timeout" result and its slot goes to the next call (the
     function cannot be stopped and runs on unseen; a daemon thread never holds up the
-    interpreter's exit)."""
+    interpreter's exit). ``timeouts=False`` waits for every call however long it takes:
+    for debugging, so that a tool paused at a breakpoint is not cut while you step
+    through it."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency={max_concurrency}: give at least 1")
     budget = len(calls) if max_calls is None else max(0, min(len(calls), max_calls))
@@ -353,10 +356,11 @@ def run_tool_calls(
                 name=f"tool-{tool.name}",
                 daemon=True,
             ).start()
-            running[i] = (start + tool.timeout_s, start, box)
+            running[i] = (start + tool.timeout_s if timeouts else math.inf, start, box)
         first_deadline = min(deadline for deadline, _, _ in running.values())
+        wait = None if first_deadline == math.inf else max(0.0, first_deadline - time.monotonic())
         with contextlib.suppress(queue.Empty):
-            done = finished.get(timeout=max(0.0, first_deadline - time.monotonic()))
+            done = finished.get(timeout=wait)
             if done in running:
                 _, start, box = running.pop(done)
                 results[done] = _outcome(calls[done].name, box, start)

@@ -171,6 +171,14 @@ def test_hanging_tool_is_cut_at_its_timeout_and_the_other_calls_return():
     assert [(r.content, r.error) for r in results[1:]] == [("4", False), ("6", False)]
 
 
+def test_without_timeouts_a_slow_call_is_waited_for():
+    # As when debugging: a tool stopped at a breakpoint must not be cut.
+    slow = tool("slow", lambda x: time.sleep(0.3) or "done", timeout_s=0.05)
+    (cut,) = run_tool_calls([call("slow", x=1)], {"slow": slow})
+    (waited,) = run_tool_calls([call("slow", x=1)], {"slow": slow}, timeouts=False)
+    assert (cut.reason, waited.reason, waited.content) == ("timeout", None, "done")
+
+
 def test_concurrency_is_bounded_and_used():
     """Four calls, two slots: each call waits at a two-party barrier, so pairs must run
     together (one slot would break the barrier) and no third call may be inside (peak)."""

@@ -15,10 +15,12 @@ Built-in tools (registered at import): ``calculator`` (arithmetic evaluated over
 from __future__ import annotations
 
 import ast
+import asyncio
 import collections
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import operator
@@ -45,6 +47,7 @@ __all__ = [
     "registered_tools",
     "tool_problems",
     "run_tool_calls",
+    "arun_tool_calls",
     "calculate",
     "python_tool",
     "unknown_name",
@@ -291,12 +294,21 @@ def _checked(call: ToolCall, tools: Mapping[str, Tool]) -> tuple[Tool, dict] | T
     return tool, args
 
 
-def _call(tool: Tool, args: dict, box: dict, finished: queue.SimpleQueue, index: int) -> None:
-    try:
-        box["value"] = tool.fn(**args)
-    except BaseException as e:  # noqa: BLE001 (a tool's fault is the model's observation)
-        box["error"] = e
-    finished.put(index)
+def _start(tool: Tool, args: dict, box: dict, done: Callable[[], None]) -> float:
+    """Run ``tool.fn(**args)`` on a daemon thread of its own, its value or exception into
+    ``box``, then ``done()``; returns the start time."""
+
+    def target() -> None:
+        try:
+            box["value"] = tool.fn(**args)
+        except BaseException as e:  # noqa: BLE001 (a tool's fault is the model's observation)
+            box["error"] = e
+        with contextlib.suppress(RuntimeError):  # the waiting event loop closed meanwhile
+            done()
+
+    start = time.monotonic()
+    threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True).start()
+    return start
 
 
 def _outcome(name: str, box: dict, start: float) -> ToolResult:
@@ -311,6 +323,25 @@ def _outcome(name: str, box: dict, start: float) -> ToolResult:
         text = f"tool {name!r} returned a {type(value).__name__}, not text"
         return _error(name, text, start, "exception")
     return ToolResult(name, value, False, time.monotonic() - start, None)
+
+
+def _late(name: str, tool: Tool, box: dict, start: float) -> ToolResult:
+    """The result of a call whose time ran out: a timeout, unless it finished just then."""
+    if box:
+        return _outcome(name, box, start)
+    return _error(name, f"tool {name!r} timed out after {tool.timeout_s:g} s", start, "timeout")
+
+
+def _budget(calls: Sequence[ToolCall], max_concurrency: int, max_calls: int | None) -> int:
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency={max_concurrency}: give at least 1")
+    return len(calls) if max_calls is None else max(0, min(len(calls), max_calls))
+
+
+def _over_limit(calls: Sequence[ToolCall], max_calls: int | None) -> list[ToolResult]:
+    now = time.monotonic()
+    text = f"tool call limit reached ({max_calls} calls); this call was not run"
+    return [_error(call.name, text, now, "limit") for call in calls]
 
 
 def run_tool_calls(
@@ -331,11 +362,9 @@ def run_tool_calls(
     function cannot be stopped and runs on unseen; a daemon thread never holds up the
     interpreter's exit). ``timeouts=False`` waits for every call however long it takes:
     for debugging, so that a tool paused at a breakpoint is not cut while you step
-    through it."""
-    if max_concurrency < 1:
-        raise ValueError(f"max_concurrency={max_concurrency}: give at least 1")
-    budget = len(calls) if max_calls is None else max(0, min(len(calls), max_calls))
-    results: list[ToolResult | None] = [None] * len(calls)
+    through it. :func:`arun_tool_calls` is the same for an asyncio event loop."""
+    budget = _budget(calls, max_concurrency, max_calls)
+    results: list[ToolResult | None] = [None] * budget
     waiting: collections.deque[tuple[int, Tool, dict]] = collections.deque()
     for i, call in enumerate(calls[:budget]):
         checked = _checked(call, tools)
@@ -344,46 +373,61 @@ def run_tool_calls(
         else:
             waiting.append((i, *checked))
     finished: queue.SimpleQueue[int] = queue.SimpleQueue()
-    running: dict[int, tuple[float, float, dict]] = {}  # index -> (deadline, start, box)
+    running: dict[int, tuple[float, Tool, float, dict]] = {}  # i -> (deadline, tool, start, box)
     while waiting or running:
         while waiting and len(running) < max_concurrency:
             i, tool, args = waiting.popleft()
             box: dict[str, Any] = {}
-            start = time.monotonic()
-            threading.Thread(
-                target=_call,
-                args=(tool, args, box, finished, i),
-                name=f"tool-{tool.name}",
-                daemon=True,
-            ).start()
-            running[i] = (start + tool.timeout_s if timeouts else math.inf, start, box)
-        first_deadline = min(deadline for deadline, _, _ in running.values())
-        wait = None if first_deadline == math.inf else max(0.0, first_deadline - time.monotonic())
+            start = _start(tool, args, box, functools.partial(finished.put, i))
+            running[i] = (start + tool.timeout_s if timeouts else math.inf, tool, start, box)
+        first = min(deadline for deadline, *_ in running.values())
         with contextlib.suppress(queue.Empty):
-            done = finished.get(timeout=wait)
+            done = finished.get(
+                timeout=None if first == math.inf else max(0.0, first - time.monotonic())
+            )
             if done in running:
-                _, start, box = running.pop(done)
+                _, _, start, box = running.pop(done)
                 results[done] = _outcome(calls[done].name, box, start)
         now = time.monotonic()
-        for i in [i for i, (deadline, _, _) in running.items() if deadline <= now]:
-            _, start, box = running.pop(i)
-            name = calls[i].name
-            # A call that finished right at its deadline keeps its result.
-            results[i] = (
-                _outcome(name, box, start)
-                if box
-                else _error(
-                    name,
-                    f"tool {name!r} timed out after {tools[name].timeout_s:g} s",
-                    start,
-                    "timeout",
-                )
+        for i in [i for i, (deadline, *_) in running.items() if deadline <= now]:
+            _, tool, start, box = running.pop(i)
+            results[i] = _late(calls[i].name, tool, box, start)
+    return [*results, *_over_limit(calls[budget:], max_calls)]  # type: ignore[list-item]
+
+
+async def arun_tool_calls(
+    calls: Sequence[ToolCall],
+    tools: Mapping[str, Tool],
+    *,
+    max_concurrency: int = 4,
+    max_calls: int | None = None,
+    timeouts: bool = True,
+) -> list[ToolResult]:
+    """:func:`run_tool_calls` for an asyncio event loop (an environment with many episodes
+    in flight): the same results, the loop free while the calls run."""
+    budget = _budget(calls, max_concurrency, max_calls)
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(max_concurrency)  # FIFO: calls start in order
+
+    async def one(call: ToolCall) -> ToolResult:
+        checked = _checked(call, tools)
+        if isinstance(checked, ToolResult):
+            return checked
+        tool, args = checked
+        async with slots:
+            box: dict[str, Any] = {}
+            finished = asyncio.Event()
+            start = _start(
+                tool, args, box, functools.partial(loop.call_soon_threadsafe, finished.set)
             )
-    now = time.monotonic()
-    for i in range(budget, len(calls)):
-        text = f"tool call limit reached ({max_calls} calls); this call was not run"
-        results[i] = _error(calls[i].name, text, now, "limit")
-    return results  # type: ignore[return-value] (every index was filled)
+            try:
+                await asyncio.wait_for(finished.wait(), tool.timeout_s if timeouts else None)
+            except TimeoutError:
+                return _late(call.name, tool, box, start)
+            return _outcome(call.name, box, start)
+
+    results = await asyncio.gather(*(one(call) for call in calls[:budget]))
+    return [*results, *_over_limit(calls[budget:], max_calls)]
 
 
 # --- calculator ------------------------------------------------------------------------

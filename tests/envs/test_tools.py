@@ -3,6 +3,7 @@ timeouts and concurrency, and the built-in calculator and python tools."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ from polyrl.envs.tools import (
     Tool,
     ToolCall,
     ToolError,
+    arun_tool_calls,
     calculate,
     get_tool,
     python_tool,
@@ -148,10 +150,18 @@ def test_python_tool_refuses_limits_that_cannot_work():
         python_tool(SandboxLimits(wall_s=0))
 
 
-# --- run_tool_calls --------------------------------------------------------------------
+# --- run_tool_calls ---------------------------------------------------------------------
 
 
-def test_hanging_tool_is_cut_at_its_timeout_and_the_other_calls_return():
+@pytest.fixture(params=["threads", "asyncio"])
+def runner(request):
+    """run_tool_calls, and arun_tool_calls in an event loop: the same behaviour."""
+    if request.param == "threads":
+        return run_tool_calls
+    return lambda *args, **kwargs: asyncio.run(arun_tool_calls(*args, **kwargs))
+
+
+def test_hanging_tool_is_cut_at_its_timeout_and_the_other_calls_return(runner):
     release = threading.Event()
     tools = {
         "hang": tool("hang", lambda x: str(release.wait(30)), timeout_s=0.2),
@@ -159,7 +169,7 @@ def test_hanging_tool_is_cut_at_its_timeout_and_the_other_calls_return():
     }
     try:
         # One slot: the calls after the hung one run only if the timeout gives it back.
-        results = run_tool_calls(
+        results = runner(
             [call("hang", x=1), call("double", x=2), call("double", x=3)], tools, max_concurrency=1
         )
     finally:
@@ -171,15 +181,15 @@ def test_hanging_tool_is_cut_at_its_timeout_and_the_other_calls_return():
     assert [(r.content, r.error) for r in results[1:]] == [("4", False), ("6", False)]
 
 
-def test_without_timeouts_a_slow_call_is_waited_for():
+def test_without_timeouts_a_slow_call_is_waited_for(runner):
     # As when debugging: a tool stopped at a breakpoint must not be cut.
     slow = tool("slow", lambda x: time.sleep(0.3) or "done", timeout_s=0.05)
-    (cut,) = run_tool_calls([call("slow", x=1)], {"slow": slow})
-    (waited,) = run_tool_calls([call("slow", x=1)], {"slow": slow}, timeouts=False)
+    (cut,) = runner([call("slow", x=1)], {"slow": slow})
+    (waited,) = runner([call("slow", x=1)], {"slow": slow}, timeouts=False)
     assert (cut.reason, waited.reason, waited.content) == ("timeout", None, "done")
 
 
-def test_concurrency_is_bounded_and_used():
+def test_concurrency_is_bounded_and_used(runner):
     """Four calls, two slots: each call waits at a two-party barrier, so pairs must run
     together (one slot would break the barrier) and no third call may be inside (peak)."""
     lock, active, peak = threading.Lock(), [0], [0]
@@ -194,14 +204,14 @@ def test_concurrency_is_bounded_and_used():
             active[0] -= 1
         return str(x)
 
-    results = run_tool_calls(
+    results = runner(
         [call("meet", x=i) for i in range(4)], {"meet": tool("meet", meet)}, max_concurrency=2
     )
     assert [(r.content, r.error) for r in results] == [(str(i), False) for i in range(4)]
     assert peak[0] == 2
 
 
-def test_one_slot_runs_calls_one_after_another():
+def test_one_slot_runs_calls_one_after_another(runner):
     order = []
 
     def record(x):
@@ -210,11 +220,11 @@ def test_one_slot_runs_calls_one_after_another():
         order.append(("end", x))
         return ""
 
-    run_tool_calls([call("r", x=i) for i in range(3)], {"r": tool("r", record)}, max_concurrency=1)
+    runner([call("r", x=i) for i in range(3)], {"r": tool("r", record)}, max_concurrency=1)
     assert order == [(e, i) for i in range(3) for e in ("start", "end")]
 
 
-def test_exceptions_become_error_results():
+def test_exceptions_become_error_results(runner):
     def boom(x):
         raise RuntimeError(f"no luck with {x}")
 
@@ -226,7 +236,7 @@ def test_exceptions_become_error_results():
         "refuse": tool("refuse", refuse),
         "number": tool("number", lambda x: x),
     }
-    results = run_tool_calls([call("boom", x=1), call("refuse", x=12), call("number", x=5)], tools)
+    results = runner([call("boom", x=1), call("refuse", x=12), call("number", x=5)], tools)
     assert [(r.reason, r.error, r.content) for r in results] == [
         ("exception", True, "error: tool 'boom' failed: RuntimeError: no luck with 1"),
         ("exception", True, "error: x=12 is out of range; give 0-9"),
@@ -234,9 +244,9 @@ def test_exceptions_become_error_results():
     ]
 
 
-def test_unknown_tool_and_bad_arguments_become_error_results():
+def test_unknown_tool_and_bad_arguments_become_error_results(runner):
     tools = {"double": tool("double", lambda x: str(2 * x))}
-    results = run_tool_calls(
+    results = runner(
         [
             call("doubel", x=1),
             call("double"),
@@ -264,7 +274,7 @@ def test_unknown_tool_and_bad_arguments_become_error_results():
     assert "arguments are a list, not a JSON object" in results[4].content
 
 
-def test_nested_argument_errors_are_all_named():
+def test_nested_argument_errors_are_all_named(runner):
     schema = {
         "type": "object",
         "properties": {
@@ -273,9 +283,7 @@ def test_nested_argument_errors_are_all_named():
         },
     }
     nested = tool("nested", lambda points=(), label=None: "ok", parameters=schema)
-    (result,) = run_tool_calls(
-        [call("nested", points=[1, "b"], label={"text": 3})], {"nested": nested}
-    )
+    (result,) = runner([call("nested", points=[1, "b"], label={"text": 3})], {"nested": nested})
     assert result.reason == "bad_arguments"
     assert result.content == (
         "error: bad arguments for tool 'nested': label/text: 3 is not of type 'string'; "
@@ -283,19 +291,19 @@ def test_nested_argument_errors_are_all_named():
     )
 
 
-def test_a_schema_that_cannot_be_checked_is_an_error_result():
+def test_a_schema_that_cannot_be_checked_is_an_error_result(runner):
     schema = {"type": "object", "properties": {"x": {"$ref": "#/$defs/missing"}}}
     broken = tool("broken", lambda x=0: "ok", parameters=schema)
-    (result,) = run_tool_calls([call("broken", x=1)], {"broken": broken})
+    (result,) = runner([call("broken", x=1)], {"broken": broken})
     assert result.reason == "exception" and result.content.startswith(
         "error: tool 'broken' could not check its arguments: "
     )
 
 
-def test_calls_past_the_limit_are_not_run():
+def test_calls_past_the_limit_are_not_run(runner):
     ran = []
     tools = {"r": tool("r", lambda x: ran.append(x) or "ok")}
-    results = run_tool_calls([call("r", x=i) for i in range(4)], tools, max_calls=2)
+    results = runner([call("r", x=i) for i in range(4)], tools, max_calls=2)
     assert sorted(ran) == [0, 1]
     assert [r.reason for r in results] == [None, None, "limit", "limit"]
     assert results[2].content == "error: tool call limit reached (2 calls); this call was not run"
@@ -304,6 +312,24 @@ def test_calls_past_the_limit_are_not_run():
 def test_result_message_is_a_tool_chat_message():
     (result,) = run_tool_calls([call("calculator", expression="1+1")], TOOLS)
     assert result.message() == {"role": "tool", "name": "calculator", "content": "2"}
+
+
+def test_event_loop_runs_other_episodes_while_calls_run():
+    """Three episodes' calls in one event loop, one slot each: they meet at a three-party
+    barrier, which only works if no episode's calls block the loop."""
+    barrier = threading.Barrier(3, timeout=10)
+    meet = tool("meet", lambda x: str(barrier.wait() >= 0 and x))
+
+    async def episodes():
+        return await asyncio.gather(
+            *(
+                arun_tool_calls([call("meet", x=i)], {"meet": meet}, max_concurrency=1)
+                for i in range(3)
+            )
+        )
+
+    results = asyncio.run(episodes())
+    assert [(r.content, r.error) for (r,) in results] == [("0", False), ("1", False), ("2", False)]
 
 
 # --- registry and validation -----------------------------------------------------------

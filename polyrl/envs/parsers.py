@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from polyrl.envs.tools import ToolCall, unknown_name
+from polyrl.envs.tools import ToolCall, ToolResult, unknown_name
 
 __all__ = [
     "ParseResult",
@@ -41,6 +41,11 @@ class ParseResult:
     text: str
     calls: list[ToolCall]
     errors: list[str]
+
+    def error_results(self) -> list[ToolResult]:
+        """Each malformed call as an error result (reason "malformed"), to return to the
+        model as a ``tool`` message and count with the calls' own errors."""
+        return [ToolResult("", "error: " + e, True, 0.0, "malformed") for e in self.errors]
 
 
 Parser = Callable[[str], ParseResult]

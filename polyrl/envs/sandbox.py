@@ -51,7 +51,8 @@ REASONS = ("timeout", "cpu", "memory", "output", "error")
 class SandboxLimits:
     """Limits of one sandboxed run. ``cpu_s`` is rounded up to whole seconds (RLIMIT_CPU's
     unit); ``memory_mb`` caps the address space, which is larger than resident memory
-    (the interpreter alone maps ~30 MB; importing numpy ~100 MB more)."""
+    (the interpreter alone maps ~30 MB, numpy ~100 MB more; sympy and scipy fit in
+    512 MB, torch does not)."""
 
     cpu_s: float = 5
     memory_mb: int = 512

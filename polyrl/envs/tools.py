@@ -53,8 +53,9 @@ __all__ = [
     "unknown_name",
 ]
 
-# ToolResult.reason values (None: the tool returned normally).
-REASONS = ("timeout", "exception", "unknown_tool", "bad_arguments", "limit")
+# ToolResult.reason values (None: the tool returned normally); "malformed" is a call the
+# parser could not read (ParseResult.error_results), the others come from run_tool_calls.
+REASONS = ("timeout", "exception", "unknown_tool", "bad_arguments", "limit", "malformed")
 
 # OpenAI's rule for function names, which chat templates and parsers assume.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -88,6 +88,15 @@ def test_malformed_call_among_good_ones_is_numbered_and_the_rest_still_parse():
     assert result.text == "Try:  and  end"
 
 
+def test_malformed_calls_as_error_results():
+    result = parse_tool_calls('<tool_call>{"x": 1}</tool_call><tool_call>{bad</tool_call>')
+    (first, second) = result.error_results()
+    assert (first.name, first.error, first.reason) == ("", True, "malformed")
+    assert first.content == "error: " + result.errors[0]
+    assert second.content.startswith("error: tool call 2: invalid JSON")
+    assert first.message()["role"] == "tool"
+
+
 def test_error_tells_the_model_the_expected_format():
     (error,) = parse_tool_calls('<tool_call>{"x": 1}</tool_call>').errors
     assert '{"name": "<tool name>", "arguments": {<arguments>}}' in error

@@ -15,8 +15,8 @@ variables) in its own session (process group), with:
   the run; an environment of a few fixed variables (nothing of the caller's);
 - where the platform allows it (Linux, as root or with ``CAP_SYS_ADMIN``), namespaces
   made by ``unshare``: a new, empty network namespace (no network, not even loopback)
-  and a new PID namespace (the code cannot see or signal the caller's processes, and
-  every process it starts dies when it ends, even one that left the process group).
+  and a new PID namespace (the code cannot signal the caller's processes, and every
+  process it starts dies when it ends, even one that left the process group).
   Where that is refused, the code runs with the caller's network and process table;
   ``SandboxResult.network_isolated`` and ``pid_namespace`` say which happened.
 

@@ -192,6 +192,16 @@ def test_processes_it_leaves_behind_die_with_it(tmp_path):
     assert not os.path.exists(escaped)
 
 
+def test_the_callers_processes_cannot_be_signalled():
+    # Signal 0 only probes: outside a PID namespace it would reach this process.
+    if not isolation()["pids"]:
+        pytest.skip(
+            "unshare(CLONE_NEWPID) is refused here (not root, no CAP_SYS_ADMIN, or not Linux)"
+        )
+    code = f"import os\ntry:\n    os.kill({os.getpid()}, 0)\n    print('reached')\nexcept ProcessLookupError:\n    print('no such process')"
+    assert run_python(code, FAST).stdout == "no such process\n"
+
+
 def test_runs_from_several_threads_at_once():
     # Tools run on threads; each run has its own process, pipes and directory.
     with ThreadPoolExecutor(4) as pool:

@@ -125,24 +125,25 @@ def test_python_tool_returns_what_the_program_prints():
 
 
 def test_python_tool_names_the_limit_that_stopped_the_program():
-    tight = python_tool(SandboxLimits(wall_s=0.5, max_output_bytes=64), name="python_tight")
-    assert tool_problems([tight]) == [] and tight.timeout_s == 5.5
+    # Two tools: a short wall clock, and a long one (60 s, never reached: the output cap
+    # stops the program) so that a loaded machine cannot turn the second into a timeout.
+    short = python_tool(SandboxLimits(wall_s=0.5), name="python_short")
+    chatty = python_tool(SandboxLimits(wall_s=60, max_output_bytes=64), name="python_chatty")
+    assert tool_problems([short, chatty]) == [] and short.timeout_s == 5.5
     results = run_tool_calls(
         [
-            call("python_tight", code="import time\nprint('working')\ntime.sleep(30)"),
-            call("python_tight", code="print('y' * 100)"),
+            call("python_short", code="import time\ntime.sleep(30)"),
+            call("python_chatty", code="print('y' * 100)"),
         ],
-        {"python_tight": tight},
+        {"python_short": short, "python_chatty": chatty},
     )
-    assert [r.reason for r in results] == ["exception", "exception"]
-    # The output so far follows when the program printed before the limit (under heavy
-    # load it may not have started printing within 0.5 s; test_sandbox.py checks that part).
-    assert results[0].content.startswith(
-        "error: the program was stopped at its time limit of 0.5 s"
-    )
-    assert results[1].content == (
-        "error: the program was stopped: its output passed 64 bytes\nstdout:\n" + "y" * 64
-    )
+    assert [(r.reason, r.content) for r in results] == [
+        ("exception", "error: the program was stopped at its time limit of 0.5 s"),
+        (
+            "exception",
+            "error: the program was stopped: its output passed 64 bytes\nstdout:\n" + "y" * 64,
+        ),
+    ]
 
 
 def test_python_tool_refuses_limits_that_cannot_work():

@@ -191,12 +191,21 @@ def test_processes_it_leaves_behind_die_with_it(tmp_path):
     result = run_python(code, SandboxLimits(wall_s=60, allow_subprocesses=True))
     assert result.pid_namespace
     assert (result.stdout, result.exit_code, result.reason) == ("parent done\n", 0, None)
-    escaped = f"/proc/{pid_file.read_text()}"
-    for _ in range(500):  # the kernel kills it at once; reaping may take a moment (5 s at most)
-        if not os.path.exists(escaped):
+    pid = int(pid_file.read_text())
+    for _ in range(500):  # the kernel kills it at once; give the kill 5 s to show
+        if not _alive(pid):
             break
         time.sleep(0.01)
-    assert not os.path.exists(escaped)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (the host's init reaps orphans; one that does not leaves them)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_the_callers_processes_cannot_be_signalled():

@@ -178,6 +178,7 @@ def test_processes_it_leaves_behind_die_with_it(tmp_path):
             with open({str(pid_file)!r}, "w") as f:
                 f.write(os.readlink("/proc/self"))
             time.sleep(60)
+            os._exit(0)  # never the parent's code below, had it outlived the run
         while not os.path.exists({str(pid_file)!r}):
             time.sleep(0.01)
         print("parent done")

@@ -5,8 +5,8 @@ semantics, so that one algorithm (a loss function from ``polyrl.algos``) gives t
 same update on either. Shapes: ``B`` samples, ``P`` prompt tokens, ``R`` response
 tokens; the sequence columns are described in ``polyrl.batch``.
 
-Loss-function contract (STYLE.md 2)
------------------------------------
+Loss-function contract (docs/design.md "TrainEngine")
+-----------------------------------------------------
 ``loss_fn(outputs, batch, ctx) -> (loss, metrics)`` where
 
 * ``outputs``: the model's per-token outputs for one micro-batch, as the backend's own
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,6 +46,9 @@ __all__ = [
     "get_engine",
     "Bucket",
     "check_temperature",
+    "tensor_split_problem",
+    "ArrayBridge",
+    "array_bridge",
 ]
 
 
@@ -128,6 +132,49 @@ def check_temperature(temperature: float) -> None:
         )
 
 
+# Model sizes (config.json) a ``tensor`` mesh axis splits: both backends shard attention
+# heads, key/value heads and the MLP width over it (config.DEFAULT_LOGICAL_RULES).
+TENSOR_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def tensor_split_problem(shape: Mapping[str, Any], tensor: int, where: str) -> str | None:
+    """Why a model of ``shape`` (``checkpoints.model_shape``) cannot split over a
+    ``tensor`` axis of this size (None: it can); ``where`` names the mesh binding. Both
+    validate-config (``polyrl.roles``) and an engine that starts on a bad mesh ask it."""
+    sizes = {k: shape.get(k) for k in TENSOR_SPLIT_KEYS}
+    if not sizes["num_key_value_heads"]:  # multi-head attention: as many as query heads
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    sizes = {k: int(v) for k, v in sizes.items() if v}
+    bad = {k: v for k, v in sizes.items() if v % tensor}
+    if tensor == 1 or not bad:
+        return None
+    common = math.gcd(*sizes.values())
+    fits = [t for t in range(1, min(common, 8) + 1) if common % t == 0]
+    return (
+        f"{where} tensor={tensor}: the model's "
+        + ", ".join(f"{k}={v}" for k, v in bad.items())
+        + f" does not split over {tensor} tensor-parallel ranks; set tensor to one of {fits} "
+        "and give the other devices to fsdp/data"
+    )
+
+
+def _torch_compile_problem(compile: bool, tensor: int, where: str) -> str | None:
+    """torch: inductor fails on the tensor-parallel (DTensor) decoder layers (RecursionError
+    while compiling, torch 2.13)."""
+    if not compile or tensor == 1:
+        return None
+    return (
+        f"{where} tensor={tensor} with ModelConfig.compile=True (RunConfig.compile): "
+        "torch.compile of tensor-parallel decoder layers fails in the torch_fsdp backend; "
+        "set compile=False, or tensor=1 and give the devices to fsdp/data"
+    )
+
+
+def _no_compile_problem(compile: bool, tensor: int, where: str) -> str | None:
+    """JAX compiles everything anyway and ignores ``ModelConfig.compile``."""
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupSlot:
     """One worker's place in its role's collective group.
@@ -188,7 +235,7 @@ def _jax_host_env(local_devices: int, on_gpu: bool) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class ProcessModel:
-    """How one role of a backend spans devices and hosts (DESIGN.md "Process model").
+    """How one role of a backend spans devices and hosts (docs/design.md "Placement").
 
     worker_per: ``"device"``: one Ray worker per device, each a rank of a collective
       group (torch.distributed); ``"host"``: one worker per host driving every local
@@ -214,14 +261,32 @@ class ProcessModel:
 
 
 @dataclasses.dataclass(frozen=True)
+class ArrayBridge:
+    """How weight sync (``polyrl.weight_sync.packing``) handles a backend's arrays when
+    they are not torch tensors. ``types``: the top-level packages of the array types
+    (``type(x).__module__``); ``module``: imported on first use, it provides
+    ``on_one_device(x)`` (the whole array on one device, for DLPack), ``torch_device(x)``
+    and ``pack(bucket, alloc) -> (flat uint8 tensor, metas) | None`` (None: not packable
+    on device; the generic path packs it)."""
+
+    types: tuple[str, ...]
+    module: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
     """A registry entry: the engine class (``"module:Class"``, imported lazily, so the
-    core never imports torch or jax), the backend's process model and the framework whose
-    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``)."""
+    core never imports torch or jax), the backend's process model, the framework whose
+    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), why
+    ``ModelConfig.compile`` cannot run on a ``tensor`` axis (``compile_problem(compile,
+    tensor, where) -> str | None``, asked by validate-config and the engine) and the
+    bridge weight sync reaches its arrays through (None: its arrays are torch tensors)."""
 
     engine: str
     process: ProcessModel
     profiler: str
+    compile_problem: Callable[[bool, int, str], str | None] = _no_compile_problem
+    arrays: ArrayBridge | None = None
 
 
 # Registered backends. The controller core reads a backend's process model from here
@@ -231,11 +296,13 @@ ENGINES: dict[str, Backend] = {
         "polyrl.backends.torch_fsdp.engine:TorchFSDPEngine",
         ProcessModel("device", "torch.distributed", lambda devices, gpu: {}, _torch_group_env),
         "torch",
+        compile_problem=_torch_compile_problem,
     ),
     "jax_pjit": Backend(
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
         ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env),
         "jax",
+        arrays=ArrayBridge(("jax", "jaxlib"), "polyrl.backends.jax_pjit.bridge"),
     ),
 }
 
@@ -250,3 +317,13 @@ def get_engine(name: str) -> type:
     """The engine class registered as ``name`` (imports its framework)."""
     module, _, cls = get_backend(name).engine.partition(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def array_bridge(x: Any) -> Any:
+    """The bridge module (``ArrayBridge.module``) of the backend whose array ``x`` is, by
+    its type's top-level package; None for torch tensors, numpy arrays and the rest."""
+    top = type(x).__module__.partition(".")[0]
+    for backend in ENGINES.values():
+        if backend.arrays is not None and top in backend.arrays.types:
+            return importlib.import_module(backend.arrays.module)
+    return None

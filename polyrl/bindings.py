@@ -26,7 +26,7 @@ from typing import Any
 import gin
 from gin import config_parser
 from polyrl.config import closest
-from polyrl.validate import ConfigError
+from polyrl.errors import ConfigError
 
 __all__ = ["bind", "type_problem"]
 

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from typing import Any
 
-from polyrl.validate import ConfigError
+from polyrl.errors import ConfigError
 
 __all__ = [
     "VERSIONED",

@@ -1,6 +1,6 @@
 """Frozen configuration dataclasses: what travels from the driver to Ray actors.
 
-gin is resolved on the driver only (DESIGN.md "Configuration"): the entry point turns
+gin is resolved on the driver only (docs/design.md "Configuration"): the entry point turns
 gin bindings into these frozen, validated dataclasses, and these — never gin — are
 sent to workers. Every check failure names the field to change.
 """
@@ -21,7 +21,7 @@ __all__ = [
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
-# Logical axis -> mesh axes (STYLE.md 5). A backend turns these into its own objects
+# Logical axis -> mesh axes (parallelism is data: docs/design.md "TrainEngine"). A backend turns these into its own objects
 # (DeviceMesh + fully_shard / NamedSharding). Parameters' logical axes: "embed" (hidden
 # size), "mlp" (intermediate size), "heads" (attention heads * head_dim), "kv_heads",
 # "vocab"; activations: "batch", "length".
@@ -170,7 +170,7 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """The neutral parallelism spec (STYLE.md 5).
+    """The neutral parallelism spec (docs/design.md "TrainEngine": parallelism is data).
 
     mesh: sizes of the ("data", "fsdp", "tensor") axes; their product is the number of
       devices one role uses (torch: ranks; JAX: devices of the mesh).
@@ -304,7 +304,7 @@ class RunConfig:
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     weight_bucket_mb: the size of one weight-sync bucket (MiB). None: the transport's
-      (``polyrl.weight_sync.BUCKET_MB``: 1024 for CUDA IPC, 64 otherwise).
+      (``polyrl.weight_sync.bucket_bytes``: 1024 for CUDA IPC, 64 otherwise).
     async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
       while the actor trains on step k (``polyrl.async_rollout``; staleness <= 1, logged
       as ``rollout/staleness_mean``). Off: every batch is sampled by the current weights.

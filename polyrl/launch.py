@@ -1,7 +1,7 @@
 """The entry points' gin layer: gin files -> a frozen, validated RunConfig -> a run.
 
 This module and polyrl/bindings.py (which names every binding problem) are the only ones
-that import gin (DESIGN.md "Configuration"). The bound
+that import gin (docs/design.md "Configuration"). The bound
 dataclasses — never gin — travel to the Ray workers.
 
 gin names (see gin/base.gin): ``RunConfig`` (the root), ``OptimConfig`` (scopes
@@ -106,11 +106,10 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     from polyrl.data.loader import PairSource, PromptSource
     from polyrl.debug import DebugSession
     from polyrl.evaluation import validation_prompts
-    from polyrl.placement import Placement
+    from polyrl.placement import Placement, trial_placement
     from polyrl.ray_session import init_ray
     from polyrl.roles import build_roles
     from polyrl.rollout import RolloutPool
-    from polyrl.sweep import trial_placement
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     kw = {

@@ -28,12 +28,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from polyrl.roles import RoleSpec, pool_shape
 
-__all__ = ["RoleShare", "plan_shares", "fit_problems", "pool_bundles", "Placement"]
+__all__ = [
+    "RoleShare",
+    "plan_shares",
+    "fit_problems",
+    "pool_bundles",
+    "Placement",
+    "TRIAL_PG_ENV",
+    "trial_placement",
+]
+
+# A sweep trial's placement group id (hex) and the bundle its pools start at, for its run
+# (set by polyrl.sweep for the trial's ``polyrl train``; read by trial_placement).
+TRIAL_PG_ENV = "POLYRL_TRIAL_PLACEMENT_GROUP"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,5 +233,14 @@ class Placement:
             remove_placement_group(pg)
         self._owned = []
 
-    def is_colocated(self, role: str) -> bool:
-        return len(self.shares[role].colocated_with) > 1
+
+def trial_placement() -> tuple[Any, int] | None:
+    """In a trial's run: the trial's placement group and the bundle its pools start at."""
+    value = os.environ.get(TRIAL_PG_ENV)
+    if not value:
+        return None
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    hex_id, offset = value.split(":")
+    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id))), int(offset)

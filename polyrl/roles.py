@@ -29,8 +29,6 @@ __all__ = [
     "pool_shape",
     "build_roles",
     "role_problems",
-    "tensor_split_problem",
-    "compile_problem",
 ]
 
 # Keys of a pool entry that are not Ray resources.
@@ -173,46 +171,9 @@ def build_roles(cfg: RunConfig, spec: Any) -> dict[str, RoleSpec]:
     return roles
 
 
-# Model sizes (config.json) a ``tensor`` mesh axis splits: both backends shard attention
-# heads, key/value heads and the MLP width over it (config.DEFAULT_LOGICAL_RULES).
-TENSOR_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-
-
-def tensor_split_problem(shape: Mapping[str, Any], tensor: int, where: str) -> str | None:
-    """Why a model of ``shape`` (``checkpoints.model_shape``) cannot split over a
-    ``tensor`` axis of this size (None: it can); ``where`` names the mesh binding."""
-    sizes = {k: shape.get(k) for k in TENSOR_SPLIT_KEYS}
-    if not sizes["num_key_value_heads"]:  # multi-head attention: as many as query heads
-        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
-    sizes = {k: int(v) for k, v in sizes.items() if v}
-    bad = {k: v for k, v in sizes.items() if v % tensor}
-    if tensor == 1 or not bad:
-        return None
-    common = math.gcd(*sizes.values())
-    fits = [t for t in range(1, min(common, 8) + 1) if common % t == 0]
-    return (
-        f"{where} tensor={tensor}: the model's "
-        + ", ".join(f"{k}={v}" for k, v in bad.items())
-        + f" does not split over {tensor} tensor-parallel ranks; set tensor to one of {fits} "
-        "and give the other devices to fsdp/data"
-    )
-
-
-def compile_problem(backend: str, compile: bool, tensor: int, where: str) -> str | None:
-    """Why ``ModelConfig.compile`` cannot run with this ``tensor`` axis (None: it can).
-    torch: inductor fails on the tensor-parallel (DTensor) decoder layers (RecursionError
-    while compiling, torch 2.13); JAX compiles everything anyway and ignores the flag."""
-    if backend != "torch_fsdp" or not compile or tensor == 1:
-        return None
-    return (
-        f"{where} tensor={tensor} with ModelConfig.compile=True (RunConfig.compile): "
-        "torch.compile of tensor-parallel decoder layers fails in the torch_fsdp backend; "
-        "set compile=False, or tensor=1 and give the devices to fsdp/data"
-    )
-
-
 def _tensor_problems(name: str, role: RoleSpec, shape: PoolShape) -> list[str]:
     """The role's tensor-parallel group fits in one node and splits its model evenly."""
+    from polyrl.backends.base import get_backend, tensor_split_problem
     from polyrl.checkpoints import model_shape
 
     tensor = role.parallel.mesh["tensor"]
@@ -224,7 +185,7 @@ def _tensor_problems(name: str, role: RoleSpec, shape: PoolShape) -> list[str]:
             f"{role.pool!r} has {shape.gpus:g} GPUs per node; tensor parallelism stays inside "
             f"a node: set tensor <= {shape.gpus:g} and use fsdp/data across nodes"
         )
-    compiled = compile_problem(role.backend, role.model.compile, tensor, where)
+    compiled = get_backend(role.backend).compile_problem(role.model.compile, tensor, where)
     out += [compiled] if compiled else []
     try:
         problem = tensor_split_problem(model_shape(role.model.path), tensor, where)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.metrics import read_jsonl
+from polyrl.placement import TRIAL_PG_ENV
 
 __all__ = [
     "run_sweep",
@@ -45,11 +46,8 @@ __all__ = [
     "rank",
     "write_results",
     "report",
-    "TRIAL_PG_ENV",
 ]
 
-# A trial's placement group id (hex) and the bundle its pools start at, for its run.
-TRIAL_PG_ENV = "POLYRL_TRIAL_PLACEMENT_GROUP"
 # The trial driver's own bundle: it only drives (its workers hold the pools' bundles).
 DRIVER_BUNDLE = {"CPU": 0.01}
 
@@ -307,18 +305,6 @@ def _last_error(log: Path) -> str:
                 line = f"{line} {lines[i + 1]}"
             return line[:500]
     return lines[-1][:500] if lines else "no output"
-
-
-def trial_placement() -> tuple[Any, int] | None:
-    """In a trial's run: the trial's placement group and the bundle its pools start at."""
-    value = os.environ.get(TRIAL_PG_ENV)
-    if not value:
-        return None
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup
-
-    hex_id, offset = value.split(":")
-    return PlacementGroup(PlacementGroupID(bytes.fromhex(hex_id))), int(offset)
 
 
 def _resources(cfg: Any) -> Any:

@@ -14,17 +14,10 @@ from typing import Any
 
 from polyrl.async_rollout import async_problems
 from polyrl.config import RunConfig, closest
+from polyrl.errors import ConfigError
 from polyrl.evaluation import check_validation
 
 __all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems", "closest"]
-
-
-class ConfigError(ValueError):
-    """The configuration cannot run; ``problems`` lists every finding."""
-
-    def __init__(self, problems: list[str], warnings: list[str] | None = None):
-        self.problems, self.warnings = problems, list(warnings or ())
-        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
 
 
 def raise_if_problems(problems: list[str]) -> None:

@@ -94,10 +94,7 @@ class EngineWorker(Traced):
         its own GPU, otherwise worker 0 to every server. A worker with no server to push to
         takes part in the gathers and drops its copies. Returns this worker's SyncStats
         (None when it pushed nothing)."""
-        if syncer.transport == "cuda_ipc":
-            syncer = syncer.on_this_gpu()
-        elif self.rank != 0:
-            syncer = None
+        syncer = syncer.for_rank(self.rank)
         buckets = self.engine.export_weights(bucket_bytes)
         if syncer is None or not syncer.servers:
             for _ in buckets:
@@ -161,9 +158,6 @@ class EngineWorker(Traced):
         if recording is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: profile_stop without profile_start")
         return recording.stop()
-
-    def ping(self) -> int:
-        return os.getpid()
 
     def where(self) -> dict[str, str]:
         return where_this_runs()

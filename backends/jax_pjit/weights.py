@@ -7,7 +7,8 @@ whose arrays have HF's layout (a linear ``<module>.weight`` is [out, in], see
 Loading reads safetensors with ``safetensors.numpy`` (no torch); export yields full,
 unsharded arrays under the names ``save_pretrained`` writes, in weight buckets
 (``polyrl.weight_sync.to_torch`` then hands each array to torch through DLPack,
-zero-copy when both sit on the same device).
+zero-copy when both sit on the same device); each bucket packs itself for a transport's
+flat buffer (``bridge.pack_arrays``).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from polyrl.backends.buckets import OwnBucket
+from polyrl.backends.buckets import iter_buckets as group_buckets
+from polyrl.backends.jax_pjit.bridge import pack_arrays, torch_device
 from polyrl.backends.jax_pjit.distributed import gather
 from polyrl.backends.jax_pjit.models import TransformerConfig
-from polyrl.weight_sync import LazyPairs
-from polyrl.weight_sync import iter_buckets as group_buckets
 
 __all__ = [
     "VALUE_HEAD_NAMES",
@@ -131,14 +133,14 @@ class _Planned(NamedTuple):
     nbytes: int
 
 
-class ExportBucket(LazyPairs):
+class ExportBucket(OwnBucket):
     """One bucket of :func:`export_buckets`: ``(hf_name, array)`` pairs, made on first
     access by one compiled program (the casts, :func:`_exporter`).
 
     ``pack_source`` is the same bucket before that program: ``(names, arrays on one
-    device, dtype)``. ``polyrl.weight_sync.pack_flat`` packs from it with one program
-    that casts and writes the flat bytes at once (CUDA IPC and NCCL pushes never make the
-    pairs)."""
+    device, dtype)``. :meth:`pack` (what ``polyrl.weight_sync.pack_flat`` calls) packs
+    from it with one program that casts and writes the flat bytes at once (CUDA IPC and
+    NCCL pushes never make the pairs)."""
 
     def __init__(self, names: list[str], arrays: list[jax.Array], dtype, device):
         self.pack_source = (names, arrays, dtype)
@@ -147,6 +149,13 @@ class ExportBucket(LazyPairs):
     def make(self) -> list[tuple[str, jax.Array]]:
         names, arrays, dtype = self.pack_source
         return list(zip(names, _exporter(dtype, self._device)(*arrays)))
+
+    def pack(self, alloc: Any):
+        return pack_arrays(*self.pack_source, alloc=alloc)
+
+    @property
+    def torch_device(self):
+        return torch_device(self.pack_source[1][0])
 
     def __len__(self) -> int:
         return len(self.pack_source[0])

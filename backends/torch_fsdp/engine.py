@@ -19,8 +19,15 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from polyrl import checkpoints, faults, micro_batch, roles
-from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
+from polyrl import checkpoints, faults, micro_batch
+from polyrl.backends.base import (
+    ENGINES,
+    Bucket,
+    LossContext,
+    LossFn,
+    check_temperature,
+    tensor_split_problem,
+)
 from polyrl.backends.torch_fsdp import checkpoint, models, sharding, tensor_parallel, weights
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -68,9 +75,9 @@ class TorchFSDPEngine:
         # First: a bad mesh fails before any weight is read.
         if parallel.mesh["tensor"] > 1:
             where = f"{model.role}/ParallelConfig.mesh"
-            problem = roles.compile_problem(
-                "torch_fsdp", model.compile, parallel.mesh["tensor"], where
-            ) or roles.tensor_split_problem(
+            problem = ENGINES["torch_fsdp"].compile_problem(
+                model.compile, parallel.mesh["tensor"], where
+            ) or tensor_split_problem(
                 checkpoints.model_shape(models.check_path(model)), parallel.mesh["tensor"], where
             )
             if problem:

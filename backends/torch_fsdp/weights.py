@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from polyrl.weight_sync import iter_buckets as group_buckets
+from polyrl.backends.buckets import iter_buckets as group_buckets
 
 __all__ = ["hf_named_tensors", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
 

@@ -96,7 +96,7 @@ class WeightReceiver:
         bucket is in it. The copies out of the buffer wait for that event on this GPU's
         stream (the sender does not wait for its copies on the host). Buffer and event are
         opened once per key and kept: later buckets cost no IPC open
-        (``polyrl.weight_sync._ipc_slot``)."""
+        (``polyrl.weight_sync.cuda_ipc._ipc_slot``)."""
         from polyrl.weight_sync import replaced_ipc_buffers, unpack_flat
 
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)

@@ -49,7 +49,7 @@ def test_broadcast_group_carries_weights_and_reforms_after_restart(
     ray = ray_session
     syncer = pool.weight_syncer("nccl")
     assert syncer.ensure_group() is True  # trainer rank 0 (here) + 2 servers x 1 worker
-    first = syncer.group
+    first = syncer.strategy.group
     assert syncer.ensure_group() is False  # same servers: the group stays
     model = load_hf(padded_model_dir, seed=41)
     stats = syncer.push(_buckets(model), pool.version + 1)
@@ -65,7 +65,7 @@ def test_broadcast_group_carries_weights_and_reforms_after_restart(
     _restart(ray, pool.servers[1])
     pool._recover(1)
     assert pool.weight_versions() == [pool.version] * 2
-    assert syncer.ensure_group() is True and syncer.group != first
+    assert syncer.ensure_group() is True and syncer.strategy.group != first
     model2 = load_hf(padded_model_dir, seed=42)
     pool.commit(syncer.push(_buckets(model2), pool.version + 1))
     assert pool.weight_versions() == [pool.version] * 2

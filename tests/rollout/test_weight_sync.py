@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from polyrl import weight_sync as ws
+from polyrl.backends.jax_pjit import bridge as jax_bridge
+from polyrl.weight_sync import packing as ws_packing
+from polyrl.weight_sync.cuda_ipc import CudaIpc
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -84,10 +87,10 @@ def device_arrays(monkeypatch):
 
         return run
 
-    put, jitted = jax.device_put, ws._jax_packer
-    monkeypatch.setattr(ws, "_numpy_to_torch", host)
+    put, jitted = jax.device_put, jax_bridge._packer
+    monkeypatch.setattr(ws_packing, "_numpy_to_torch", host)
     monkeypatch.setattr(jax, "device_put", device_put)
-    monkeypatch.setattr(ws, "_jax_packer", packer)
+    monkeypatch.setattr(jax_bridge, "_packer", packer)
     return made
 
 
@@ -172,7 +175,7 @@ def test_jax_pack_writes_straight_into_the_torch_buffer_on_gpu(device_arrays):
     for dtype, want in [(None, [a, b]), (np.dtype(ml_dtypes.bfloat16), None)]:
         device_arrays.clear()
         names, arrays = ["a", "b"], [x for _, x in bucket]
-        flat, metas = ws._pack_jax(names, arrays, dtype, alloc=lambda n, device: buffer)
+        flat, metas = jax_bridge.pack_arrays(names, arrays, dtype, alloc=lambda n, device: buffer)
         assert flat.data_ptr() == buffer.data_ptr()
         assert device_arrays[-1].unsafe_buffer_pointer() == buffer.data_ptr()  # in place
         want = want or [x.astype(ml_dtypes.bfloat16) for x in (a, b)]
@@ -238,9 +241,10 @@ def test_syncer_errors_name_the_fix():
     with pytest.raises(
         ValueError, match="CUDA IPC needs CUDA tensors; use transport='object_store'"
     ):
-        ws.WeightSyncer([], "cuda_ipc")._send_ipc([("a", torch.ones(2))], 0)
+        CudaIpc().send(ws.WeightSyncer([], "cuda_ipc"), [("a", torch.ones(2))], ws.SyncStats(0, ""))
     with pytest.raises(RuntimeError, match=r"not joined the broadcast group; call ensure_group"):
-        ws.WeightSyncer([], "nccl")._send_nccl([("a", torch.ones(2))])
+        syncer = ws.WeightSyncer([], "nccl")
+        syncer.strategy.send(syncer, [("a", torch.ones(2))], ws.SyncStats(0, ""))
     with pytest.raises(ValueError, match="empty bucket"):
         ws.pack_flat([])
 

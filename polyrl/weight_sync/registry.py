@@ -1,0 +1,53 @@
+"""Every weight transport by name: the one place that reads ``RunConfig.weight_transport``.
+
+A new transport (LoRA adapters, say) is a :class:`~polyrl.weight_sync.base.Transport`
+subclass in its own module and one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyrl.weight_sync.base import SyncPlacement, Transport
+from polyrl.weight_sync.cuda_ipc import CudaIpc
+from polyrl.weight_sync.nccl import Nccl
+from polyrl.weight_sync.object_store import ObjectStore
+
+__all__ = ["TRANSPORTS", "get_transport", "bucket_bytes", "transport_problems"]
+
+TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (ObjectStore, CudaIpc, Nccl)}
+
+
+def get_transport(name: str, binding: str = "transport") -> Transport:
+    """A new instance of transport ``name``; an unknown name is a ValueError naming
+    ``binding`` and the registered names."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"{binding}={name!r} is not one of {list(TRANSPORTS)}")
+    return TRANSPORTS[name]()
+
+
+def bucket_bytes(transport: str, mb: float | None = None) -> int:
+    """One bucket's bytes: ``mb`` MiB, or the transport's default (``bucket_mb``) if None.
+    Each bucket costs a Ray call to every server: CUDA IPC takes 1 GiB, the others 64 MiB
+    (docs/performance.md "Weight sync")."""
+    return int((TRANSPORTS[transport].bucket_mb if mb is None else mb) * 2**20)
+
+
+def transport_problems(
+    transport: str,
+    actor_pool: str,
+    rollout_pool: str,
+    pools: Any,
+    tensor_parallel: int = 1,
+    in_process_engine: bool = True,
+) -> list[str]:
+    """What ``RunConfig.weight_transport`` cannot do on this placement (validate-config):
+    ``pools`` is RunConfig.pools, ``tensor_parallel`` the rollout's tensor_parallel_size,
+    ``in_process_engine`` RolloutConfig's (see each transport's ``problems``)."""
+    try:
+        chosen = get_transport(transport, "RunConfig.weight_transport")
+    except ValueError as e:
+        return [str(e)]
+    gpus = {p: float(dict(pools.get(p, {})).get("GPU", 0)) > 0 for p in (actor_pool, rollout_pool)}
+    placement = SyncPlacement(actor_pool, rollout_pool, gpus, tensor_parallel, in_process_engine)
+    return chosen.problems(placement)

@@ -9,7 +9,7 @@ neither):
 * KL as a loss term (GRPO): ``kl_coef * aggregate(kl_penalty(...))`` inside the actor
   loss (``polyrl.algos.spec``).
 
-Controllers are pure ``(init, update)`` pairs (STYLE.md 3): ``init() -> state`` and
+Controllers are pure ``(init, update)`` pairs (as optax's transformations): ``init() -> state`` and
 ``update(current_kl, n_steps, state) -> (coef, new_state)``, where ``state`` is a small
 frozen dataclass of Python numbers that a trainer checkpoints (``dataclasses.asdict``)
 and restores (``KLState(**d)``). They run on the host between steps.

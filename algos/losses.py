@@ -12,8 +12,8 @@ Signs: every ``loss`` is *minimised*. ``log_probs`` are the current policy's
 log-probabilities of the sampled tokens, ``old_log_probs`` those of the policy that
 sampled them (the behaviour policy), ``ref_log_probs`` those of the frozen reference.
 
-Aggregation and global normalisers (STYLE.md 2)
------------------------------------------------
+Aggregation and global normalisers
+----------------------------------
 A loss matrix [B, T] becomes a scalar only in :func:`aggregate`, with an explicit
 ``mode`` (see :data:`AGG_MODES`) and explicit *global* normalisers: ``global_tokens``
 (valid tokens in the whole optimizer step: every micro-batch, every data-parallel rank)

@@ -1,4 +1,4 @@
-"""The single-controller RL loop (DESIGN.md "Data flow of one GRPO/PPO step").
+"""The single-controller RL loop (docs/design.md "Data flow of one GRPO/PPO step").
 
 One step, as in the algorithm box::
 
@@ -611,7 +611,7 @@ class RLTrainer(Loop):
 
 
 class Turns:
-    """Colocated roles taking turns on shared GPUs (DESIGN.md "Placement"), only where the
+    """Colocated roles taking turns on shared GPUs (docs/design.md "Placement"), only where the
     placement needs it (``polyrl.residency.turn_roles``).
 
     A trainer role in ``roles`` lives in host memory except while a phase uses it

@@ -1,4 +1,5 @@
-"""From the neutral ``ParallelConfig`` to torch.distributed objects (STYLE.md 5).
+"""From the neutral ``ParallelConfig`` to torch.distributed objects (parallelism is
+data: docs/design.md "TrainEngine").
 
 * :func:`init_distributed` joins (or creates) the default process group from the
   environment torchrun, ``mp.spawn`` helpers and the Ray workers set (``RANK``,

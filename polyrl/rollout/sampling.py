@@ -1,6 +1,6 @@
 """What to sample (:class:`SamplingSpec`) and how the rollout servers run (:class:`RolloutConfig`).
 
-Both are frozen dataclasses built on the driver and sent to the servers (DESIGN.md
+Both are frozen dataclasses built on the driver and sent to the servers (docs/design.md
 "Configuration"). Neither imports vLLM: the servers turn a spec into vLLM
 ``SamplingParams`` themselves (:meth:`SamplingSpec.vllm_kwargs`).
 

@@ -1,6 +1,6 @@
 """JaxPjitEngine: mesh/micro-batch invariance, resume, export, compile bound, offload, errors.
 
-Equivalence classes (STYLE.md 8): 1 device = (4,1,1) = (1,4,1) = (1,2,2) meshes,
+Equivalence classes: 1 device = (4,1,1) = (1,4,1) = (1,2,2) meshes,
 micro-batch 1 = 8, resume = no resume, exported weights = what transformers computes.
 """
 

@@ -1,4 +1,4 @@
-"""JAX multi-controller (DESIGN.md "Process model"): two processes joined by
+"""JAX multi-controller (docs/design.md "Placement"): two processes joined by
 jax.distributed over CPU gloo collectives, each feeding its half of the batch, give the
 same outputs, losses and weights as one process driving both devices; and a checkpoint
 saved by either (orbax, one file set for the whole global mesh) loads into the other, and

@@ -274,3 +274,28 @@ def test_a_worker_lets_go_of_the_ipc_buffers_a_new_key_replaces():
     # pid 1000 is another process than pid 100, though "1000-" starts with "100"
     assert ws.replaced_ipc_buffers(["1000-0-ffff", "100-1-bbbb"], "100-0-cccc") == ["1000-0-ffff"]
     assert ws.replaced_ipc_buffers([], "100-0-cccc") == []
+
+
+def test_each_transport_picks_its_pushing_ranks():
+    """Object store and NCCL: trainer rank 0 pushes to every server, the other ranks only
+    join the gathers. CUDA IPC: every rank pushes, to the servers on its own GPUs; a
+    process that sees no GPU (this one) has none of them."""
+    servers = ["s0", "s1"]
+    for transport in ("object_store", "nccl"):
+        syncer = ws.WeightSyncer(servers, transport)
+        assert syncer.for_rank(0) is syncer and syncer.for_rank(1) is None
+    ipc = ws.WeightSyncer(servers, "cuda_ipc", devices=["GPU-a", "GPU-b"])
+    for rank in (0, 1):
+        mine = ipc.for_rank(rank)
+        assert mine is not ipc and mine.servers == [] and mine.devices == []
+    assert ipc.servers == servers  # the controller's syncer keeps them all
+
+
+def test_the_registry_names_the_binding_and_each_transports_defaults():
+    assert list(ws.TRANSPORTS) == ["object_store", "cuda_ipc", "nccl"]
+    with pytest.raises(ValueError, match=r"^RunConfig.weight_transport='ipc' is not one of"):
+        ws.get_transport("ipc", "RunConfig.weight_transport")
+    (msg,) = ws.transport_problems("ipc", "a", "a", {"a": {"CPU": 1}})
+    assert msg.startswith("RunConfig.weight_transport='ipc' is not one of ['object_store'")
+    # only the object store keeps its buckets for a restarted server's replay
+    assert [ws.WeightSyncer([], t).retain for t in ws.TRANSPORTS] == [True, False, False]

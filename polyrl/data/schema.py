@@ -94,6 +94,25 @@ def _label(i: int, lines: Sequence[int] | None) -> str:
     return f"row {i} (line {lines[i]})" if lines else f"row {i}"
 
 
+def grouped(problems: Sequence[str], shown: int = 3) -> list[str]:
+    """One line per distinct problem: ``row 3: X`` stays as is; the same ``X`` in many
+    rows becomes ``512 rows (row 0, row 1, row 2, ...): X``, in first-seen order."""
+    rows: dict[str, list[str]] = {}
+    for problem in problems:
+        label, sep, what = problem.partition(": ")
+        if not (sep and label.startswith("row ")):
+            label, what = "", problem
+        rows.setdefault(what, []).append(label)
+    out = []
+    for what, labels in rows.items():
+        if len(labels) == 1:
+            out.append(f"{labels[0]}: {what}" if labels[0] else what)
+            continue
+        more = ", ..." if len(labels) > shown else ""
+        out.append(f"{len(labels)} rows ({', '.join(labels[:shown])}{more}): {what}")
+    return out
+
+
 def _prompt_problems(at: str, prompt: Any) -> list[str]:
     if not isinstance(prompt, Sequence) or isinstance(prompt, str) or not prompt:
         return [
@@ -143,6 +162,11 @@ def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> li
             )
         elif name in row and name in ("chosen", "rejected") and not row[name].strip():
             problems.append(f"{at}: field {name!r} is empty; give the response text")
+        elif name == "ground_truth" and name in row and not row[name].strip():
+            problems.append(
+                f"{at}: field 'ground_truth' is empty; give the answer the reward compares "
+                f"against (every response would be scored against nothing)"
+            )
     chosen, rejected = row.get("chosen"), row.get("rejected")
     if isinstance(chosen, str) and chosen.strip() and chosen == rejected:
         problems.append(
@@ -153,7 +177,8 @@ def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> li
     if "data_source" in required and isinstance(source, str) and source not in REWARDS:
         problems.append(
             f"{at}: data_source={source!r} has no reward function; registered sources: "
-            f"{sorted(REWARDS)} (register one with polyrl.rewards.register_reward)"
+            f"{sorted(REWARDS)}. Register one with @polyrl.rewards.register_reward({source!r}) "
+            f"in a module and pass --import MODULE (docs/rewards.md)"
         )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
@@ -199,9 +224,9 @@ def validate_rows(
         )
     if not rows:
         raise DatasetError(source, ["the dataset has no rows"], 0)
-    problems = [
-        p for i, row in enumerate(rows) for p in _row_problems(_label(i, lines), row, KINDS[kind])
-    ]
+    problems = grouped(
+        [p for i, row in enumerate(rows) for p in _row_problems(_label(i, lines), row, KINDS[kind])]
+    )
     longest_tokens, over, kept = None, [], None
     if tokenizer is not None and not problems:
         lengths = [len(encode_prompt(tokenizer, row["prompt"])) for row in rows]
@@ -220,13 +245,21 @@ def validate_rows(
                 ],
                 len(rows),
             )
-        if overlong == "error":
-            problems += [
-                f"{_label(i, lines)}: prompt is {lengths[i]} tokens, over max_prompt_tokens="
-                f"{max_prompt_tokens} (raise the limit, set RolloutConfig.overlong_prompt to "
-                f"'drop' or 'truncate_left', or shorten the row)"
-                for i in over
-            ]
+        if overlong == "error" and len(over) == 1:
+            problems.append(
+                f"{_label(over[0], lines)}: prompt is {lengths[over[0]]} tokens, over "
+                f"max_prompt_tokens={max_prompt_tokens} (raise the limit, set "
+                f"RolloutConfig.overlong_prompt to 'drop' or 'truncate_left', or shorten the row)"
+            )
+        elif overlong == "error" and over:
+            worst = max(over, key=lambda i: lengths[i])
+            labels = ", ".join(f"{_label(i, lines)} ({lengths[i]} tokens)" for i in over[:3])
+            problems.append(
+                f"{len(over)} rows ({labels}{', ...' if len(over) > 3 else ''}): prompt over "
+                f"max_prompt_tokens={max_prompt_tokens} tokens, the longest is {lengths[worst]} "
+                f"tokens ({_label(worst, lines)}) (raise the limit, set RolloutConfig.overlong_prompt "
+                f"to 'drop' or 'truncate_left', or shorten the rows)"
+            )
         elif overlong == "drop":
             kept = tuple(i for i in range(len(rows)) if i not in set(over))
     if problems:

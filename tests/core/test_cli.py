@@ -104,6 +104,29 @@ def test_validate_dataset_ok_and_invalid(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_validate_dataset_one_line_per_distinct_problem(tmp_path, capsys):
+    """Issue 34: a file whose data_source has no reward (the user forgot --import) gave
+    the same error once per row; now one line with the row count, the first rows and
+    how to register the reward."""
+    rows = make_rows("copy", 40)
+    for row in rows:
+        row["data_source"] = "my/digits"
+    rows[7]["ground_truth"] = ""
+    path = write_dataset(rows, tmp_path / "mine.jsonl")
+    assert main(["validate-dataset", str(path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"INVALID {path} (40 rows): 2 problem(s)"
+    assert err[1] == (
+        "  ERROR 40 rows (row 0 (line 1), row 1 (line 2), row 2 (line 3), ...): "
+        "data_source='my/digits' has no reward function; registered sources: "
+        + str(sorted(__import__("polyrl.rewards").rewards.REWARDS))
+        + ". Register one with @polyrl.rewards.register_reward('my/digits') in a module and "
+        "pass --import MODULE (docs/rewards.md)"
+    )
+    assert err[2].startswith("  ERROR row 7 (line 8): field 'ground_truth' is empty")
+    assert len(err) == 3
+
+
 def test_validate_dataset_bad_tokenizer_dir(tmp_path, capsys):
     good = write_dataset(make_rows("copy", 2), tmp_path / "good.jsonl")
     assert main(["validate-dataset", str(good), "--tokenizer", str(tmp_path)]) == 2

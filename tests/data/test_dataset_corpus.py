@@ -107,8 +107,9 @@ CASES = [
      "row 1 (line 2): missing field 'prompt'"),
     ("missing-ground-truth", "x.parquet",
      lambda p: write_dataset(_edit(_rl(), 0, ground_truth=_DROP), p), [], 1,
-     "row 0: missing field 'ground_truth' (required fields: ['prompt', 'ground_truth', "
-     "'data_source']) or verl's 'reward_model'"),
+     # (the parquet writer takes its columns from the first row: every row lacks it, one line)
+     "6 rows (row 0, row 1, row 2, ...): missing field 'ground_truth' (required fields: "
+     "['prompt', 'ground_truth', 'data_source']) or verl's 'reward_model'"),
     ("missing-data-source", "x.jsonl",
      lambda p: _raw(p, _lines(_edit(_rl(), 3, data_source=_DROP))), [], 1,
      "row 3 (line 4): missing field 'data_source'"),
@@ -150,8 +151,8 @@ CASES = [
     # preference pairs
     ("chosen-missing-everywhere", "x.jsonl",
      lambda p: _raw(p, _lines([{k: v for k, v in r.items() if k != "chosen"} for r in _pairs()])),
-     [], 1, "row 0 (line 1): missing field 'chosen' (required fields: ['prompt', 'chosen', "
-     "'rejected'])"),
+     [], 1, "6 rows (row 0 (line 1), row 1 (line 2), row 2 (line 3), ...): missing field "
+     "'chosen' (required fields: ['prompt', 'chosen', 'rejected'])"),
     ("chosen-missing-in-one-row", "x.jsonl",
      lambda p: _raw(p, _lines(_edit(_pairs(), 3, chosen=_DROP))), [], 1,
      "row 3 (line 4): missing field 'chosen'"),
@@ -170,7 +171,7 @@ CASES = [
     ("chosen-not-string", "x.jsonl", lambda p: _raw(p, _lines(_edit(_pairs(), 0, chosen=["a"]))),
      [], 1, "row 0 (line 1): field 'chosen' must be a string, got list"),
     ("rl-file-as-preference", "x.jsonl", lambda p: _raw(p, _lines(_rl())), ["--kind", "preference"],
-     1, "row 0 (line 1): missing field 'chosen'"),
+     1, "6 rows (row 0 (line 1), row 1 (line 2), row 2 (line 3), ...): missing field 'chosen'"),
     ("pairs-without-prompt", "x.jsonl", lambda p: _raw(p, _lines(_edit(_pairs(), 0, prompt=_DROP))),
      [], 1, "row 0 (line 1): missing field 'prompt'"),
     # token limits
@@ -256,5 +257,7 @@ def test_summary_table_counts_rows_dropped_or_truncated(tmp_path, tiny_model_dir
         assert "schema" in out and "rl (polyrl fields)" in out
     assert main([*base, "--max-prompt-tokens", "24"]) == 1
     err = capsys.readouterr().err
-    assert "row 0 (line 1): prompt is" in err and "row 1 (line 2): prompt is" in err
+    # 10 template tokens + "copy" + " " + 40 digits = 50 (as the 13 of "copy 123" in
+    # test_tasks_and_schema.py); both long rows on one line
+    assert "2 rows (row 0 (line 1) (50 tokens), row 1 (line 2) (50 tokens)): prompt over" in err
     assert "row 2 (line 3)" not in err

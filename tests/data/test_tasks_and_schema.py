@@ -92,6 +92,14 @@ def test_validator_counts_tokens_and_flags_long_prompts(tiny_model_dir):
     # "as", "sistant", ":"  -> 1+1+1+1+1+3+1+1+1+1+1 = 13 tokens
     assert report.max_prompt_tokens == 13
     rows[1]["prompt"][0]["content"] = "copy 12"  # 12 tokens: under the limit
+    # rows 0 and 2 over: one problem with the count, the rows and the longest
+    with pytest.raises(
+        DatasetError,
+        match=r"1 problem\(s\) in 3 rows:\n  2 rows \(row 0 \(13 tokens\), row 2 \(13 tokens\)\): "
+        r"prompt over max_prompt_tokens=12 tokens, the longest is 13 tokens \(row 0\)",
+    ):
+        validate_rows(rows, tokenizer=tok, max_prompt_tokens=12)
+    rows[2]["prompt"][0]["content"] = "copy 12"
     with pytest.raises(
         DatasetError, match=r"row 0: prompt is 13 tokens, over max_prompt_tokens=12"
     ):

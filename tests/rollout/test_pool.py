@@ -97,6 +97,20 @@ def test_seeded_samples_do_not_depend_on_split(pool, ray_session):
     )
 
 
+def test_seeded_prompts_over_the_prefill_token_budget(pool):
+    """Seeded samples whose prompts do not fit one engine step's token budget (vLLM-CPU:
+    4096 tokens): vLLM would split a prefill across steps and rewind that request's
+    generator, which a CPU torch.Generator refuses ("CPU Generator does not use
+    offset"; issue 34, GSM8K at 8 prompts x 8 samples). 2 servers x 30 distinct prompts
+    x 150 tokens = 4500 new tokens each (a prompt's second sample reuses its first's
+    full 128-token KV block: + 22). Same seeds -> same samples."""
+    spec = SamplingSpec(n=2, temperature=1.0, max_tokens=4, seed=3)
+    prompts = prompts_batch([150] * 60, seed=2)
+    a = pool.generate(prompts, spec)
+    assert len(a) == 120 and (a["response_lengths"] > 0).all()
+    np.testing.assert_array_equal(a["responses"], pool.generate(prompts, spec)["responses"])
+
+
 def _prefix_resets(pool, ray_session) -> list[float]:
     return [
         t["prefix_reset"]

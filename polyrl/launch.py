@@ -88,18 +88,19 @@ def find_gin(name: str) -> Path:
     raise FileNotFoundError(f"--gin_file {name!r} not found (looked in . and {GIN_ROOT.parent})")
 
 
-def prepare(cfg: RunConfig) -> tuple[RunConfig, Any]:
+def prepare(cfg: RunConfig, reward_rows: dict | None = None) -> tuple[RunConfig, Any]:
     """Fill defaults that need the file system (the tiny model) and run every
-    validate-config check (``polyrl.validate.preflight``); print its warnings."""
+    validate-config check (``polyrl.validate.preflight``; ``reward_rows``: score the
+    rewards later); print its warnings."""
     from polyrl.validate import preflight
 
-    cfg, spec, warnings, _ = preflight(cfg)
+    cfg, spec, warnings, _ = preflight(cfg, reward_rows)
     for warning in warnings:
         print(f"[polyrl] warning: {warning}", flush=True)
     return cfg, spec
 
 
-def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
+def _components(cfg: RunConfig, spec: Any, reward_rows: dict) -> SimpleNamespace:
     import ray
     from transformers import AutoTokenizer
 
@@ -110,6 +111,7 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     from polyrl.ray_session import init_ray
     from polyrl.roles import build_roles
     from polyrl.rollout import RolloutPool
+    from polyrl.validate import raise_if_problems, reward_problems
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     kw = {
@@ -134,6 +136,8 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
             cfg.debug,
             cfg.cache_dir,
         )
+    # Each reward on a few rows, before any worker starts (here: a reward may use Ray).
+    raise_if_problems(reward_problems(reward_rows, cfg.reward_timeout_s))
     debug = DebugSession.start(cfg.debug)
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles, reserved=trial_placement())
@@ -172,7 +176,8 @@ def train(
 
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
     check_run_dir(cfg.run_dir)  # before anything is written or started
-    cfg, spec = prepare(for_debugging(cfg, debug))
+    reward_rows: dict = {}
+    cfg, spec = prepare(for_debugging(cfg, debug), reward_rows)
     check_free_space(cfg, spec)
     if resume:  # a checkpoint of another backend/algorithm/model fails before workers start
         check_resumable(latest_checkpoint(cfg.run_dir), run_manifest(cfg, spec))
@@ -184,7 +189,7 @@ def train(
     loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
     from polyrl.health import watch_pending
 
-    components = _components(cfg, spec)
+    components = _components(cfg, spec, reward_rows)
     trainer = loop(cfg, spec, components)
     pending = watch_pending(cfg.user_cpus)
     try:

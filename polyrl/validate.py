@@ -152,6 +152,57 @@ def _rollout_problems(cfg: RunConfig) -> list[str]:
     return out
 
 
+# config.json keys that hold a model's position limit, in the order vLLM reads them.
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def model_positions(model_path: str) -> tuple[str, int] | None:
+    """(config.json key, the longest sequence the model at ``model_path`` takes), as vLLM
+    derives it (a RoPE scaling factor stretches it, except for the types that keep the
+    original length); None when config.json names none."""
+    import json
+    from pathlib import Path
+
+    config = json.loads(Path(model_path, "config.json").read_text())
+    config = config.get("text_config") or config
+    key = next((k for k in _POSITION_KEYS if isinstance(config.get(k), int)), None)
+    if key is None:
+        return None
+    rope = config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    factor = rope.get("factor", 1.0) if kind not in ("su", "longrope", "llama3") else 1.0
+    if kind == "yarn" and "original_max_position_embeddings" in rope:
+        return key, int(rope["original_max_position_embeddings"] * factor)
+    return key, int(config[key] * factor)
+
+
+def length_problems(cfg: RunConfig) -> list[str]:
+    """The rollout's sequences fit the model: ``RolloutConfig.max_model_len`` (prompt +
+    response) within the positions of ``RunConfig.model_path`` (vLLM refuses a longer
+    one at start-up, after the workers started)."""
+    found = model_positions(cfg.model_path)
+    if found is None or cfg.rollout.max_model_len <= found[1]:
+        return []
+    key, positions = found
+    r, n = cfg.rollout, cfg.sampling.max_tokens
+    need = f"RolloutConfig.max_prompt_len ({r.prompt_limit}) + SamplingSpec.max_tokens ({n})"
+    if r.prompt_limit + n <= positions:
+        fix = f"set RolloutConfig.max_model_len = {positions}"
+    elif n < positions:
+        fix = (
+            f"{need} = {r.prompt_limit + n} do not fit either: set RolloutConfig.max_model_len "
+            f"= {positions} and RolloutConfig.max_prompt_len = {positions - n} (or lower "
+            f"SamplingSpec.max_tokens)"
+        )
+    else:
+        fix = f"set SamplingSpec.max_tokens < {positions} and RolloutConfig.max_model_len = {positions}"
+    return [
+        f"RolloutConfig.max_model_len={r.max_model_len} is longer than the model's {key}="
+        f"{positions} ({cfg.model_path}/config.json): vLLM would refuse to start; {fix}, or "
+        f"use a model with more positions"
+    ]
+
+
 def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
     from polyrl.weight_sync import transport_problems
 
@@ -408,10 +459,14 @@ def device_problems(cfg: RunConfig) -> list[str]:
 LIMIT_BINDING = "RolloutConfig.max_prompt_len"  # the binding that holds the prompt limit
 
 
-def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[str], list[str], int]:
+def dataset_problems(
+    cfg: RunConfig, spec: Any, tokenizer: Any, samples: dict | None = None
+) -> tuple[list[str], list[str], int]:
     """Pitfall 4: the configured data files exist, parse and pass validate-dataset for the
     algorithm's schema; the overlong policy acts before the limit rejects anything; the
-    data covers a step. Returns (problems, warnings, rows that train)."""
+    data covers a step; each data_source's reward scores a few of its rows
+    (:func:`reward_problems`; with ``samples`` given, those rows are put there to be
+    scored later instead). Returns (problems, warnings, rows that train)."""
     from polyrl.data.schema import DatasetError, validate_rows
     from polyrl.data.schema import load_rows as load
     from polyrl.data.tasks import TASKS, make_preference_rows, make_rows
@@ -420,6 +475,7 @@ def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[st
     overlong = cfg.rollout.overlong_prompt if cfg.rollout is not None else "error"
     limit = cfg.rollout.prompt_limit if cfg.rollout is not None else None
     problems, warnings, rows, dropped, longest = [], [], 0, 0, 0
+    deferred, samples = samples is not None, {} if samples is None else samples
     files = {"RunConfig.train_files": tuple(cfg.train_files)}
     for name in ("val_files", "eval_files"):
         if getattr(cfg, name, None):
@@ -442,6 +498,9 @@ def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[st
             except DatasetError as e:
                 problems += [f"{binding}: {path}: {p}" for p in e.problems]
                 continue
+            for i, row in enumerate(data if kind == "rl" else ()):
+                if len(found := samples.setdefault(row["data_source"], [])) < REWARD_ROWS:
+                    found.append((f"{binding}: {path}", i, row))
             if report.over_limit:
                 verb = "dropped" if overlong == "drop" else "truncated"
                 warnings.append(
@@ -465,6 +524,7 @@ def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[st
             f"on: raise {LIMIT_BINDING} (the longest prompt is {longest} tokens), shorten the "
             f"prompts or set overlong_prompt='truncate_left'"
         )
+    problems += [] if deferred else reward_problems(samples, cfg.reward_timeout_s)
     rows -= dropped
     if not problems and rows < cfg.prompts_per_step:
         where = "RunConfig.train_files" if cfg.train_files else "RunConfig.n_train_prompts"
@@ -477,9 +537,48 @@ def dataset_problems(cfg: RunConfig, spec: Any, tokenizer: Any) -> tuple[list[st
     return problems, warnings, rows
 
 
-def preflight(cfg: RunConfig) -> tuple[RunConfig, Any, list[str], list[str]]:
+REWARD_ROWS = 2  # rows of each data_source that reward_problems scores
+
+
+def reward_problems(
+    samples: dict[str, list[tuple[str, int, Any]]], timeout_s: float | None
+) -> list[str]:
+    """Each data_source's reward function, called on a few of its rows (data_source ->
+    [(file, index, row)]) with the ground truth as the response and with an empty
+    response, before any worker starts: a crash, a hang past ``timeout_s`` or a value
+    that is not one finite float is named (the data_source, the function, the fix), one
+    problem per data_source. ``breakpoint()`` calls in a reward are skipped here (they
+    are meant for the reward workers, docs/debugging.md)."""
+    import sys
+
+    from polyrl.rewards.registry import REWARDS
+    from polyrl.rewards.workers import RewardError, score_items
+
+    out, hook = [], sys.breakpointhook
+    sys.breakpointhook = lambda *args, **kwargs: None
+    try:
+        for source, rows in samples.items():
+            tries = [(f, i, row, t) for f, i, row in rows for t in (row["ground_truth"], "")]
+            for where, i, row, text in tries if source in REWARDS else ():
+                item = (i, text, row["ground_truth"], source, row.get("extra_info"))
+                try:
+                    score_items(REWARDS, [item], timeout_s)
+                except RewardError as e:
+                    what = "the ground truth as the response" if text else "an empty response"
+                    out.append(f"{where}: row {i} scored with {what}: {e}")
+                    break
+    finally:
+        sys.breakpointhook = hook
+    return out
+
+
+def preflight(
+    cfg: RunConfig, reward_rows: dict | None = None
+) -> tuple[RunConfig, Any, list[str], list[str]]:
     """Every check before anything starts: (filled config, algorithm spec, warnings,
-    the batch arithmetic lines). ConfigError lists every problem."""
+    the batch arithmetic lines). ConfigError lists every problem. ``reward_rows``: put
+    the rows :func:`reward_problems` scores there instead of scoring them now (polyrl
+    train scores them once Ray runs, before any worker: a reward may start Ray tasks)."""
     import dataclasses
     from pathlib import Path
 
@@ -516,6 +615,8 @@ def preflight(cfg: RunConfig) -> tuple[RunConfig, Any, list[str], list[str]]:
     rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
     cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
     problems = check_run(cfg, spec) + isolation_problems(cfg, spec) + device_problems(cfg)
+    if spec.objective == "rl":
+        problems += length_problems(cfg)
     from transformers import AutoTokenizer
 
     try:
@@ -525,6 +626,6 @@ def preflight(cfg: RunConfig) -> tuple[RunConfig, Any, list[str], list[str]]:
             problems
             + [f"RunConfig.model_path={model_path!r}: its tokenizer cannot be loaded ({e})"]
         ) from None
-    data_problems, warnings, rows = dataset_problems(cfg, spec, tokenizer)
+    data_problems, warnings, rows = dataset_problems(cfg, spec, tokenizer, reward_rows)
     raise_if_problems(problems + data_problems)
     return cfg, spec, warnings, batch_arithmetic(cfg, spec, rows)

@@ -45,16 +45,20 @@ def _where(item: Item) -> str:
     return f"data_source {source!r}, sample {index} (response {shown!r})"
 
 
+def _fn_name(source: str) -> str:
+    fn = REWARDS.get(source)
+    return f"{fn.__module__}.{fn.__qualname__}" if fn else "the reward function"
+
+
 def check_reward(value: Any, item: Item) -> float:
     """``value`` as a float if it is one finite real number, else :class:`RewardError`."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if not ok or not math.isfinite(float(value)):
         why = "is not finite" if ok else f"is a {type(value).__name__}, not a float"
-        fn = REWARDS.get(item[3])
-        name = f"{fn.__module__}.{fn.__qualname__}" if fn else "the reward function"
         raise RewardError(
-            f"reward for {_where(item)} returned {value!r}, which {why}; {name} must return "
-            f"one finite float per response (0.0 for a response it cannot parse)"
+            f"reward for {_where(item)} returned {value!r}, which {why}; "
+            f"{_fn_name(item[3])} must return one finite float per response (0.0 for a "
+            f"response it cannot parse)"
         )
     return float(value)
 
@@ -105,7 +109,11 @@ def score_items(
         except RewardError:
             raise
         except Exception as e:
-            raise RewardError(f"reward for {_where(item)} raised {type(e).__name__}: {e}") from e
+            raise RewardError(
+                f"reward for {_where(item)} raised {type(e).__name__}: {e}; fix "
+                f"{_fn_name(item[3])}: it must return a float for any response (0.0 for one "
+                f"it cannot parse)"
+            ) from e
         out.append(check_reward(value, item))
     return out
 

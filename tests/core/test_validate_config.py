@@ -176,7 +176,7 @@ CASES = [
     ("task-smaller-than-step", GRPO, ["polyrl.RunConfig.n_train_prompts = 10"],
      "RunConfig.prompts_per_step=16 exceeds the 10 training rows (RunConfig.n_train_prompts)"),
     ("dpo-on-rl-file", DPO, ["polyrl.RunConfig.train_files = ['{data}/copy.parquet']"],
-     "row 0: missing field 'chosen'"),
+     "64 rows (row 0, row 1, row 2, ...): missing field 'chosen'"),
     ("long-prompts-error", GRPO, ["polyrl.RunConfig.train_files = ['{data}/long.parquet']"],
      "RunConfig.train_files: {data}/long.parquet: every prompt (32 rows) is over "
      "RolloutConfig.max_prompt_len=32 tokens (the shortest is 70 tokens after the chat template)"),
@@ -187,6 +187,14 @@ CASES = [
      "every one of the 32 training prompts (RunConfig.train_files=['{data}/long.parquet']) is over "
      "RolloutConfig.max_prompt_len=32 tokens, and RolloutConfig.overlong_prompt='drop' leaves none "
      "to train on: raise RolloutConfig.max_prompt_len (the longest prompt is 70 tokens)"),
+    # the model's positions (issue 34: vLLM refused max_model_len 1024 > 256 after start-up)
+    ("longer-than-the-model", GRPO, ["polyrl.RolloutConfig.max_model_len = 1024"],
+     "RolloutConfig.max_model_len=1024 is longer than the model's max_position_embeddings=256 "
+     "({model}/config.json): vLLM would refuse to start; set RolloutConfig.max_model_len = 256"),
+    ("prompt-and-response-longer-than-the-model", GRPO,
+     ["polyrl.RolloutConfig.max_model_len = 1024", "polyrl.SamplingSpec.max_tokens = 240"],
+     "RolloutConfig.max_prompt_len (32) + SamplingSpec.max_tokens (240) = 272 do not fit either: "
+     "set RolloutConfig.max_model_len = 256 and RolloutConfig.max_prompt_len = 16"),
     ("broken-jsonl", GRPO, ["polyrl.RunConfig.train_files = ['{data}/broken.jsonl']"],
      "broken.jsonl: line 3: invalid JSON"),
 ]  # fmt: skip
@@ -307,3 +315,38 @@ def test_train_and_sweep_run_the_same_checks_first(corpus, capsys):
     err = capsys.readouterr().err
     assert "SweepConfig: swept binding 'actr/polyrl.OptimConfig.lr'" in err, err
     assert "did you mean scope 'actor'?" in err
+
+
+def test_reward_functions_are_called_on_a_few_rows_first(corpus, tmp_path, monkeypatch, capsys):
+    """Issue 34: a reward returning the wrong type was found after the full start-up (78 s),
+    inside a traceback. Each configured data_source's reward now runs on a few rows (the
+    ground truth as the response, and an empty response) before any worker starts."""
+    from polyrl.rewards import REWARDS
+
+    def as_text(response, ground_truth, extra_info=None):
+        return "1.0" if response.strip() == ground_truth else "0.0"
+
+    def first_word(response, ground_truth, extra_info=None):
+        return float(response.split()[0] == ground_truth)  # IndexError on ""
+
+    monkeypatch.setitem(REWARDS, "test/as_text", as_text)
+    monkeypatch.setitem(REWARDS, "test/first_word", first_word)
+    rows = make_rows("copy", 64)
+    for i, row in enumerate(rows):
+        row["data_source"] = "test/as_text" if i % 2 else "test/first_word"
+    path = write_dataset(rows, tmp_path / "mine.parquet")
+    code, _, err = _run(corpus, GRPO, [f"polyrl.RunConfig.train_files = [{str(path)!r}]"], capsys)
+    assert code == 1 and "Traceback" not in err
+    truth = rows[1]["ground_truth"]
+    assert (
+        f"RunConfig.train_files: {path}: row 1 scored with the ground truth as the response: "
+        f"reward for data_source 'test/as_text', sample 1 (response {truth!r}) returned '1.0', "
+        f"which is a str, not a float; " in err
+    ), err
+    assert ".as_text must return one finite float per response" in err
+    assert (
+        f"RunConfig.train_files: {path}: row 0 scored with an empty response: reward for "
+        f"data_source 'test/first_word', sample 0 (response '') raised IndexError: list index "
+        f"out of range; fix " in err
+    ), err
+    assert err.count("test/as_text") == 1 and err.count("test/first_word") == 1  # once each

@@ -128,7 +128,7 @@ RAISING_REWARD = textwrap.dedent(
 
 
     def boxed_answer(response, ground_truth, extra_info=None):
-        parsed = {"answer": response.strip()}
+        parsed = {"boxed": ""} if response in ("", ground_truth) else {"answer": response}
         return float(parsed["boxed"] == ground_truth)  # KeyError: the line post-mortem stops at
 
 
@@ -140,7 +140,8 @@ RAISING_REWARD = textwrap.dedent(
 @pytest.mark.slow
 def test_post_mortem_pauses_the_reward_worker_where_the_reward_raised(tmp_path):
     """DebugConfig.post_mortem in a real Ray role: the user's reward raises KeyError in its
-    reward worker, which pauses in the reward function's frame (not where polyrl wraps the
+    reward worker (on a sampled response; the ground truth and an empty response, which
+    polyrl scores before the run starts, parse), which pauses in the reward function's frame (not where polyrl wraps the
     error in a RewardError); after the debugger continues, the run ends naming the error."""
     (tmp_path / "pm_rewards.py").write_text(RAISING_REWARD)
     proc = start_run(

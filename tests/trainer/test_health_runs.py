@@ -185,8 +185,16 @@ def test_reward_always_zero_warns(tmp_path, capsys, reward_override):
 
 @pytest.mark.slow
 def test_nan_reward_stops_the_run_naming_the_source(tmp_path, reward_override):
+    from polyrl.validate import ConfigError
+
+    # found before any worker starts: the reward scores a few rows first (issue 34)
     reward_override(lambda response, truth, extra=None: float("nan"))
-    with pytest.raises(RewardError, match=r"data_source 'polyrl/copy', sample 0 .* returned nan"):
+    with pytest.raises(ConfigError, match=r"data_source 'polyrl/copy', sample 0 .* returned nan"):
+        _run(tmp_path, "polyrl.RunConfig.total_steps = 2")
+    assert not (tmp_path / "metrics.jsonl").exists()
+    # at run time (a NaN only for the model's responses) the reward worker names it
+    reward_override(lambda r, truth, extra=None: 1.0 if r in ("", truth) else float("nan"))
+    with pytest.raises(RewardError, match=r"data_source 'polyrl/copy', sample \d+ .* returned nan"):
         _run(tmp_path, "polyrl.RunConfig.total_steps = 2")
 
 

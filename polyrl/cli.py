@@ -306,11 +306,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     rows = read_jsonl(path)
     if not rows:
         raise UserError(f"{path} is empty: the run logged no step yet")
-    first, last = rows[0], latest_metrics(rows)
+    last = latest_metrics(rows)
     print(f"run {args.run_dir}: {sum('time/step' in r for r in rows)} steps")
     for key, _ in PLOTTED:
-        if key in last:
-            print(f"  {key:<24} first {first.get(key, float('nan')):9.4f}  last {last[key]:9.4f}")
+        if key in last:  # first: the first row that has it (row 0 may be validation only)
+            first = next(r[key] for r in rows if key in r)
+            print(f"  {key:<24} first {first:9.4f}  last {last[key]:9.4f}")
     print(phase_summary(rows, COMPUTE_PHASES))
     print(f"plot: {plot_run(path, Path(args.run_dir, 'summary.png'))}")
     for name, what in (

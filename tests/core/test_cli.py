@@ -147,3 +147,31 @@ def test_make_tiny_writes_model_and_valid_datasets(tmp_path, capsys):
     for task in ("copy", "addition"):
         assert main(["validate-dataset", str(tmp_path / "data" / f"{task}_train.parquet")]) == 0
     assert list((tmp_path / "models").glob("tiny-qwen2-*/config.json"))
+
+
+def _metrics_with_validation(run_dir: Path) -> None:
+    """metrics.jsonl of a 3-step run validated before step 1 and after step 3: row 0 holds
+    only the initial validation."""
+    rows = [
+        {"step": 0, "val/reward/mean": 0.05, "time/validate": 30.0},
+        {"step": 1, "reward/mean": 0.1, "actor/kl_loss": 0.0, "response/length_mean": 4.0,
+         "time/step": 2.0, "time/generate": 1.5, "time/update_actor": 0.25},
+        {"step": 2, "reward/mean": 0.2, "actor/kl_loss": 0.5, "response/length_mean": 3.0,
+         "time/step": 1.0, "time/generate": 0.5, "time/update_actor": 0.25},
+        {"step": 3, "reward/mean": 0.3, "actor/kl_loss": 1.0, "response/length_mean": 2.0,
+         "time/step": 1.0, "time/generate": 0.5, "time/update_actor": 0.25,
+         "val/reward/mean": 0.25, "time/validate": 0.5},
+    ]  # fmt: skip
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_report_first_values_of_a_run_with_validation(tmp_path, capsys):
+    """Issue 34: "first nan" for every training curve when row 0 is validation only."""
+    _metrics_with_validation(tmp_path)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "  reward/mean              first    0.1000  last    0.3000" in out
+    assert "  val/reward/mean          first    0.0500  last    0.2500" in out
+    assert "  response/length_mean     first    4.0000  last    2.0000" in out
+    assert "nan" not in out

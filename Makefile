@@ -24,7 +24,7 @@ $(STAMP): requirements/cpu.lock setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/polyrl train --gin_file gin/experiments/tiny_grpo_val.gin
+	$(VENV)/bin/polyrl train --gin_file gin/experiments/tiny_grpo_val.gin --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

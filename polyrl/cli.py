@@ -260,6 +260,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             resume=args.resume,
             imports=args.imports,
             debug=args.debug,
+            overwrite=args.overwrite,
         )
     except ConfigError as e:
         _print_problems(", ".join(args.gin_file), e.problems)
@@ -383,8 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run an RL experiment from gin files")
     gin_args(p)
     verbose_arg(p)
-    p.add_argument(
+    again = p.add_mutually_exclusive_group()
+    again.add_argument(
         "--resume", action="store_true", help="continue from the run dir's latest checkpoint"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="the run dir holds an earlier run: delete its outputs (metrics, checkpoints, "
+        "logs, plots; nothing else) once the checks pass, and start again",
     )
     p.add_argument(
         "--debug",

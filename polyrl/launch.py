@@ -166,22 +166,33 @@ def train(
     on_step: Any = None,
     imports: Sequence[str] = (),
     debug: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """``polyrl train``: parse, validate, write the operative config, run. ``debug``
-    (``--debug``): Ray's distributed debugger in every role (docs/debugging.md)."""
+    (``--debug``): Ray's distributed debugger in every role (docs/debugging.md).
+    A run_dir that holds metrics or checkpoints needs ``resume`` (continue it) or
+    ``overwrite`` (delete its outputs once the checks pass)."""
     from polyrl.checkpoints import check_resumable, latest_checkpoint, run_manifest
     from polyrl.debug import for_debugging
-    from polyrl.reliability import check_free_space, check_run_dir
+    from polyrl.reliability import (
+        check_free_space,
+        check_fresh_run_dir,
+        check_run_dir,
+        clear_run_outputs,
+    )
     from polyrl.trainer import PreferenceTrainer, RLTrainer
 
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
     check_run_dir(cfg.run_dir)  # before anything is written or started
+    check_fresh_run_dir(cfg.run_dir, resume, overwrite)
     reward_rows: dict = {}
     cfg, spec = prepare(for_debugging(cfg, debug), reward_rows)
     check_free_space(cfg, spec)
     if resume:  # a checkpoint of another backend/algorithm/model fails before workers start
         check_resumable(latest_checkpoint(cfg.run_dir), run_manifest(cfg, spec))
     run_dir = Path(cfg.run_dir)
+    if overwrite and (gone := clear_run_outputs(run_dir)):
+        print(f"[polyrl] --overwrite: deleted {', '.join(gone)} in {run_dir}", flush=True)
     (run_dir / "operative_config.gin").write_text(operative)
     print(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True

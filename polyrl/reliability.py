@@ -16,12 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from polyrl import faults
+from polyrl.checkpoints import latest_checkpoint
 
 __all__ = [
     "RunStopped",
     "WorkerDied",
     "NonFiniteGuard",
     "check_run_dir",
+    "check_fresh_run_dir",
+    "clear_run_outputs",
+    "RunDirInUse",
+    "RUN_OUTPUTS",
     "check_free_space",
     "stop_message",
     "WriteFailed",
@@ -102,6 +107,65 @@ def check_run_dir(run_dir: str | Path) -> None:
         raise OSError(
             e.errno, f"polyrl.RunConfig.run_dir={str(run_dir)!r} is not writable ({e}); {_FIX}"
         ) from None
+
+
+# What a run writes into its run_dir (``--overwrite`` deletes exactly these; the tiny
+# model under models/ is a cache, not an output, and anything else is the user's).
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "checkpoints",
+    "tensorboard",
+    "summary.png",
+    "timeline.json",
+    "rollouts.jsonl",
+    "val_samples",
+    "profile",
+    "logs",
+    "wandb",
+    "operative_config.gin",
+)
+
+
+class RunDirInUse(FileExistsError):
+    """``run_dir`` holds another run's metrics or checkpoints (neither --resume nor
+    --overwrite was given)."""
+
+
+def check_fresh_run_dir(run_dir: str | Path, resume: bool, overwrite: bool) -> None:
+    """Before anything is written: a run without ``--resume`` starts in a run_dir that
+    holds no metrics and no checkpoints (it would append to them), unless ``--overwrite``."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite contradict each other: pass one of them")
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    rows = metrics.read_text().count("\n") if metrics.is_file() else 0
+    checkpoint = latest_checkpoint(run_dir)
+    if resume or overwrite or not (rows or checkpoint):
+        return
+    held = [f"metrics.jsonl with {rows} row(s)"] if rows else []
+    held += [f"checkpoint {checkpoint.name}"] if checkpoint else []
+    raise RunDirInUse(
+        f"polyrl.RunConfig.run_dir={str(run_dir)!r} already holds a run ({', '.join(held)}): "
+        f"continue it with --resume, choose another run_dir (--gin_param "
+        f"'polyrl.RunConfig.run_dir = \"{run_dir}_2\"'), or pass --overwrite to delete its "
+        f"outputs ({', '.join(RUN_OUTPUTS[:3])}, ...) and start again"
+    )
+
+
+def clear_run_outputs(run_dir: str | Path) -> list[str]:
+    """``--overwrite``: delete what a previous run wrote into ``run_dir`` (RUN_OUTPUTS,
+    nothing else); returns the names deleted."""
+    gone = []
+    for name in RUN_OUTPUTS:
+        path = Path(run_dir, name)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        gone.append(name)
+    return gone
 
 
 def check_free_space(cfg: Any, spec: Any) -> None:

@@ -157,7 +157,8 @@ class Loop(abc.ABC):
             self.run_dir,
             self.cfg.tensorboard,
             self.cfg.wandb_project,
-            resume_step=self.start_step if resume else None,
+            # (no checkpoint yet: nothing kept, the step-0 validation is logged again)
+            resume_step=(self.start_step or -1) if resume else None,
         )
         evaluator, total = self.evaluator, self.cfg.total_steps
         guard = reliability.NonFiniteGuard(self.cfg.max_nonfinite_steps)

@@ -149,6 +149,51 @@ def test_make_tiny_writes_model_and_valid_datasets(tmp_path, capsys):
     assert list((tmp_path / "models").glob("tiny-qwen2-*/config.json"))
 
 
+def test_train_into_a_used_run_dir_needs_resume_or_overwrite(tmp_path, capsys):
+    """Issue 34: a second run into the same run_dir appended to its metrics.jsonl (steps
+    0, 0, 0, 1, 2, ...). Now it stops before anything is written or started."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_2").mkdir(parents=True)
+    (run / "checkpoints" / "step_2" / "trainer_state.json").write_text("{}")
+    rows = "".join(json.dumps({"step": s, "reward/mean": 0.5}) + "\n" for s in (0, 1, 2))
+    (run / "metrics.jsonl").write_text(rows)
+    argv = ["train", "--gin_file", "gin/experiments/tiny_grpo.gin"]
+    argv += ["--gin_param", f"polyrl.RunConfig.run_dir = {str(run)!r}"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"polyrl train: polyrl.RunConfig.run_dir={str(run)!r} already holds a run "
+        f"(metrics.jsonl with 3 row(s), checkpoint step_2): continue it with --resume, choose "
+        f"another run_dir (--gin_param 'polyrl.RunConfig.run_dir = \"{run}_2\"'), or pass "
+        f"--overwrite to delete its outputs (metrics.jsonl, checkpoints, tensorboard, ...) "
+        f"and start again\n"
+    )
+    assert (run / "metrics.jsonl").read_text() == rows  # nothing written
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    with pytest.raises(SystemExit) as exit_:  # argparse: the two flags exclude each other
+        main([*argv, "--resume", "--overwrite"])
+    assert exit_.value.code == 2
+    assert "--overwrite: not allowed with argument --resume" in capsys.readouterr().err
+
+
+def test_overwrite_deletes_a_runs_outputs_and_nothing_else(tmp_path):
+    from polyrl.reliability import RUN_OUTPUTS, clear_run_outputs
+
+    for name in ("checkpoints/step_1", "logs", "val_samples", "tensorboard", "models/tiny"):
+        (tmp_path / name).mkdir(parents=True)
+    for name in ("metrics.jsonl", "summary.png", "operative_config.gin", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    gone = clear_run_outputs(tmp_path)
+    assert gone == [
+        n
+        for n in RUN_OUTPUTS
+        if n in ("metrics.jsonl", "checkpoints", "tensorboard", "summary.png")
+        + ("val_samples", "logs", "operative_config.gin")
+    ]
+    # the user's file and the tiny model's cache stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models", "notes.txt"]
+
+
 def _metrics_with_validation(run_dir: Path) -> None:
     """metrics.jsonl of a 3-step run validated before step 1 and after step 3: row 0 holds
     only the initial validation."""

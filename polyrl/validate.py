@@ -195,7 +195,11 @@ def length_problems(cfg: RunConfig) -> list[str]:
             f"SamplingSpec.max_tokens)"
         )
     else:
-        fix = f"set SamplingSpec.max_tokens < {positions} and RolloutConfig.max_model_len = {positions}"
+        fix = (
+            f"{need} = {r.prompt_limit + n} do not fit either: set SamplingSpec.max_tokens < "
+            f"{positions}, RolloutConfig.max_model_len = {positions} and "
+            f"RolloutConfig.max_prompt_len <= {positions} - max_tokens"
+        )
     return [
         f"RolloutConfig.max_model_len={r.max_model_len} is longer than the model's {key}="
         f"{positions} ({cfg.model_path}/config.json): vLLM would refuse to start; {fix}, or "

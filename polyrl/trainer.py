@@ -34,6 +34,7 @@ from polyrl.dumps import RolloutDumps
 from polyrl.health import HealthMonitor, explained_variance, response_stats
 from polyrl.metrics import (
     PhaseTimer,
+    StartupLog,
     Tracker,
     latest_metrics,
     phase_summary,
@@ -70,6 +71,7 @@ class Loop(abc.ABC):
         # Score exactly the ids the rollout can sample (see ModelConfig.sampling_vocab_size).
         self.vocab = self.pool.sampling_vocab_size if self.pool is not None else None
         self.run_dir = Path(cfg.run_dir)
+        self.startup = getattr(components, "startup", None) or StartupLog()
         self.timer = PhaseTimer()
         path = self.run_dir / "timeline.json"
         self.timeline = Timeline(path, self.role_workers) if cfg.timeline else None
@@ -142,7 +144,8 @@ class Loop(abc.ABC):
         if role in ("actor", "reference"):
             model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
             spec = dataclasses.replace(spec, model=model)
-        return WorkerGroup(spec, lambda rank: self.placement.options(role, rank))
+        with self.startup.phase(f"{role} workers"):
+            return WorkerGroup(spec, lambda rank: self.placement.options(role, rank))
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -162,13 +165,18 @@ class Loop(abc.ABC):
         )
         evaluator, total = self.evaluator, self.cfg.total_steps
         guard = reliability.NonFiniteGuard(self.cfg.max_nonfinite_steps)
+        startup, watch = self.startup.done(), self.startup.watch  # logged with the first step
         try:
             # Row N of metrics.jsonl is the state after N steps: step N's training metrics
             # and the validation of the weights it left (row 0: the initial weights').
             if evaluator and self.start_step == 0 and total > 0:
-                tracker.log(0, evaluator.evaluate(0))
+                with watch("the validation of the initial weights (vLLM warms up)"):
+                    tracker.log(0, evaluator.evaluate(0))
             for step in range(self.start_step, total):
-                metrics, done = self._profiled(step), step + 1
+                first = step == self.start_step
+                with watch(f"step {step + 1} (first calls warm up)", when=first):
+                    metrics, done = self._profiled(step), step + 1
+                metrics |= startup if first else {}
                 if evaluator and (evaluator.due(done) or done == total):
                     metrics |= evaluator.evaluate(done)
                 with reliability.writing(f"the metrics of step {done}"):

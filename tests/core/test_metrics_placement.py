@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from polyrl.metrics import Tracker, phase_summary, plot_run, read_jsonl
@@ -105,3 +108,86 @@ def test_placement_refuses_pools_the_nodes_cannot_hold():
     (msg,) = fit_problems(pools, nodes)
     assert "needs 2 node(s)" in msg and "only 1 of the cluster's 3" in msg
     assert fit_problems({"train": {"CPU": 1, "nodes": 2, "trainer": 1}}, nodes) == []
+
+
+def _run_rows() -> list[dict]:
+    """A 3-step run validated before step 1 (a 30 s first evaluation: vLLM's warm-up)
+    and after step 3, with the start-up logged on step 1's row."""
+    step = {
+        "reward/mean": 0.1,
+        "val/reward/mean": 0.1,
+        "actor/kl_loss": 0.0,
+        "actor/entropy": 2.0,
+        "response/length_mean": 4.0,
+        "time/generate": 0.5,
+        "time/update_actor": 0.25,
+        "time/step": 1.0,
+    }
+    return [
+        {"step": 0, "val/reward/mean": 0.05, "time/validate": 30.0},
+        {"step": 1, **step, "time/step": 2.0, "time/generate": 1.5, "startup/total_s": 60.0,
+         "startup/rollout_servers_s": 20.0, "startup/actor_workers_s": 10.0},
+        {"step": 2, **step},
+        {"step": 3, **step, "time/validate": 0.5},
+    ]  # fmt: skip
+
+
+def test_summary_plot_is_a_grid_without_validation_in_the_phase_times(tmp_path):
+    """Issue 34: one 2400 x 320 row of six panels, the phase-time panel swamped by the
+    first validation's 30 s bar. Now 3 columns x 2 rows, validation left out."""
+    from PIL import Image
+
+    from polyrl.metrics import summary_figure
+
+    fig = summary_figure(_run_rows())
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in shown] == [
+        "mean reward",
+        "validation reward",
+        "KL (actor loss term)",
+        "entropy (old policy)",
+        "response length",
+        "phase time per step (s)",
+    ]
+    # the tallest stacked bar is step 1's generate 1.5 + update 0.25 = 1.75 s (matplotlib
+    # pads the axis by 5%); with validation it would reach 30 s
+    assert 1.75 <= shown[-1].get_ylim()[1] < 2.0
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _run_rows()))
+    png = plot_run(tmp_path / "metrics.jsonl", tmp_path / "summary.png")
+    assert Image.open(png).size == (1200, 640)  # 3 x 4 in by 2 x 3.2 in at 100 dpi
+
+
+def test_phase_summary_reports_the_start_up():
+    """Issue 34: 16.5 s of steps in a 93 s run, the rest unaccounted for."""
+    text = phase_summary(_run_rows(), ("generate", "update_actor"))
+    # steps 2 + 1 + 1 = 4 s, validation 30.5 s, start-up 60 s: 60 / 94.5 = 63.5%
+    assert (
+        "  start-up: 60.0 s before the first step: rollout servers 20.0 s, actor workers "
+        "10.0 s; 63.5% of the run's 94.5 s (start-up + steps + validation)"
+    ) in text.splitlines()
+
+
+def test_start_up_log_names_what_it_waits_for(capsys):
+    import time
+
+    from polyrl.metrics import StartupLog
+
+    log = StartupLog(wait_s=0.05)
+    with log.phase("rollout servers"):
+        time.sleep(0.3)  # 6x the wait: the waiting line has long been printed
+    with log.phase("checks"):
+        pass
+    with log.watch("step 1", when=False):
+        time.sleep(0.1)
+    metrics = log.done()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[start-up] waiting for rollout servers (0.05 s so far)"
+    # (sleep may overrun on a busy machine: the tenths are not checked)
+    assert re.fullmatch(
+        r"\[start-up\] 0\.\d s before the first step, rollout servers 0\.\d s, checks 0\.0 s, "
+        r"other 0\.\d s",
+        out[1],
+    ), out[1]
+    assert len(out) == 2  # nothing for the quick phase or the unwatched step
+    assert set(metrics) == {"startup/total_s", "startup/rollout_servers_s", "startup/checks_s"}
+    assert metrics["startup/total_s"] >= 0.4 and metrics["startup/rollout_servers_s"] >= 0.3

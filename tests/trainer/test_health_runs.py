@@ -79,6 +79,15 @@ def test_healthy_demo_is_silent_and_dumps(tmp_path, capsys, reward_override):
     warned = [line for line in out.splitlines() if line.startswith("[health] WARNING")]
     assert [w for w in warned if "phase_slow" not in w] == [], out
     assert rows[-1]["reward/mean"] > rows[0]["reward/mean"]  # the Ray-task reward is real
+    # the start-up (issue 34: ~70 s of silence, unaccounted for): one line before step 1,
+    # on step 1's row, and in the phase summary
+    startup = [line for line in out.splitlines() if line.startswith("[start-up] ")]
+    assert sum(" s before the first step, " in line for line in startup) == 1, out
+    assert len(startup) <= 7, startup  # quiet: a waiting line only for each slow phase
+    parts = {"checks", "ray", "rollout_servers", "actor_workers", "reference_workers"}
+    assert {f"startup/{p}_s" for p in parts} | {"startup/total_s"} <= set(rows[0])
+    assert not any(k.startswith("startup/") for r in rows[1:] for k in r)
+    assert "  start-up: " in out and "before the first step: " in out
     dumps = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").open()]
     assert [d["step"] for d in dumps] == [1] * 4 + [10] * 4  # step 1, every 10; 4 samples
     first = dumps[0]

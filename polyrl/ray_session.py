@@ -35,9 +35,11 @@ __all__ = ["init_ray", "local_cpus", "verbose", "VERBOSE_ENV", "worker_line_matt
 VERBOSE_ENV = "POLYRL_VERBOSE"
 
 # Worker lines that are noise at WARNING level: the vLLM CPU build's start-up notices
-# (no Triton, no tcmalloc/iomp preload, eager mode, NUMA binding, thread pinning) and
-# deprecation notices from libraries. Everything else at WARNING or above is shown.
+# (no Triton, no tcmalloc/iomp preload, eager mode, NUMA binding, thread pinning, the
+# chunked prefill polyrl turns off on CPU: docs/rollout.md) and deprecation notices from
+# libraries. Everything else at WARNING or above is shown.
 BENIGN = (
+    "does not officially support disabling chunked prefill",
     "Triton",
     "triton",
     "LD_PRELOAD",
@@ -51,6 +53,9 @@ BENIGN = (
     "DeprecationWarning",
     "Token authentication is enabled",
 )
+# Python's report of a weakref callback that ran while a worker's interpreter shut down
+# (Ray Tune's trial actors at the end of a sweep): harmless, and it reads like a crash.
+SHUTDOWN_NOISE = "Exception ignored in: <function WeakSet.__init__.<locals>._remove"
 _MATTERS = re.compile(r"\b(WARNING|WARN|ERROR|CRITICAL|FATAL|Traceback|\w*Error|\w*Exception)\b")
 
 
@@ -95,6 +100,7 @@ def init_ray(
     if not loud:  # Ray's own driver-side notices (token auth on a local start): benign
         for handler in logging.getLogger("ray").handlers:
             handler.addFilter(lambda r: worker_line_matters(f"WARNING {r.getMessage()}"))
+    term = signal.getsignal(signal.SIGTERM)
     ray.init(
         address=address,
         include_dashboard=debugging,
@@ -103,6 +109,11 @@ def init_ray(
         runtime_env=env,
         **local,
     )
+    if term is not None and threading.current_thread() is threading.main_thread():
+        # ray.init swaps the driver's SIGTERM handler for its own (sys.exit(15)): keep
+        # the caller's, e.g. polyrl train's "end the run like Ctrl-C" (a sweep stopping a
+        # trial sends SIGTERM).
+        signal.signal(signal.SIGTERM, term)
     if address == "local":
         _start_watchdog(os.getpid())
     if not loud:
@@ -211,6 +222,7 @@ class _WorkerLogs(threading.Thread):
         self.offsets: dict[Path, int] = {}
         self.names: dict[Path, str] = {}
         self.partial: dict[Path, str] = {}
+        self.shutdown_noise: set[Path] = set()  # inside a SHUTDOWN_NOISE block
 
     def run(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -241,6 +253,11 @@ class _WorkerLogs(threading.Thread):
     def echo(self, path: Path, line: str) -> None:
         if line.startswith(":actor_name:"):
             self.names[path] = line.split(":", 2)[2]
+            return
+        if line.startswith(SHUTDOWN_NOISE) or path in self.shutdown_noise:
+            # its traceback's lines, up to and with the exception's own line
+            done = not line.startswith(("Exception ignored", "Traceback", " "))
+            (self.shutdown_noise.discard if done else self.shutdown_noise.add)(path)
             return
         if line.startswith(":") or not worker_line_matters(line):
             return

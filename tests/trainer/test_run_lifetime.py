@@ -75,18 +75,25 @@ def test_killed_driver_leaves_no_process_and_the_run_was_quiet(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_quietly_with_checkpoint_and_metrics(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_ends_quietly_with_checkpoint_and_metrics(tmp_path, how):
+    """Ctrl-C, or SIGTERM to the driver alone (a scheduler; a sweep stopping a trial,
+    issue 34: its log had a native SIGTERM dump): the same quiet end, exit code 130."""
     run = tmp_path / "run"
     proc = _start(run, "polyrl.RunConfig.total_steps = 1000", "polyrl.RunConfig.save_every = 2")
     try:
         _wait_for_steps(run, proc, 3)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        else:
+            proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out[-3000:]
     assert "Traceback" not in out and "interrupted" in out, out[-3000:]
+    assert "SIGTERM received" not in out and "PC: @" not in out, out[-3000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert (run / "checkpoints" / "step_2" / "trainer_state.json").exists()

@@ -100,19 +100,25 @@ def prepare(cfg: RunConfig, reward_rows: dict | None = None) -> tuple[RunConfig,
     return cfg, spec
 
 
-def _components(cfg: RunConfig, spec: Any, reward_rows: dict, startup: Any) -> SimpleNamespace:
+def _components(
+    cfg: RunConfig, spec: Any, reward_rows: dict | None = None, startup: Any = None
+) -> SimpleNamespace:
+    """The run's data, Ray, rollout pool and placement. ``reward_rows``: the rows whose
+    rewards ``prepare`` left to score once Ray runs; ``startup``: the run's StartupLog."""
     import ray
     from transformers import AutoTokenizer
 
     from polyrl.data.loader import PairSource, PromptSource
     from polyrl.debug import DebugSession
     from polyrl.evaluation import validation_prompts
+    from polyrl.metrics import StartupLog
     from polyrl.placement import Placement, trial_placement
     from polyrl.ray_session import init_ray
     from polyrl.roles import build_roles
     from polyrl.rollout import RolloutPool
     from polyrl.validate import raise_if_problems, reward_problems
 
+    startup = startup or StartupLog()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     kw = {
         "seed": cfg.seed,
@@ -133,7 +139,7 @@ def _components(cfg: RunConfig, spec: Any, reward_rows: dict, startup: Any) -> S
             cpus = cfg.ray_num_cpus or pool_cpus + cfg.user_cpus
             init_ray(cfg.run_dir, cpus, cfg.imports, cfg.debug, cfg.cache_dir)
     # Each reward on a few rows, before any worker starts (here: a reward may use Ray).
-    raise_if_problems(reward_problems(reward_rows, cfg.reward_timeout_s))
+    raise_if_problems(reward_problems(reward_rows or {}, cfg.reward_timeout_s))
     debug = DebugSession.start(cfg.debug)
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles, reserved=trial_placement())

@@ -42,7 +42,8 @@ def run(gin_file: str, run_dir: Path, steps: int) -> list[dict]:
 
 
 def training(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(("val/", "time/", "sync/seconds"))}
+    wall_clock = ("time/", "startup/", "sync/seconds")
+    return {k: v for k, v in row.items() if not k.startswith(("val/", *wall_clock))}
 
 
 def main(argv=None) -> dict:

@@ -31,8 +31,8 @@ def _run(gin_file: str, run_dir: Path, *extra: str) -> list[dict]:
 
 
 def _training(row: dict) -> dict:
-    # time/* and sync/seconds are wall-clock readings, different in any two runs.
-    skip = ("val/", "time/", "sync/seconds")
+    # time/*, startup/* and sync/seconds are wall-clock readings, different in any two runs.
+    skip = ("val/", "time/", "startup/", "sync/seconds")
     return {k: v for k, v in row.items() if not k.startswith(skip)}
 
 

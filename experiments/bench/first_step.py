@@ -5,7 +5,7 @@ of ``--runs`` (``cold``: the compile cache directory emptied first, and torch's 
 Inductor directory too; ``warm``: the directory as the run before left it), and
 timestamps every line the run prints. For each run it reports the seconds from the
 command's start to the run's header line (``[polyrl] run ...``: parsing, validation), to
-each start-up line the run prints (lines starting ``[start]``), and to the first progress
+each start-up line the run prints (``[start-up] ...``), and to the first progress
 line (``step 1/N``), plus step 1's phase times from ``metrics.jsonl``. Not a test;
 numbers go to stdout and ``--json``.
 
@@ -87,7 +87,7 @@ def one_run(args, kind: str, cache: Path, run_dir: Path) -> dict:
         (Path(args.log_dir) / f"first_step_{kind}.log").write_text(log)
     header = next((t for t, line in lines if line.startswith("[polyrl] run ")), None)
     first = next((t for t, line in lines if PROGRESS.search(line)), None)
-    starts = [(round(t, 2), line) for t, line in lines if line.startswith("[start]")]
+    starts = [(round(t, 2), line) for t, line in lines if line.startswith("[start-up]")]
     rows = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():

@@ -49,12 +49,13 @@ def test_task_whose_every_prompt_is_too_long(tmp_path, tiny_model_dir, capsys, p
     run_dir.mkdir()
     earlier = run_dir / "metrics.jsonl"  # what an earlier run left: kept as it was
     earlier.write_text('{"step": 1, "reward/mean": 0.5}\n')
+    # --overwrite deletes a run's outputs only once every check has passed
     args = _train(
         run_dir,
         tiny_model_dir,
         "polyrl.RolloutConfig.max_prompt_len = 12",
         f"polyrl.RolloutConfig.overlong_prompt = {policy!r}",
-    )
+    ) + ["--overwrite"]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert EXPECTED[policy] in err, err

@@ -66,6 +66,7 @@ FIXES = {
     "trained_roles": "use the algorithm (and algo_overrides) the run started with",
     "model": "set polyrl.RunConfig.model_path to the model the run started from",
     "role": "load a checkpoint of the same role",
+    "lora": "bind the polyrl.LoraConfig (RunConfig.lora) the checkpoint was trained with",
 }
 
 

@@ -490,7 +490,7 @@ def preflight(cfg: RunConfig) -> tuple[RunConfig, Any, list[str], list[str]]:
         from polyrl.data.tiny import ensure_tiny_model
 
         try:
-            model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
+            model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models", cfg.tiny_model))
         except OSError as e:
             raise ConfigError(
                 problems

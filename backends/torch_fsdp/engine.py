@@ -260,13 +260,14 @@ class TorchFSDPEngine:
             )
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        for _, mb in self._micro_batches(self._group_rows(batch)):
-            inputs = self._to_device(mb)
-            loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
-            loss.backward()
-            for key, value in {"loss": loss, **metrics}.items():
-                value = torch.as_tensor(value, dtype=torch.float64).detach().to(self.env.device)
-                sums[key] = sums.get(key, 0) + value
+        with lora.seeded_dropout(self.cfg.lora, self.step, self.env.rank, self.env.device):
+            for _, mb in self._micro_batches(self._group_rows(batch)):
+                inputs = self._to_device(mb)
+                loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
+                loss.backward()
+                for key, value in {"loss": loss, **metrics}.items():
+                    value = torch.as_tensor(value, dtype=torch.float64).detach()
+                    sums[key] = sums.get(key, 0) + value.to(self.env.device)
         return self._apply_update(sums, ctx)
 
     def _inject_faults(self, sums: dict[str, torch.Tensor]) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from polyrl.config import LoraConfig
 
-__all__ = ["inject", "adapters_off", "merged", "is_adapter", "ADAPTER"]
+__all__ = ["inject", "adapters_off", "seeded_dropout", "merged", "is_adapter", "ADAPTER"]
 
 ADAPTER = "default"  # PEFT's adapter name: parameter names carry it
 _A, _B = f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"
@@ -79,6 +79,20 @@ def adapters_off(module: nn.Module) -> Iterator[None]:
     finally:
         for m in layers:
             m._disable_adapters = False
+
+
+@contextlib.contextmanager
+def seeded_dropout(cfg: LoraConfig | None, step: int, rank: int, device: torch.device):
+    """Inside, torch's RNG (CPU and ``device``'s) is seeded by the update's ``step`` and
+    this ``rank``, and restored after: LoRA dropout's masks are a function of the step,
+    so a rerun and a resumed run draw the same ones (the JAX backend folds the step into
+    its key the same way). A no-op without dropout."""
+    if cfg is None or cfg.dropout == 0:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed((step << 16) + rank)
+        yield
 
 
 def merged(

@@ -118,6 +118,11 @@ class TrainEngine(Protocol):
         the base names) in buckets of about ``bucket_bytes``; never more
         than one bucket of gathered weights alive at a time."""
 
+    def save_adapters(self, path: str) -> None:
+        """A LoRA actor's adapters as a PEFT adapter directory at ``path``
+        (``polyrl.checkpoints.save_peft_adapters``); every rank must call it. Without
+        LoRA: ValueError."""
+
     def save(self, path: str) -> None:
         """Checkpoint model, optimizer, schedule, RNG and step to directory ``path``."""
 

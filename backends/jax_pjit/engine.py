@@ -499,6 +499,18 @@ class JaxPjitEngine:
         weights = lora.merged({**self.frozen, **self.params}, self.model_cfg.lora.scale)
         return export_buckets(weights, bucket_bytes, dtype=self.compute_dtype)
 
+    def save_adapters(self, path: str) -> None:
+        """The LoRA adapters as a PEFT adapter directory (the first host writes)."""
+        self._check_loaded()
+        if self.model_cfg.lora is None:
+            raise ValueError(
+                "save_adapters: this engine has no LoRA adapters (ModelConfig.lora is None)"
+            )
+        buckets = export_buckets(self.params, 1 << 30, dtype=jnp.float32)
+        arrays = {k: np.asarray(v) for bucket in buckets for k, v in bucket}
+        if jax.process_index() == 0:
+            checkpoints.save_peft_adapters(path, arrays, self.model_cfg.lora, self.model_cfg.path)
+
     def _state(self) -> dict[str, Any]:
         state = {
             "params": self.params,

@@ -353,6 +353,22 @@ class TorchFSDPEngine:
             lora_scale=self._lora_scale,
         )
 
+    def save_adapters(self, path: str) -> None:
+        """The LoRA adapters as a PEFT adapter directory (rank 0 writes; every rank gathers)."""
+        self._check_usable("save_adapters")
+        if self.cfg.lora is None:
+            raise ValueError(
+                "save_adapters: this engine has no LoRA adapters (ModelConfig.lora is None)"
+            )
+        adapters = {
+            name.replace(f".{lora.ADAPTER}.", "."): weights.full(p.detach(), self.env.device)
+            for name, p in self.model.named_parameters()
+            if lora.is_adapter(name)
+        }
+        if self.env.is_main:
+            arrays = {k: v.float().cpu().numpy() for k, v in adapters.items()}
+            checkpoints.save_peft_adapters(path, arrays, self.cfg.lora, self.cfg.path)
+
     # ------------------------------------------------------------ checkpoint
     def _identity(self) -> dict:
         """What a checkpoint must match to load into this engine (role, model shape)."""

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from polyrl.backends.buckets import iter_buckets as group_buckets
 from polyrl.backends.torch_fsdp import lora
 
-__all__ = ["hf_named_tensors", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
+__all__ = ["hf_named_tensors", "full", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -53,7 +53,7 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, buf
 
 
-def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The whole tensor on ``device`` (an all-gather for a DTensor shard; a DTensor on a
     mesh of one rank, or replicated, already holds it whole: no collective, no copy)."""
     if isinstance(t, DTensor):
@@ -79,7 +79,7 @@ def iter_buckets(
     single tensor larger than that gets a bucket of its own). Every rank must consume
     the whole iterator: each tensor is a collective. ``lora_scale``: the model carries
     LoRA adapters, exported merged into the base weights (``lora.merged``)."""
-    pairs = ((name, _full(shard.detach(), device)) for name, shard in hf_named_tensors(model))
+    pairs = ((name, full(shard.detach(), device)) for name, shard in hf_named_tensors(model))
     if lora_scale is not None:
         pairs = lora.merged(pairs, lora_scale)
     cast = ((n, t.to(dtype) if t.is_floating_point() else t) for n, t in pairs)

@@ -129,10 +129,11 @@ def test_same_adapters_same_update_on_both_backends(tiny_model_dir):
 
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
-def test_only_adapters_train_and_merged_export(backend, tiny_model_dir):
+def test_only_adapters_train_and_export(backend, tiny_model_dir, tmp_path):
     """The optimizer holds exactly the adapters (count by hand from config.json); the
     exported weights are the HF names of the base, with W + scale * B @ A (numpy) for
-    every target and W itself elsewhere."""
+    every target and W itself elsewhere; save_adapters writes a PEFT adapter directory
+    on which peft.PeftModel (transformers base) scores as the engine does."""
     from safetensors.numpy import load_file
 
     eng = _engine(backend, tiny_model_dir)
@@ -162,6 +163,29 @@ def test_only_adapters_train_and_merged_export(backend, tiny_model_dir):
             assert np.abs(b).max() > 0  # a real merge, not W + 0
         np.testing.assert_allclose(exported[name], want, atol=TOL_MERGE, rtol=0, err_msg=name)
     assert merged == len(adapters) // 2
+    _check_peft_directory(eng, tiny_model_dir, tmp_path / "adapters")
+
+
+def _check_peft_directory(eng, base_dir, out):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    batch = _batch()
+    eng.save_adapters(str(out))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(out)).eval()
+    cols = {k: torch.as_tensor(v) for k, v in batch.tensors.items()}
+    p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=cols["input_ids"].long(),
+            attention_mask=cols["attention_mask"].long(),
+            position_ids=cols["position_ids"].long(),
+        ).logits[:, p - 1 : p - 1 + r]
+    logp = torch.log_softmax(logits / TEMPERATURE, -1)
+    want = logp.gather(-1, cols["responses"].long()[..., None])[..., 0] * cols["response_mask"]
+    got = eng.forward(batch, temperature=TEMPERATURE)["log_probs"]
+    np.testing.assert_allclose(got, want.numpy(), atol=TOL)  # fp32, other kernels: TOL
 
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])

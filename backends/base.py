@@ -86,11 +86,18 @@ class TrainEngine(Protocol):
         ``ValueError``."""
 
     def forward(
-        self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
+        self,
+        batch: Batch,
+        *,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        adapters: bool = True,
     ) -> dict[str, Any]:
         """No-grad per-token outputs as numpy: ``log_probs`` [B, R] (``entropy``,
         ``values`` when asked for / a value-head role; the reward role also ``scores``
-        [B]). Zero where ``response_mask`` is 0. ``temperature`` <= 0 is a ValueError."""
+        [B]). Zero where ``response_mask`` is 0. ``temperature`` <= 0 is a ValueError.
+        ``adapters=False``: a LoRA actor scores with its adapters off, i.e. as the frozen
+        base model (the reference); no effect without LoRA."""
 
     def train_step(
         self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
@@ -107,8 +114,14 @@ class TrainEngine(Protocol):
         """
 
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
-        """Full tensors under HF names in buckets of about ``bucket_bytes``; never more
+        """Full tensors under HF names (with LoRA: the merged ``W + scale * B @ A`` under
+        the base names) in buckets of about ``bucket_bytes``; never more
         than one bucket of gathered weights alive at a time."""
+
+    def save_adapters(self, path: str) -> None:
+        """A LoRA actor's adapters as a PEFT adapter directory at ``path``
+        (``polyrl.checkpoints.save_peft_adapters``); every rank must call it. Without
+        LoRA: ValueError."""
 
     def save(self, path: str) -> None:
         """Checkpoint model, optimizer, schedule, RNG and step to directory ``path``."""
@@ -172,6 +185,23 @@ def _torch_compile_problem(compile: bool, tensor: int, where: str) -> str | None
 
 def _no_compile_problem(compile: bool, tensor: int, where: str) -> str | None:
     """JAX compiles everything anyway and ignores ``ModelConfig.compile``."""
+    return None
+
+
+def _torch_lora_problem(lora: Any, tensor: int, where: str) -> str | None:
+    """torch: the tensor-parallel plan splits ``nn.Linear`` projections, which PEFT has
+    replaced by its LoRA layers."""
+    if lora is None or tensor == 1:
+        return None
+    return (
+        f"{where} tensor={tensor} with RunConfig.lora: the torch_fsdp backend's tensor "
+        "parallelism does not split PEFT's LoRA layers; set tensor=1 and give the devices "
+        "to fsdp/data, or use the jax_pjit backend"
+    )
+
+
+def _no_lora_problem(lora: Any, tensor: int, where: str) -> str | None:
+    """JAX shards the LoRA adapters by the same rules as their projections."""
     return None
 
 
@@ -279,13 +309,15 @@ class Backend:
     core never imports torch or jax), the backend's process model, the framework whose
     profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), why
     ``ModelConfig.compile`` cannot run on a ``tensor`` axis (``compile_problem(compile,
-    tensor, where) -> str | None``, asked by validate-config and the engine) and the
-    bridge weight sync reaches its arrays through (None: its arrays are torch tensors)."""
+    tensor, where) -> str | None``, asked by validate-config and the engine), the same
+    for LoRA (``lora_problem(lora, tensor, where)``) and the bridge weight sync reaches
+    its arrays through (None: its arrays are torch tensors)."""
 
     engine: str
     process: ProcessModel
     profiler: str
     compile_problem: Callable[[bool, int, str], str | None] = _no_compile_problem
+    lora_problem: Callable[[Any, int, str], str | None] = _no_lora_problem
     arrays: ArrayBridge | None = None
 
 
@@ -297,6 +329,7 @@ ENGINES: dict[str, Backend] = {
         ProcessModel("device", "torch.distributed", lambda devices, gpu: {}, _torch_group_env),
         "torch",
         compile_problem=_torch_compile_problem,
+        lora_problem=_torch_lora_problem,
     ),
     "jax_pjit": Backend(
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",

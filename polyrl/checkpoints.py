@@ -38,6 +38,7 @@ __all__ = [
     "save",
     "restore",
     "write_json",
+    "save_peft_adapters",
     "MANIFEST",
     "STATE",
 ]
@@ -66,6 +67,7 @@ FIXES = {
     "trained_roles": "use the algorithm (and algo_overrides) the run started with",
     "model": "set polyrl.RunConfig.model_path to the model the run started from",
     "role": "load a checkpoint of the same role",
+    "lora": "bind the polyrl.LoraConfig (RunConfig.lora) the checkpoint was trained with",
 }
 
 
@@ -121,6 +123,38 @@ def check_manifest(found: Mapping[str, Any], expected: Mapping[str, Any], where:
             f"checkpoint {where} does not match this run: {'; '.join(diffs)}. To start "
             "afresh instead, use a new polyrl.RunConfig.run_dir (or leave out --resume)"
         )
+
+
+def save_peft_adapters(
+    out_dir: str | os.PathLike, adapters: Mapping[str, Any], lora: Any, base_path: str
+) -> Path:
+    """Write LoRA adapters as a PEFT adapter directory (``adapter_model.safetensors`` +
+    ``adapter_config.json``), which ``peft.PeftModel.from_pretrained(base, out_dir)`` and
+    vLLM's LoRA support load. ``adapters``: ``{"<module>.lora_A.weight" | "...lora_B...":
+    numpy array}`` (HF module paths, no adapter name); ``lora``: the ``LoraConfig``."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"base_model.model.{k}": np.ascontiguousarray(v, np.float32) for k, v in adapters.items()
+    }
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base_path),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.target_modules),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    write_json(out / "adapter_config.json", config)
+    return out
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -230,9 +230,17 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
         for warning in e.warnings:
             print(f"  WARNING {warning}", file=sys.stderr)
         return 1
+    from polyrl.roles import reference_in_actor
+
+    roles = [
+        "reference (the actor's base, LoRA adapters off)"
+        if role == "reference" and reference_in_actor(cfg, spec)
+        else role
+        for role in spec.roles
+    ]
     print(
         f"OK {what}: {spec.name} on {cfg.backend}; roles: actor, rollout, "
-        f"{', '.join(spec.roles)}; {cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
+        f"{', '.join(roles)}; {cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
         f"n={cfg.sampling.n}; model {cfg.model_path}"
     )
     for line in arithmetic:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 __all__ = [
     "MESH_AXES",
     "DEFAULT_LOGICAL_RULES",
+    "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -38,6 +39,9 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 ROLES = ("actor", "critic", "reference", "reward")
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_POLICIES = ("full", "selective")
+# The projections LoRA can adapt: HF's module names inside a decoder layer of the
+# Llama/Qwen families, the same names on both backends (the JAX models use HF's names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def closest(name: object, choices: object) -> str | None:
@@ -59,6 +63,70 @@ def _choice(owner: str, field: str, value: object, choices: tuple) -> None:
         raise ValueError(
             f"{owner}.{field}={value!r} is not one of {list(choices)}{did_you_mean(value, choices)}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """LoRA (Hu et al. 2021) on the actor: ``W x + (alpha / rank) * B A dropout(x)`` for
+    each target projection, ``A`` [rank, in] random (:meth:`initial_a`), ``B`` [out, rank]
+    zero at start, so
+    the first forward equals the base model's. Only ``A`` and ``B`` train; the base
+    weights stay frozen (docs/training.md "LoRA").
+
+    rank / alpha: the adapters' rank and scale numerator (scale = alpha / rank).
+    dropout: dropout probability on the adapters' input path (training only).
+    target_modules: projections to adapt, by HF module name (:data:`LORA_TARGETS`).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.rank < 1:
+            raise ValueError(f"LoraConfig.rank={self.rank} must be >= 1 (e.g. 8, 16, 64)")
+        if self.alpha <= 0:
+            raise ValueError(f"LoraConfig.alpha={self.alpha} must be > 0 (e.g. 2 x rank)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"LoraConfig.dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError(
+                f"LoraConfig.target_modules is empty; name some of {list(LORA_TARGETS)}"
+            )
+        for name in self.target_modules:
+            if name not in LORA_TARGETS:
+                raise ValueError(
+                    f"LoraConfig.target_modules has {name!r}, which is no projection of the "
+                    f"model's decoder layers; valid: {list(LORA_TARGETS)}"
+                    f"{did_you_mean(name, LORA_TARGETS)}"
+                )
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(
+                f"LoraConfig.target_modules={list(self.target_modules)} names a module twice"
+            )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def initial_a(self, target: str, shape: tuple[int, int]) -> object:
+        """The initial ``A`` [rank, in] of the adapter on ``target`` (its HF module path,
+        e.g. ``model.layers.0.self_attn.q_proj``): PEFT's Kaiming-uniform
+        U(-1/sqrt(in), 1/sqrt(in)), fp32 numpy, drawn from a generator seeded by the path,
+        so both backends and every run start from the same adapters."""
+        import zlib
+
+        import numpy as np
+
+        bound = 1.0 / math.sqrt(shape[1])
+        rng = np.random.default_rng(zlib.crc32(target.encode()))
+        return rng.uniform(-bound, bound, shape).astype(np.float32)
+
+    def manifest(self) -> dict:
+        """The fields as a checkpoint's JSON manifest records them (lists, not tuples)."""
+        return {**dataclasses.asdict(self), "target_modules": list(self.target_modules)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +160,8 @@ class ModelConfig:
       and the LM head's chunk scoring, so a step launches fused kernels instead of one per
       elementwise op; the first micro-batches of each shape family pay the compile time.
       JAX: no effect (XLA compiles every step whole).
+    lora: a :class:`LoraConfig` for an actor trained through low-rank adapters (frozen
+      base weights); None: every weight trains.
     """
 
     path: str
@@ -103,9 +173,15 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     sampling_vocab_size: int | None = None
     compile: bool = False
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         _choice("ModelConfig", "role", self.role, ROLES)
+        if self.lora is not None and self.role != "actor":
+            raise ValueError(
+                f"ModelConfig.lora is set for role {self.role!r}; LoRA trains the actor only "
+                "(RunConfig.lora)"
+            )
         _choice("ModelConfig", "dtype", self.dtype, DTYPES)
         _choice("ModelConfig", "checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
         if self.sampling_vocab_size is not None and self.sampling_vocab_size < 1:
@@ -270,7 +346,9 @@ class RunConfig:
 
     run_dir: where the operative config, metrics, TensorBoard events, checkpoints and
       the plot go. model_path: local HF model for actor, reference (a separate frozen
-      instance) and rollout; None builds the embedded tiny model under ``run_dir``.
+      instance) and rollout; None builds the embedded tiny model under ``run_dir``, of
+      the shape ``tiny_model`` gives (a ``polyrl.data.tiny.TinyModelSpec``; None: the
+      default).
     train_files: RL datasets: .parquet/.jsonl files, shard directories, HF save_to_disk
       folders, in polyrl's or verl's schema (polyrl.data.formats); empty -> ``task`` rows
       generated on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec
@@ -301,6 +379,10 @@ class RunConfig:
       XLA; docs/backends.md).
     compile: every engine's ``ModelConfig.compile`` (torch: ``torch.compile`` per decoder
       layer and LM-head chunk; JAX: no effect).
+    lora: a ``LoraConfig`` (gin: ``@polyrl.LoraConfig()``): the actor trains low-rank
+      adapters on frozen base weights; the reference is then the actor with its adapters
+      off (no second copy of the weights), and the rollout servers get merged weights
+      (docs/training.md "LoRA"). None: full fine-tuning.
     weight_transport: trainer -> rollout weight sync: "object_store" (any placement),
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     weight_bucket_mb: the size of one weight-sync bucket (MiB). None: the transport's
@@ -343,6 +425,7 @@ class RunConfig:
     algorithm: str = "grpo"
     algo_overrides: Mapping[str, object] = dataclasses.field(default_factory=dict)
     model_path: str | None = None
+    tiny_model: object = None
     train_files: tuple[str, ...] = ()
     task: str = "copy"
     n_train_prompts: int = 1024
@@ -383,6 +466,7 @@ class RunConfig:
     checkpoint_policy: str = "full"
     attn_implementation: str = "sdpa"
     compile: bool = False
+    lora: LoraConfig | None = None
     weight_transport: str = "object_store"
     async_rollout: bool = False
     weight_bucket_mb: float | None = None

@@ -6,7 +6,7 @@ dataclasses — never gin — travel to the Ray workers.
 
 gin names (see gin/base.gin): ``RunConfig`` (the root), ``OptimConfig`` (scopes
 ``actor/`` and ``critic/``), ``ParallelConfig`` (scopes ``actor/``, ``reference/``,
-``critic/``), ``SamplingSpec``, ``RolloutConfig``.
+``critic/``), ``LoraConfig``, ``SamplingSpec``, ``RolloutConfig``, ``TinyModelSpec``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from polyrl.config import OptimConfig, ParallelConfig, RunConfig, SweepConfig
+from polyrl.config import LoraConfig, OptimConfig, ParallelConfig, RunConfig, SweepConfig
 from polyrl.user_code import import_modules
 
 __all__ = ["parse_config", "prepare", "train", "find_gin", "GIN_ROOT"]
@@ -38,6 +38,7 @@ def _register() -> Any:
 
     if _quiet_gin_lookups not in logging.getLogger().filters:
         logging.getLogger().addFilter(_quiet_gin_lookups)
+    from polyrl.data.tiny import TinyModelSpec
     from polyrl.debug import DebugConfig
     from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
@@ -45,10 +46,12 @@ def _register() -> Any:
         RunConfig,
         OptimConfig,
         ParallelConfig,
+        LoraConfig,
         SamplingSpec,
         RolloutConfig,
         SweepConfig,
         DebugConfig,
+        TinyModelSpec,
     ):
         with contextlib.suppress(ValueError):  # already registered in this process
             gin.external_configurable(cls, module="polyrl")

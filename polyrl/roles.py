@@ -29,6 +29,7 @@ __all__ = [
     "pool_shape",
     "build_roles",
     "role_problems",
+    "reference_in_actor",
 ]
 
 # Keys of a pool entry that are not Ray resources.
@@ -108,13 +109,20 @@ def _parallel(cfg: RunConfig) -> dict[str, ParallelConfig]:
     }
 
 
+def reference_in_actor(cfg: RunConfig, spec: Any) -> bool:
+    """With LoRA (``RunConfig.lora``) the reference is the actor's own frozen base, scored
+    with the adapters off: no reference role, no second copy of the weights."""
+    return spec.needs_reference and cfg.lora is not None
+
+
 def role_names(cfg: RunConfig, spec: Any) -> list[str]:
     """The roles this run starts, in start-up order."""
     rl = spec.objective == "rl"
+    separate_reference = spec.needs_reference and not reference_in_actor(cfg, spec)
     return [
         "actor",
         *(["rollout"] if rl else []),
-        *(["reference"] if spec.needs_reference else []),
+        *(["reference"] if separate_reference else []),
         *(["critic"] if spec.needs_critic else []),
         *(["reward"] if cfg.reward_model_path and rl else []),
     ]
@@ -137,6 +145,7 @@ def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
         checkpoint_policy=cfg.checkpoint_policy,
         attn_implementation=cfg.attn_implementation,
         compile=cfg.compile,
+        lora=cfg.lora if name == "actor" else None,
     )
     optim = {"actor": cfg.optim, "critic": cfg.critic_optim}.get(name)
     return RoleSpec(
@@ -187,6 +196,8 @@ def _tensor_problems(name: str, role: RoleSpec, shape: PoolShape) -> list[str]:
         )
     compiled = get_backend(role.backend).compile_problem(role.model.compile, tensor, where)
     out += [compiled] if compiled else []
+    adapted = get_backend(role.backend).lora_problem(role.model.lora, tensor, where)
+    out += [adapted] if adapted else []
     try:
         problem = tensor_split_problem(model_shape(role.model.path), tensor, where)
     except (OSError, ValueError):  # no readable config.json: reported by preflight

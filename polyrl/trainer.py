@@ -8,7 +8,8 @@ One step, as in the algorithm box::
 
 Each arrow is a named stage of tens of lines, timed and logged as ``[phase] step N: X s``.
 Roles live in their own Ray workers (``polyrl.workers``): the reference is a separate
-frozen engine, never the actor's object. The run directory holds the operative config,
+frozen engine, never the actor's object (with LoRA: the actor's frozen base, scored with
+its adapters off). The run directory holds the operative config,
 ``metrics.jsonl``, TensorBoard events, checkpoints and ``summary.png``.
 """
 
@@ -43,6 +44,7 @@ from polyrl.metrics import (
 )
 from polyrl.residency import turn_roles
 from polyrl.rewards.workers import RewardError, RewardPool
+from polyrl.roles import reference_in_actor
 from polyrl.timeline import Timeline
 from polyrl.workers import WorkerGroup, gather
 
@@ -87,6 +89,17 @@ class Loop(abc.ABC):
         self.evaluator = None  # RLTrainer with validation data: polyrl.evaluation
         self.start_step = 0
 
+    @property
+    def ref_scorer(self) -> tuple[WorkerGroup, dict[str, Any]] | None:
+        """Who scores reference log-probs, and with which forward arguments: the reference
+        role, or with LoRA the actor's frozen base with its adapters off
+        (``polyrl.roles.reference_in_actor``); None without a reference."""
+        if self.reference is not None:
+            return self.reference, {}
+        if reference_in_actor(self.cfg, self.spec):
+            return self.actor, {"adapters": False}
+        return None
+
     @abc.abstractmethod
     def step(self, step: int) -> dict[str, float]:
         """One step of the algorithm box; returns the step's metrics."""
@@ -115,8 +128,9 @@ class Loop(abc.ABC):
         the reference scores the same batch again; a warning names it if it moved."""
         from polyrl.validate import reference_moved
 
-        with self.turns.resident(self.reference):
-            after = self.reference.forward(batch, **kwargs)["log_probs"]
+        group, extra = self.ref_scorer
+        with self.turns.resident(group):
+            after = group.forward(batch, **kwargs, **extra)["log_probs"]
         warning = reference_moved(batch["ref_log_probs"], after)
         if warning:
             print(f"[polyrl] {warning}", flush=True)
@@ -396,7 +410,7 @@ class RLTrainer(Loop):
                     self.spec.needs_entropy,
                     self.mini_rows,
                 )
-            if self.reference is not None and step == self.start_step:
+            if self.ref_scorer is not None and step == self.start_step:
                 self.check_reference(batch, {"temperature": self.temperature})
             if self.critic is not None:
                 with turns.resident(self.critic), phase("update_critic"):
@@ -417,10 +431,11 @@ class RLTrainer(Loop):
         start to its own result; roles taking turns run one after another, reloaded around
         their forward (the actor stays on ``actor_turn`` for the update)."""
         kw = {"temperature": self.temperature}
+        ref_group, ref_kw = self.ref_scorer or (None, {})
         calls = {
             name: (group, args)
             for name, group, args in (
-                ("reference", self.reference, kw),
+                ("reference", ref_group, kw | ref_kw),
                 ("old_log_probs", self.actor, kw | {"entropy": True}),
                 ("values", self.critic, {}),
             )
@@ -432,7 +447,7 @@ class RLTrainer(Loop):
             for name, (group, args) in calls.items()
             if not self.turns.takes_turns(group)
         }
-        outs = {}
+        outs, actor_resident = {}, False
         with concurrent.futures.ThreadPoolExecutor(1) as waiter:
             # Their finish times are read as they come, while the turns below run.
             done = waiter.submit(
@@ -442,7 +457,9 @@ class RLTrainer(Loop):
                 if name not in pending:
                     turn = self.turns.resident(group)
                     if group is self.actor:  # reloaded here, offloaded after the sync
-                        actor_turn.enter_context(turn)
+                        if not actor_resident:  # once (with LoRA it scores the reference too)
+                            actor_turn.enter_context(turn)
+                            actor_resident = True
                         turn = contextlib.nullcontext()
                     with turn, self.timer.phase(name):
                         outs[name] = group.forward(batch, **args)
@@ -678,8 +695,9 @@ class PreferenceTrainer(Loop):
         with self.timer.phase("data"):
             batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
         with self.timer.phase("reference"):
+            group, extra = self.ref_scorer
             batch = batch.with_columns(
-                {"ref_log_probs": self.reference.forward(batch)["log_probs"]}
+                {"ref_log_probs": group.forward(batch, **extra)["log_probs"]}
             )
         with self.timer.phase("update_actor"):
             metrics = self.update(

@@ -593,7 +593,7 @@ def preflight(
         from polyrl.data.tiny import ensure_tiny_model
 
         try:
-            model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models"))
+            model_path = str(ensure_tiny_model(Path(cfg.run_dir) / "models", cfg.tiny_model))
         except OSError as e:
             raise ConfigError(
                 problems

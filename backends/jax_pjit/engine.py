@@ -34,7 +34,14 @@ from flax import nnx
 
 from polyrl import checkpoints, faults, micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
-from polyrl.backends.jax_pjit import attention, checkpoint, distributed, gpu_memory, sharding
+from polyrl.backends.jax_pjit import (
+    attention,
+    checkpoint,
+    distributed,
+    gpu_memory,
+    lora,
+    sharding,
+)
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
 from polyrl.backends.jax_pjit.shapes import micro_rows, pack_rows, pad_batch, padded_cost
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
@@ -117,9 +124,11 @@ class JaxPjitEngine:
             self.compute_dtype,
             probe=(first, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim),
         )
-        dtype = jnp.dtype(jnp.float32) if model.trainable else self.compute_dtype
-        abstract = nnx.eval_shape(
-            lambda: CausalLM(
+        # A LoRA actor keeps its frozen base in the compute dtype and fp32 adapters.
+        dtype = jnp.dtype(jnp.float32) if model.trainable and not model.lora else self.compute_dtype
+
+        def build(adapters):
+            return CausalLM(
                 self.config,
                 dtype=dtype,
                 rngs=nnx.Rngs(0),
@@ -128,16 +137,36 @@ class JaxPjitEngine:
                 constrain=sharding.ActivationSharding(self.mesh, parallel.rules),
                 remat=model.checkpoint_policy if model.gradient_checkpointing else None,
                 attention=self.attention,
+                lora=adapters,
             )
+
+        # The model with its adapters (True) and without (False: the base model, LoRA's
+        # reference); both name the base weights alike.
+        self._graphdefs = {}
+        self._graphdefs[True], abs_state = nnx.split(nnx.eval_shape(lambda: build(model.lora)))
+        self._graphdefs[False] = (
+            nnx.split(nnx.eval_shape(lambda: build(None)))[0]
+            if model.lora
+            else self._graphdefs[True]
         )
-        self._graphdef, abs_state = nnx.split(abstract)
         flat = list(abs_state.flat_state())
         self._paths = {".".join(map(str, p)): p for p, _ in flat}
         shapes = {".".join(map(str, p)): v.shape for p, v in flat}
-        self.param_shardings = sharding.param_shardings(shapes, self.mesh, parallel.rules)
-        host = load_hf_params(model.path, self.config, shapes, model.value_head_path)
+        base, adapters = lora.split(shapes)
+        host = load_hf_params(model.path, self.config, base, model.value_head_path)
+        # Trained params (all, or LoRA's adapters) and frozen ones (LoRA's base; else none).
+        trained, frozen = (adapters, base) if model.lora else (shapes, {})
+        host |= {
+            k: v.astype(jnp.float32) for k, v in lora.init_adapters(adapters, model.lora).items()
+        }
+        self.param_shardings = sharding.param_shardings(trained, self.mesh, parallel.rules)
+        self.frozen_shardings = sharding.param_shardings(frozen, self.mesh, parallel.rules)
         self.params = {
-            k: jax.device_put(host[k].astype(dtype), self.param_shardings[k]) for k in shapes
+            k: jax.device_put(host[k].astype(jnp.float32 if model.lora else dtype), s)
+            for k, s in self.param_shardings.items()
+        }
+        self.frozen = {
+            k: jax.device_put(host[k].astype(dtype), s) for k, s in self.frozen_shardings.items()
         }
         self._rep = sharding.replicated(self.mesh)
         self._rows = sharding.batch_sharding(self.mesh, parallel.rules, 1)
@@ -184,13 +213,18 @@ class JaxPjitEngine:
         return self._jits[key]
 
     # ------------------------------------------------------------------ compute
-    def _module(self, params: dict[str, jax.Array]) -> CausalLM:
+    def _module(self, frozen, params, adapters: bool = True) -> CausalLM:
+        """The model over ``frozen`` + ``params`` in the compute dtype; ``adapters=False``
+        leaves LoRA's adapters out (the base model)."""
+        merged = {**frozen, **params}
+        if not adapters:
+            merged = {k: v for k, v in merged.items() if not lora.is_adapter(k)}
         state = nnx.State.from_flat_path(
-            {self._paths[k]: v.astype(self.compute_dtype) for k, v in params.items()}
+            {self._paths[k]: v.astype(self.compute_dtype) for k, v in merged.items()}
         )
-        return nnx.merge(self._graphdef, state)
+        return nnx.merge(self._graphdefs[adapters], state)
 
-    def _hidden(self, model: CausalLM, arrays) -> tuple[jax.Array, jax.Array]:
+    def _hidden(self, model: CausalLM, arrays, key=None) -> tuple[jax.Array, jax.Array]:
         """(hidden [B, R, E] at the positions predicting each response token, hidden [B, E]
         at each sample's last real token) of a padded or packed (``pack_rows``)
         micro-batch."""
@@ -202,6 +236,7 @@ class JaxPjitEngine:
                 arrays["packed_segments"],
                 arrays["packed_positions"],
                 b // rows,
+                key,
             )
             pick = lambda index: jnp.take_along_axis(  # noqa: E731
                 hidden, index.reshape(rows, -1)[..., None], axis=1
@@ -210,17 +245,19 @@ class JaxPjitEngine:
                 arrays["packed_last"]
             ).reshape(b, -1)
         ids, attn = arrays["input_ids"], arrays["attention_mask"]
-        hidden = model(ids, attn, arrays["position_ids"])
+        hidden = model(ids, attn, arrays["position_ids"], 1, key)
         p = ids.shape[1] - r
         last = ids.shape[1] - 1 - jnp.argmax(attn[:, ::-1] != 0, axis=1)
         # position P-1+t predicts responses[:, t]
         return hidden[:, p - 1 : p - 1 + r], hidden[jnp.arange(b), last]
 
-    def _outputs(self, params, arrays, temperature, entropy: bool) -> dict[str, jax.Array]:
+    def _outputs(
+        self, frozen, params, arrays, temperature, entropy: bool, adapters=True, key=None
+    ) -> dict[str, jax.Array]:
         """Per-token outputs [B, R] of one (padded or packed) micro-batch; see module
-        docstring."""
-        model = self._module(params)
-        h, last_hidden = self._hidden(model, arrays)
+        docstring. ``key``: LoRA dropout (training only)."""
+        model = self._module(frozen, params, adapters)
+        h, last_hidden = self._hidden(model, arrays, key)
         keep = arrays["response_mask"] != 0
         out = {}
         if self.with_lm:
@@ -289,31 +326,40 @@ class JaxPjitEngine:
         return out
 
     def forward(
-        self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
+        self,
+        batch: Batch,
+        *,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        adapters: bool = True,
     ) -> dict[str, np.ndarray]:
+        adapters = adapters or self.model_cfg.lora is None
         fn = self._jit(
-            ("forward", entropy),
-            lambda params, arrays, temp: self._outputs(params, arrays, temp, entropy),
-            in_shardings=(self.param_shardings, self._rows, self._rep),
+            ("forward", entropy, adapters),
+            lambda frozen, params, arrays, temp: self._outputs(
+                frozen, params, arrays, temp, entropy, adapters
+            ),
+            in_shardings=(self.frozen_shardings, self.param_shardings, self._rows, self._rep),
             out_shardings=self._rows,
         )
         self._check_loaded()
         check_temperature(temperature)
         temp = jnp.float32(temperature)
         parts = [
-            (idx, jax.tree.map(distributed.local_rows, fn(self.params, c, temp)))
+            (idx, jax.tree.map(distributed.local_rows, fn(self.frozen, self.params, c, temp)))
             for idx, c in self._micro_batches(batch)
         ]
         return micro_batch.scatter(parts, *batch["responses"].shape)
 
     # ----------------------------------------------------------------- training
     def _grad_step(self, loss_fn: LossFn, entropy: bool):
-        def step(params, grads, arrays, counts, temperature):
+        def step(frozen, params, grads, arrays, counts, temperature, key):
             def objective(p):
                 ctx = LossContext(
                     global_tokens=counts[0], global_seqs=counts[1], temperature=temperature
                 )
-                return loss_fn(self._outputs(p, arrays, temperature, entropy), arrays, ctx)
+                out = self._outputs(frozen, p, arrays, temperature, entropy, key=key)
+                return loss_fn(out, arrays, ctx)
 
             (loss, metrics), g = jax.value_and_grad(objective, has_aux=True)(params)
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
@@ -323,9 +369,17 @@ class JaxPjitEngine:
         return self._jit(
             ("grad_step", loss_fn, entropy),
             step,
-            in_shardings=(ps, ps, self._rows, self._rep, self._rep),
+            in_shardings=(
+                self.frozen_shardings,
+                ps,
+                ps,
+                self._rows,
+                self._rep,
+                self._rep,
+                self._rep,
+            ),
             out_shardings=(ps, self._rep, self._rep),
-            donate_argnums=(1,),
+            donate_argnums=(2,),
         )
 
     def _apply_step(self):
@@ -365,6 +419,12 @@ class JaxPjitEngine:
             donate_argnums=(0, 1),
         )
 
+    def _dropout_key(self, micro: int) -> jax.Array | None:
+        """LoRA dropout's key for micro-batch ``micro`` of this update: a function of the
+        step, so a resumed run draws the same masks (no RNG state to checkpoint)."""
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(0), self.step), micro)
+        return jax.device_put(key, self._rep)
+
     def _inject_faults(self, grads: dict[str, jax.Array], loss: float) -> tuple[Any, float]:
         """Test-only (``polyrl.faults``): NaN loss and/or gradients in this update."""
         nan_loss = faults.active("nan_loss", self.step, self.model_cfg.role)
@@ -398,8 +458,11 @@ class JaxPjitEngine:
         )
         grads, parts = zeros(self.params), []
         counts_dev, temp = jax.device_put(counts, self._rep), jnp.float32(temperature)
-        for chunk in chunks:
-            grads, loss, metrics = step(self.params, grads, chunk, counts_dev, temp)
+        for i, chunk in enumerate(chunks):
+            key = self._dropout_key(i)
+            grads, loss, metrics = step(
+                self.frozen, self.params, grads, chunk, counts_dev, temp, key
+            )
             parts.append((loss, metrics))
         parts = jax.device_get(parts)
         grads, loss = self._inject_faults(grads, float(sum(np.float64(lo) for lo, _ in parts)))
@@ -431,7 +494,22 @@ class JaxPjitEngine:
     # ---------------------------------------------------------- weights & state
     def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
         self._check_loaded()
-        return export_buckets(self.params, bucket_bytes, dtype=self.compute_dtype)
+        if self.model_cfg.lora is None:
+            return export_buckets(self.params, bucket_bytes, dtype=self.compute_dtype)
+        weights = lora.merged({**self.frozen, **self.params}, self.model_cfg.lora.scale)
+        return export_buckets(weights, bucket_bytes, dtype=self.compute_dtype)
+
+    def save_adapters(self, path: str) -> None:
+        """The LoRA adapters as a PEFT adapter directory (the first host writes)."""
+        self._check_loaded()
+        if self.model_cfg.lora is None:
+            raise ValueError(
+                "save_adapters: this engine has no LoRA adapters (ModelConfig.lora is None)"
+            )
+        buckets = export_buckets(self.params, 1 << 30, dtype=jnp.float32)
+        arrays = {k: np.asarray(v) for bucket in buckets for k, v in bucket}
+        if jax.process_index() == 0:
+            checkpoints.save_peft_adapters(path, arrays, self.model_cfg.lora, self.model_cfg.path)
 
     def _state(self) -> dict[str, Any]:
         state = {
@@ -451,8 +529,13 @@ class JaxPjitEngine:
         )
 
     def _identity(self) -> dict[str, Any]:
-        """What a checkpoint must match to load into this engine (role, model shape)."""
-        return {"role": self.model_cfg.role, "model": checkpoints.model_shape(self.model_cfg.path)}
+        """What a checkpoint must match to load into this engine (role, model shape, LoRA)."""
+        lora_cfg = self.model_cfg.lora
+        return {
+            "role": self.model_cfg.role,
+            "model": checkpoints.model_shape(self.model_cfg.path),
+            **({"lora": lora_cfg.manifest()} if lora_cfg else {}),
+        }
 
     def load(self, path: str) -> None:
         self._check_loaded()
@@ -468,7 +551,7 @@ class JaxPjitEngine:
         pool's unused memory back to the GPU (``gpu_memory.release``)."""
         if self._host is not None:
             return
-        tree = {"params": self.params, "opt_state": self.opt_state}
+        tree = {"params": self.params, "opt_state": self.opt_state, "frozen": self.frozen}
         kinds = {m.kind for m in self.mesh.devices.flat[0].addressable_memories()}
         if "pinned_host" in kinds:
             self._host = jax.tree.map(
@@ -479,7 +562,7 @@ class JaxPjitEngine:
         jax.block_until_ready(self._host)
         for x in jax.tree.leaves(tree):
             x.delete()
-        self.params = self.opt_state = None
+        self.params = self.opt_state = self.frozen = None
         gpu_memory.release(self.mesh.devices.flat)
 
     def reload(self) -> None:
@@ -487,6 +570,9 @@ class JaxPjitEngine:
             return
         self.params = {
             k: jax.device_put(v, self.param_shardings[k]) for k, v in self._host["params"].items()
+        }
+        self.frozen = {
+            k: jax.device_put(v, self.frozen_shardings[k]) for k, v in self._host["frozen"].items()
         }
         if self._host["opt_state"] is not None:
             self.opt_state = jax.device_put(self._host["opt_state"], self._opt_shardings)

@@ -221,7 +221,13 @@ def _head_logits(hidden: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """``y = x @ weight.T + bias`` with ``weight`` [out, in] (HF's name and layout)."""
+    """``y = x @ weight.T + bias`` with ``weight`` [out, in] (HF's name and layout).
+
+    With ``lora`` (a ``polyrl.config.LoraConfig``), LoRA adapters ``lora_A.weight``
+    [rank, in] and ``lora_B.weight`` [out, rank] (PEFT's names, without its adapter
+    name) add ``scale * B A dropout(x)``; ``key`` draws the dropout mask (None: no
+    dropout, as in every forward without gradients). Their values come from
+    ``lora.init_adapters`` (B zero), not from this initialiser."""
 
     def __init__(
         self,
@@ -232,14 +238,38 @@ class Linear(nnx.Module):
         dtype: Any,
         rngs: nnx.Rngs,
         init: Callable | None = None,
+        lora: Any = None,
     ):
         init = init or nnx.initializers.normal(0.02)
         self.weight = nnx.Param(init(rngs.params(), (d_out, d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        if lora is None:
+            self.lora_A = self.lora_B = None
+        else:
+            zeros = nnx.initializers.zeros_init()
+            self.lora_A = Linear(d_in, lora.rank, bias=False, dtype=dtype, rngs=rngs, init=zeros)
+            self.lora_B = Linear(lora.rank, d_out, bias=False, dtype=dtype, rngs=rngs, init=zeros)
+            self.lora_scale, self.lora_dropout = lora.scale, lora.dropout
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         y = _matmul_t(x, self.weight[...])
+        if self.lora_A is not None:
+            h = x
+            if key is not None and self.lora_dropout > 0:
+                keep = jax.random.bernoulli(key, 1.0 - self.lora_dropout, x.shape)
+                h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+            y = y + self.lora_B(self.lora_A(h)) * jnp.asarray(self.lora_scale, y.dtype)
         return y + self.bias[...] if self.bias is not None else y
+
+
+def _adapted(lora: Any, name: str) -> Any:
+    """``lora`` when it adapts projection ``name`` (``LoraConfig.target_modules``)."""
+    return lora if lora is not None and name in lora.target_modules else None
+
+
+def _key(key: jax.Array | None, i: int) -> jax.Array | None:
+    """The ``i``-th dropout key under ``key`` (None stays None: no dropout)."""
+    return None if key is None else jax.random.fold_in(key, i)
 
 
 class RMSNorm(nnx.Module):
@@ -274,27 +304,37 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         constrain: Constrain,
         implementation: str = "xla",
+        lora: Any = None,
     ):
         e, d = c.hidden_size, c.head_dim
-        self.q_proj = Linear(e, c.num_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(e, c.num_kv_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(e, c.num_kv_heads * d, bias=c.qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(c.num_heads * d, e, bias=c.o_bias, dtype=dtype, rngs=rngs)
+
+        def proj(name, d_in, d_out, bias):
+            return Linear(d_in, d_out, bias=bias, dtype=dtype, rngs=rngs, lora=_adapted(lora, name))
+
+        self.q_proj = proj("q_proj", e, c.num_heads * d, c.qkv_bias)
+        self.k_proj = proj("k_proj", e, c.num_kv_heads * d, c.qkv_bias)
+        self.v_proj = proj("v_proj", e, c.num_kv_heads * d, c.qkv_bias)
+        self.o_proj = proj("o_proj", c.num_heads * d, e, c.o_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(d, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(d, c.rms_norm_eps, dtype)
         self.c, self.constrain, self.implementation = c, constrain, implementation
 
     def __call__(
-        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: tuple[jax.Array, int]
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        segments: tuple[jax.Array, int],
+        key: jax.Array | None = None,
     ) -> jax.Array:
         """x [B, T, E]; cos/sin [B, T, D]; segments: (segment_ids [B, T], most sequences
-        per row) -> [B, T, E]."""
+        per row) -> [B, T, E]; key: LoRA dropout (None: none)."""
         c = self.c
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q = self.q_proj(x, _key(key, 0)).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x, _key(key, 1)).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x, _key(key, 2)).reshape(b, t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
@@ -311,36 +351,55 @@ class Attention(nnx.Module):
             slots=segments[1],
         )
         out = checkpoint_name(out, recompute.ATTENTION_OUT)
-        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim))
+        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim), _key(key, 3))
 
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain):
+    def __init__(
+        self,
+        c: TransformerConfig,
+        dtype: Any,
+        rngs: nnx.Rngs,
+        constrain: Constrain,
+        lora: Any = None,
+    ):
         e, m = c.hidden_size, c.intermediate_size
-        self.gate_proj = Linear(e, m, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(e, m, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(m, e, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
+
+        def proj(name, d_in, d_out):
+            return Linear(
+                d_in, d_out, bias=c.mlp_bias, dtype=dtype, rngs=rngs, lora=_adapted(lora, name)
+            )
+
+        self.gate_proj = proj("gate_proj", e, m)
+        self.up_proj = proj("up_proj", e, m)
+        self.down_proj = proj("down_proj", m, e)
         self.constrain = constrain
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
-        return self.down_proj(self.constrain(h, ("batch", "length", "mlp")))
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        h = jax.nn.silu(self.gate_proj(x, _key(key, 4))) * self.up_proj(x, _key(key, 5))
+        return self.down_proj(self.constrain(h, ("batch", "length", "mlp")), _key(key, 6))
 
 
 class DecoderLayer(nnx.Module):
     def __init__(
-        self, c: TransformerConfig, dtype: Any, rngs: nnx.Rngs, constrain: Constrain, attn: str
+        self,
+        c: TransformerConfig,
+        dtype: Any,
+        rngs: nnx.Rngs,
+        constrain: Constrain,
+        attn: str,
+        lora: Any = None,
     ):
-        self.self_attn = Attention(c, dtype, rngs, constrain, attn)
-        self.mlp = MLP(c, dtype, rngs, constrain)
+        self.self_attn = Attention(c, dtype, rngs, constrain, attn, lora)
+        self.mlp = MLP(c, dtype, rngs, constrain, lora)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
 
-    def __call__(self, x, cos, sin, segments):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, cos, sin, segments, key=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, key)
+        return x + self.mlp(self.post_attention_layernorm(x), key)
 
 
 class Backbone(nnx.Module):
@@ -354,31 +413,34 @@ class Backbone(nnx.Module):
         constrain: Constrain,
         remat: str | None,
         attn: str,
+        lora: Any = None,
     ):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, rngs)
         self.layers = nnx.List(
-            [DecoderLayer(c, dtype, rngs, constrain, attn) for _ in range(c.num_layers)]
+            [DecoderLayer(c, dtype, rngs, constrain, attn, lora) for _ in range(c.num_layers)]
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         inv_freq, scale = rope_inv_freq(c)
         self.inv_freq, self.rope_scale = tuple(inv_freq.tolist()), scale
         self.constrain, self.remat = constrain, remat
 
-    def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1) -> jax.Array:
+    def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1, key=None) -> jax.Array:
         """input_ids, segment_ids (or attention_mask), position_ids [B, T] int -> hidden
-        [B, T, E]; ``slots``: most sequences in one row (static)."""
+        [B, T, E]; ``slots``: most sequences in one row (static); ``key``: LoRA dropout
+        (None: none)."""
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         angles = position_ids.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
         angles = jnp.concatenate([angles, angles], axis=-1)
         cos, sin = jnp.cos(angles) * self.rope_scale, jnp.sin(angles) * self.rope_scale
         segments = (segment_ids.astype(jnp.int32), slots)
         x = self.constrain(self.embed_tokens(input_ids), ("batch", "length", None))
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            k = _key(key, i)
             if self.remat:  # gradient checkpointing: keep what the policy saves
-                call = lambda lyr, h: lyr(h, cos, sin, segments)  # noqa: E731
+                call = lambda lyr, h, k=k: lyr(h, cos, sin, segments, k)  # noqa: E731
                 x = nnx.remat(call, policy=recompute.remat_policy(self.remat))(layer, x)
             else:
-                x = layer(x, cos, sin, segments)
+                x = layer(x, cos, sin, segments, k)
             x = self.constrain(x, ("batch", "length", None))
         return self.norm(x)
 
@@ -390,7 +452,9 @@ class CausalLM(nnx.Module):
     reward models. ``with_lm_head=False`` builds a critic/reward model without logits.
     ``attention``: ``xla``, ``cudnn`` or ``auto`` (``attention.resolve``). ``remat``: None
     (no activation checkpointing) or a ``ModelConfig.checkpoint_policy`` ("full",
-    "selective": ``recompute.remat_policy``), applied to each decoder layer."""
+    "selective": ``recompute.remat_policy``), applied to each decoder layer. ``lora``: a
+    ``polyrl.config.LoraConfig`` puts LoRA adapters on its target projections
+    (:class:`Linear`)."""
 
     def __init__(
         self,
@@ -403,9 +467,10 @@ class CausalLM(nnx.Module):
         constrain: Constrain | None = None,
         remat: str | None = None,
         attention: str = "xla",
+        lora: Any = None,
     ):
         constrain = constrain or _no_constraint
-        self.model = Backbone(c, dtype, rngs, constrain, remat, attention)
+        self.model = Backbone(c, dtype, rngs, constrain, remat, attention, lora)
         self.lm_head = (
             Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype, rngs=rngs)
             if with_lm_head and not c.tie_word_embeddings
@@ -425,8 +490,8 @@ class CausalLM(nnx.Module):
         )
         self.config, self.with_lm_head = c, with_lm_head
 
-    def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1) -> jax.Array:
-        return self.model(input_ids, segment_ids, position_ids, slots)
+    def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1, key=None) -> jax.Array:
+        return self.model(input_ids, segment_ids, position_ids, slots, key)
 
     def head_weight(self) -> jax.Array:
         """The LM head as [V, E]: ``lm_head.weight``, or the embedding when tied."""

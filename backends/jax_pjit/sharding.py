@@ -56,6 +56,14 @@ PARAM_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"^lm_head\.weight$", ("vocab", "embed")),
     (r"^score\.weight$", (None, "embed")),
     (r"norm\.weight$|\.(o_proj|down_proj)\.bias$", (None,)),
+    # LoRA adapters (lora.py): A [rank, in] shares W's input axis, B [out, rank] its output.
+    (r"\.(q|k|v|gate|up)_proj\.lora_A\.weight$", (None, "embed")),
+    (r"\.o_proj\.lora_A\.weight$", (None, "heads")),
+    (r"\.down_proj\.lora_A\.weight$", (None, "mlp")),
+    (r"\.q_proj\.lora_B\.weight$", ("heads", None)),
+    (r"\.[kv]_proj\.lora_B\.weight$", ("kv_heads", None)),
+    (r"\.(gate|up)_proj\.lora_B\.weight$", ("mlp", None)),
+    (r"\.(o|down)_proj\.lora_B\.weight$", ("embed", None)),
 )
 
 

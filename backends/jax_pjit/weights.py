@@ -162,13 +162,14 @@ class ExportBucket(OwnBucket):
 
 
 def export_buckets(
-    params: Mapping[str, jax.Array],
+    params: Mapping[str, jax.Array] | Iterable[tuple[str, jax.Array]],
     bucket_bytes: int,
     dtype: Any = None,
     device: jax.Device | None = None,
 ) -> Iterator[ExportBucket]:
     """Buckets of ``(hf_name, full array on one device)``, about ``bucket_bytes`` each
-    (:class:`ExportBucket`).
+    (:class:`ExportBucket`), from a ``{name: array}`` dict or a lazy stream of pairs
+    (``lora.merged``).
 
     Arrays keep their (HF) layout and are cast to ``dtype`` (default: as stored). A
     bucket's arrays are gathered onto ``device`` (default: this process's first device)
@@ -177,9 +178,9 @@ def export_buckets(
     one dispatch per array.
     """
     device = device or jax.local_devices()[0]
+    pairs = params.items() if isinstance(params, Mapping) else params
     planned = (
-        (path, _Planned(x, int(x.size) * np.dtype(dtype or x.dtype).itemsize))
-        for path, x in params.items()
+        (path, _Planned(x, int(x.size) * np.dtype(dtype or x.dtype).itemsize)) for path, x in pairs
     )
     for bucket in group_buckets(planned, bucket_bytes):
         paths = [path for path, _ in bucket]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -111,16 +112,27 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _options(trainable_only: bool) -> StateDictOptions:
+    """``trainable_only`` (LoRA): frozen parameters are neither saved nor expected."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 def save_checkpoint(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any],
+    trainable_only: bool = False,
 ) -> None:
-    """Write model (+ optimizer) state, this rank's RNG and ``extra`` (JSON, rank 0)."""
+    """Write model (+ optimizer) state, this rank's RNG and ``extra`` (JSON, rank 0);
+    ``trainable_only``: of the model, only the parameters that train (LoRA adapters)."""
     out = Path(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    opts = _options(trainable_only)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=opts)}
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
     dcp.save(state, checkpoint_id=str(out))
     (out / "rng").mkdir(parents=True, exist_ok=True)
@@ -142,23 +154,31 @@ def read_extra(path: str) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote (the optimizer only when given one) and
     return its ``extra``. A checkpoint from another world size loads (DCP reshards); the
     RNG is restored only when this rank has a saved state of its own."""
     src = Path(path)
     extra = read_extra(path)
+    opts = _options(trainable_only)
     if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=opts)}
         _dcp_load(state, src)
-        set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"], options=opts)
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
         _dcp_load(state, src)
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=opts,
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng_file = src / "rng" / f"rank{rank}.pt"

@@ -13,6 +13,7 @@ Shapes: B samples on this rank, P prompt / R response tokens (``polyrl.batch``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 
@@ -28,7 +29,14 @@ from polyrl.backends.base import (
     check_temperature,
     tensor_split_problem,
 )
-from polyrl.backends.torch_fsdp import checkpoint, models, sharding, tensor_parallel, weights
+from polyrl.backends.torch_fsdp import (
+    checkpoint,
+    lora,
+    models,
+    sharding,
+    tensor_parallel,
+    weights,
+)
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 
@@ -71,14 +79,19 @@ class TorchFSDPEngine:
         compute_dtype = sharding.TORCH_DTYPES[model.dtype]
         # Trainable roles keep fp32 masters and let FSDP's mixed precision compute in
         # dtype; frozen roles are loaded in dtype directly.
-        master = torch.float32 if model.trainable else compute_dtype
+        master = torch.float32 if model.trainable and model.lora is None else compute_dtype
         # First: a bad mesh fails before any weight is read.
         if parallel.mesh["tensor"] > 1:
             where = f"{model.role}/ParallelConfig.mesh"
-            problem = ENGINES["torch_fsdp"].compile_problem(
-                model.compile, parallel.mesh["tensor"], where
-            ) or tensor_split_problem(
-                checkpoints.model_shape(models.check_path(model)), parallel.mesh["tensor"], where
+            backend = ENGINES["torch_fsdp"]
+            problem = (
+                backend.compile_problem(model.compile, parallel.mesh["tensor"], where)
+                or backend.lora_problem(model.lora, parallel.mesh["tensor"], where)
+                or tensor_split_problem(
+                    checkpoints.model_shape(models.check_path(model)),
+                    parallel.mesh["tensor"],
+                    where,
+                )
             )
             if problem:
                 raise ValueError(problem)
@@ -184,18 +197,26 @@ class TorchFSDPEngine:
     # --------------------------------------------------------------- forward
     @torch.no_grad()
     def forward(
-        self, batch: Batch, *, temperature: float = 1.0, entropy: bool = False
+        self,
+        batch: Batch,
+        *,
+        temperature: float = 1.0,
+        entropy: bool = False,
+        adapters: bool = True,
     ) -> dict[str, np.ndarray]:
         """No-grad outputs as numpy, micro-batched: ``log_probs`` [B, R] (+ ``entropy``) for
         actor/reference; ``values`` [B, R] for critic/reward (+ ``scores`` [B] for reward).
-        Zero where ``response_mask`` is 0."""
+        Zero where ``response_mask`` is 0. ``adapters=False``: a LoRA actor scores as its
+        frozen base model (the run's reference)."""
         self._check_usable("forward")
         self._check_batch(batch, who="TorchFSDPEngine.forward")
         self.model.eval()
         rows = self._group_rows(batch.select(*MODEL_COLUMNS))
         parts = []
+        base_only = self.cfg.lora is not None and not adapters
         for idx, mb in self._micro_batches(rows):
-            outputs = self._outputs(self._to_device(mb), temperature, entropy)
+            with lora.adapters_off(self.model) if base_only else contextlib.nullcontext():
+                outputs = self._outputs(self._to_device(mb), temperature, entropy)
             parts.append((idx, {k: v.float().cpu().numpy() for k, v in outputs.items()}))
         out = micro_batch.scatter(parts, *rows["responses"].shape)
         if self.tp_mesh is None:
@@ -239,13 +260,14 @@ class TorchFSDPEngine:
             )
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
-        for _, mb in self._micro_batches(self._group_rows(batch)):
-            inputs = self._to_device(mb)
-            loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
-            loss.backward()
-            for key, value in {"loss": loss, **metrics}.items():
-                value = torch.as_tensor(value, dtype=torch.float64).detach().to(self.env.device)
-                sums[key] = sums.get(key, 0) + value
+        with lora.seeded_dropout(self.cfg.lora, self.step, self.env.rank, self.env.device):
+            for _, mb in self._micro_batches(self._group_rows(batch)):
+                inputs = self._to_device(mb)
+                loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
+                loss.backward()
+                for key, value in {"loss": loss, **metrics}.items():
+                    value = torch.as_tensor(value, dtype=torch.float64).detach()
+                    sums[key] = sums.get(key, 0) + value.to(self.env.device)
         return self._apply_update(sums, ctx)
 
     def _inject_faults(self, sums: dict[str, torch.Tensor]) -> None:
@@ -305,7 +327,14 @@ class TorchFSDPEngine:
         """Buckets of full tensors under HF names in ``ModelConfig.dtype`` on this rank's
         device; every rank must consume the iterator (each tensor is an all-gather)."""
         self._check_usable("export_weights")
-        return weights.iter_buckets(self.model, bucket_bytes, self.export_dtype, self.env.device)
+        return weights.iter_buckets(
+            self.model, bucket_bytes, self.export_dtype, self.env.device, self._lora_scale
+        )
+
+    @property
+    def _lora_scale(self) -> float | None:
+        """LoRA's ``alpha / rank``: exports merge the adapters (None: no LoRA)."""
+        return None if self.cfg.lora is None else self.cfg.lora.scale
 
     def save_hf(self, path: str) -> None:
         """HF directory (safetensors + config + tokenizer) of the current weights, loadable
@@ -321,23 +350,51 @@ class TorchFSDPEngine:
             device=self.env.device,
             is_main=self.env.is_main,
             value_head=head,
+            lora_scale=self._lora_scale,
         )
+
+    def save_adapters(self, path: str) -> None:
+        """The LoRA adapters as a PEFT adapter directory (rank 0 writes; every rank gathers)."""
+        self._check_usable("save_adapters")
+        if self.cfg.lora is None:
+            raise ValueError(
+                "save_adapters: this engine has no LoRA adapters (ModelConfig.lora is None)"
+            )
+        adapters = {
+            name.replace(f".{lora.ADAPTER}.", "."): weights.full(p.detach(), self.env.device)
+            for name, p in self.model.named_parameters()
+            if lora.is_adapter(name)
+        }
+        if self.env.is_main:
+            arrays = {k: v.float().cpu().numpy() for k, v in adapters.items()}
+            checkpoints.save_peft_adapters(path, arrays, self.cfg.lora, self.cfg.path)
 
     # ------------------------------------------------------------ checkpoint
     def _identity(self) -> dict:
         """What a checkpoint must match to load into this engine (role, model shape)."""
-        return {"role": self.cfg.role, "model": checkpoints.model_shape(self.cfg.path)}
+        lora_cfg = None if self.cfg.lora is None else self.cfg.lora.manifest()
+        return {
+            "role": self.cfg.role,
+            "model": checkpoints.model_shape(self.cfg.path),
+            **({"lora": lora_cfg} if lora_cfg else {}),
+        }
 
     def save(self, path: str) -> None:
+        """A DCP checkpoint; with LoRA only the adapters and their optimizer state (the
+        frozen base is ``ModelConfig.path``'s)."""
         self._check_usable("save")
         extra = {"step": self.step, "world_size": self.env.world_size, **self._identity()}
-        checkpoint.save_checkpoint(path, self.model, self.optimizer, extra)
+        checkpoint.save_checkpoint(
+            path, self.model, self.optimizer, extra, trainable_only=self.cfg.lora is not None
+        )
 
     def load(self, path: str) -> None:
         self._check_usable("load")
         extra = checkpoint.read_extra(path)
         checkpoints.check_manifest(extra, self._identity(), path)
-        checkpoint.load_checkpoint(path, self.model, self.optimizer)
+        checkpoint.load_checkpoint(
+            path, self.model, self.optimizer, trainable_only=self.cfg.lora is not None
+        )
         self.step = int(extra["step"])
 
     # --------------------------------------------------------------- offload

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from polyrl.backends.torch_fsdp import attention, compiling, lm_head, recompute
+from polyrl.backends.torch_fsdp import attention, compiling, lm_head, lora, recompute
 from polyrl.config import ModelConfig
 
 __all__ = [
@@ -179,7 +179,8 @@ def load_model(
     """Load ``cfg.path`` on the host in ``master_dtype`` for ``cfg.role``.
 
     Frozen roles pass their compute dtype; trainable roles fp32 master weights (FSDP's
-    mixed-precision policy casts to the compute dtype for forward/backward). A causal
+    mixed-precision policy casts to the compute dtype for forward/backward); a LoRA actor
+    its compute dtype for the frozen base, with fp32 adapters (``lora.inject``). A causal
     LM's head becomes a :class:`~polyrl.backends.torch_fsdp.lm_head.ChunkedLMHead` of
     ``logits_chunk_tokens`` tokens per chunk.
     """
@@ -204,6 +205,8 @@ def load_model(
         )
     if not cfg.trainable:
         module.requires_grad_(False)
+    if cfg.lora is not None:  # before compile and FSDP wrap the layers
+        lora.inject(module, cfg.lora)
     layers = set(getattr(backbone, "_no_split_modules", None) or ())
     if cfg.gradient_checkpointing and cfg.checkpoint_policy == "selective" and not cfg.compile:
         _wrap_layers(module, layers, recompute.selective)

@@ -27,8 +27,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from polyrl.backends.buckets import iter_buckets as group_buckets
+from polyrl.backends.torch_fsdp import lora
 
-__all__ = ["hf_named_tensors", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
+__all__ = ["hf_named_tensors", "full", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -52,7 +53,7 @@ def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, buf
 
 
-def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The whole tensor on ``device`` (an all-gather for a DTensor shard; a DTensor on a
     mesh of one rank, or replicated, already holds it whole: no collective, no copy)."""
     if isinstance(t, DTensor):
@@ -68,18 +69,21 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def iter_buckets(
-    model: nn.Module, bucket_bytes: int, dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    bucket_bytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    lora_scale: float | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets ``[(hf_name, full tensor in dtype)]`` of at most ``bucket_bytes`` each (a
     single tensor larger than that gets a bucket of its own). Every rank must consume
-    the whole iterator: each tensor is a collective."""
-
-    def gathered():
-        for name, shard in hf_named_tensors(model):
-            full = _full(shard.detach(), device)
-            yield name, full.to(dtype) if full.is_floating_point() else full
-
-    yield from group_buckets(gathered(), bucket_bytes)
+    the whole iterator: each tensor is a collective. ``lora_scale``: the model carries
+    LoRA adapters, exported merged into the base weights (``lora.merged``)."""
+    pairs = ((name, full(shard.detach(), device)) for name, shard in hf_named_tensors(model))
+    if lora_scale is not None:
+        pairs = lora.merged(pairs, lora_scale)
+    cast = ((n, t.to(dtype) if t.is_floating_point() else t) for n, t in pairs)
+    yield from group_buckets(cast, bucket_bytes)
 
 
 def _hf_config(hf_config, value_head: nn.Linear | None):
@@ -147,6 +151,7 @@ def save_hf(
     is_main: bool,
     value_head: nn.Linear | None = None,
     max_shard_bytes: int = 5 << 30,
+    lora_scale: float | None = None,
 ) -> None:
     """Write ``model`` as an HF directory at ``out_dir`` (rank 0 writes; every rank must
     call it, the gather is collective): safetensors in ``dtype``, ``config.json`` and the
@@ -154,7 +159,7 @@ def save_hf(
     out = Path(out_dir)
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-    buckets = iter_buckets(model, min(max_shard_bytes, 1 << 30), dtype, device)
+    buckets = iter_buckets(model, min(max_shard_bytes, 1 << 30), dtype, device, lora_scale)
     _write_shards(buckets, out, max_shard_bytes, write=is_main)
     if not is_main:
         return

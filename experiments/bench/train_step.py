@@ -19,6 +19,16 @@ JAX backend with ``XLA_PYTHON_CLIENT_ALLOCATOR=bfc`` instead of the backend's de
     torchrun --nproc-per-node 2 experiments/bench/train_step.py ...       # FSDP over 2 GPUs
     python experiments/bench/train_step.py --suite torch_fsdp,jax_pjit --profile prof/
 
+LoRA vs full fine-tuning (docs/performance.md, "LoRA"): ``--lora`` trains adapters of
+``--lora-rank`` (alpha = 2 x rank) on ``--lora-targets`` (default: every projection) on
+the frozen base; ``+lora`` in a suite entry does the same per run. The table's
+``trained`` column is the optimizer's parameter count:
+
+    python experiments/bench/train_step.py --hidden 1536 --layers 28 --heads 12 \
+        --kv-heads 2 --intermediate 8960 --vocab 151936 --batch 8 --prompt-len 1024 \
+        --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1 \
+        --suite torch_fsdp,torch_fsdp+lora,jax_pjit,jax_pjit+lora --json lora.json
+
 ``--profile DIR`` traces one more step after the timed ones with the backend's profiler
 (torch.profiler / jax.profiler, ``profiling.py``) and prints its top ops by time.
 
@@ -30,7 +40,7 @@ sample's prompt length in [P/2, P] and response length in [R/8, R] (a padded bat
 whose padding packing removes; tokens/s and MFU count real tokens only). ``--compile``
 turns on ``ModelConfig.compile`` (torch: ``torch.compile`` per decoder layer and LM-head
 chunk; the warm-up steps absorb the compile time). A suite entry may carry them per run:
-``BACKEND[:ALLOCATOR][@ATTN][+pack][+compile]``, e.g.
+``BACKEND[:ALLOCATOR][@ATTN][+pack][+compile][+lora]``, e.g.
 
     python experiments/bench/train_step.py --ragged --suite \
         torch_fsdp,torch_fsdp@polyrl_varlen+pack+compile,jax_pjit,jax_pjit@auto+pack,hf_torch
@@ -63,7 +73,7 @@ import numpy as np
 
 from polyrl.backends import ENGINES, get_engine
 from polyrl.batch import Batch, from_token_lists
-from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
+from polyrl.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from polyrl.tensor import masked_sum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -91,6 +101,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pack", action="store_true", help="ParallelConfig.pack_sequences")
     p.add_argument("--compile", action="store_true", help="ModelConfig.compile")
     p.add_argument("--ragged", action="store_true", help="ragged prompt/response lengths")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (ModelConfig.lora)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoraConfig.rank (alpha = 2 x rank)")
+    p.add_argument(
+        "--lora-targets",
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        help="LoraConfig.target_modules, comma-separated",
+    )
     p.add_argument(
         "--logits-chunk", type=int, default=1024, help="ParallelConfig.logits_chunk_tokens"
     )
@@ -277,6 +294,14 @@ def hf_torch_step(args, path: Path, batch: Batch):
     return step
 
 
+def lora_config(args) -> LoraConfig | None:
+    """``--lora``: adapters of ``--lora-rank`` (alpha = 2 x rank) on ``--lora-targets``."""
+    if not args.lora:
+        return None
+    targets = tuple(args.lora_targets.split(","))
+    return LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, target_modules=targets)
+
+
 def run(args) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -304,6 +329,7 @@ def run(args) -> dict:
                     checkpoint_policy=args.ckpt_policy,
                     attn_implementation=args.attn,
                     compile=args.compile,
+                    lora=lora_config(args),
                 ),
                 OptimConfig(lr=1e-5),
                 ParallelConfig(
@@ -352,6 +378,8 @@ def run(args) -> dict:
         "attention_kernel": attention_kernel(args, engine),
         "pack_sequences": args.pack,
         "compile": args.compile,
+        "lora": None if not args.lora else {"rank": args.lora_rank, "targets": args.lora_targets},
+        "trained_params": trained_params(engine),
         "ragged": args.ragged,
         "real_tokens": tokens,
         "padded_tokens": int(batch["attention_mask"].size),
@@ -371,6 +399,15 @@ def run(args) -> dict:
     return result
 
 
+def trained_params(engine) -> int | None:
+    """Parameters the optimizer updates (all of them, or LoRA's adapters); None for hf_torch."""
+    if engine is None:
+        return None
+    if hasattr(engine, "opt_state"):  # jax_pjit: the trained parameter dict
+        return int(sum(np.prod(v.shape) for v in engine.params.values()))
+    return int(sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"]))
+
+
 def suite(args, argv: list[str]) -> dict:
     """Run each backend of ``--suite`` in its own process on the same arguments; a table."""
     child_argv, skip = [], False
@@ -386,8 +423,10 @@ def suite(args, argv: list[str]) -> dict:
         shared = os.environ.get("POLYRL_BENCH_DIR", tmp)  # the model is built once
         for entry in args.suite.split(","):
             name, *flags = entry.split("+")
-            if set(flags) - {"pack", "compile"}:
-                raise SystemExit(f"--suite entry {entry!r}: flags after '+' are pack, compile")
+            if set(flags) - {"pack", "compile", "lora"}:
+                raise SystemExit(
+                    f"--suite entry {entry!r}: flags after '+' are pack, compile, lora"
+                )
             name, _, attn = name.partition("@")
             name, _, allocator = name.partition(":")
             out = Path(tmp) / f"{len(runs)}.json"
@@ -408,7 +447,7 @@ def suite(args, argv: list[str]) -> dict:
     width = max(14, *(len(r["backend"]) for r in runs))
     lines = [
         f"{'backend':<{width}} {'tokens/s':>10} {'MFU':>6} {'step s':>7} {'peak GiB':>9} "
-        f"{'vs hf_torch':>12} {'ckpt':>9}  attention"
+        f"{'vs hf_torch':>12} {'ckpt':>9} {'trained':>9}  attention"
     ]
     for r in runs:
         if "error" in r:
@@ -419,14 +458,18 @@ def suite(args, argv: list[str]) -> dict:
         peak = r.get("device_peak_gib", r["host_peak_rss_gib"])
         lines.append(
             f"{r['backend']:<{width}} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
-            f"{peak:>9.1f} {vs:>12} {r.get('ckpt_policy') or '-':>9}  "
-            f"{r.get('attention_kernel', '-')}"
+            f"{peak:>9.1f} {vs:>12} {r.get('ckpt_policy') or '-':>9} "
+            f"{_millions(r.get('trained_params')):>9}  {r.get('attention_kernel', '-')}"
         )
     for r in runs:
         if "profile" in r:
             lines += format_top(r["profile"], f"{r['backend']}: top ops")
     print("\n".join(lines))
     return {"runs": runs, "reference": "hf_torch", "table": lines}
+
+
+def _millions(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}M"
 
 
 def main(argv=None) -> None:

@@ -149,3 +149,57 @@ def test_bad_checkpoint_policy_names_field_value_and_choices():
         r"did you mean 'selective'\?",
     ):
         ModelConfig("/models/m", gradient_checkpointing=True, checkpoint_policy="selectiv")
+
+
+LORA = "gin/experiments/tiny_grpo_lora.gin"
+
+
+def test_lora_reference_is_the_actors_base(tmp_path, capsys):
+    """With LoRA the reference role is not built (no second copy of the weights); the
+    actor carries the LoraConfig, and validate-config says where the reference comes from."""
+    from polyrl.cli import main
+
+    cfg, _ = parse_config([LORA], [f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"])
+    spec = get_algorithm(cfg.algorithm).replace(**dict(cfg.algo_overrides))
+    roles = build_roles(cfg, spec)
+    assert list(roles) == ["actor", "rollout"]
+    assert roles["actor"].model.lora.rank == 16
+    assert (
+        main(
+            [
+                "validate-config",
+                "--gin_file",
+                LORA,
+                "--gin_param",
+                f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}",
+            ]
+        )
+        == 0
+    )
+    assert "reference (the actor's base, LoRA adapters off)" in capsys.readouterr().out
+
+
+def test_lora_with_torch_tensor_parallelism_is_refused(tmp_path):
+    cfg, _ = parse_config(
+        [LORA],
+        [
+            f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}",
+            "actor/polyrl.ParallelConfig.mesh = {'data': 1, 'tensor': 2}",
+        ],
+    )
+    spec = get_algorithm(cfg.algorithm).replace(**dict(cfg.algo_overrides))
+    problems = role_problems(cfg, build_roles(cfg, spec))
+    assert any("tensor=2 with RunConfig.lora" in p and "set tensor=1" in p for p in problems)
+
+
+def test_lora_binding_errors_name_the_binding(tmp_path):
+    from polyrl.validate import ConfigError
+
+    with pytest.raises(ConfigError, match=r"LoraConfig.target_modules has 'qproj'.*'q_proj'"):
+        parse_config(
+            [LORA],
+            [
+                f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}",
+                "polyrl.LoraConfig.target_modules = ('qproj',)",
+            ],
+        )

@@ -39,6 +39,7 @@ def _register() -> Any:
     if _quiet_gin_lookups not in logging.getLogger().filters:
         logging.getLogger().addFilter(_quiet_gin_lookups)
     from polyrl.debug import DebugConfig
+    from polyrl.envs import EpisodeConfig
     from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
     for cls in (
@@ -49,6 +50,7 @@ def _register() -> Any:
         RolloutConfig,
         SweepConfig,
         DebugConfig,
+        EpisodeConfig,
     ):
         with contextlib.suppress(ValueError):  # already registered in this process
             gin.external_configurable(cls, module="polyrl")

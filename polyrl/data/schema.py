@@ -151,10 +151,14 @@ def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> li
         )
     source = row.get("data_source")
     if "data_source" in required and isinstance(source, str) and source not in REWARDS:
-        problems.append(
-            f"{at}: data_source={source!r} has no reward function; registered sources: "
-            f"{sorted(REWARDS)} (register one with polyrl.rewards.register_reward)"
-        )
+        from polyrl.envs import ENVS  # an env's rows (multi-turn) score in the env
+
+        if source not in ENVS:
+            problems.append(
+                f"{at}: data_source={source!r} has no reward function or environment; "
+                f"registered sources: {sorted(REWARDS)}, environments: {sorted(ENVS)} "
+                f"(register one with polyrl.rewards.register_reward or polyrl.envs.register_env)"
+            )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):
         problems.append(f"{at}: field 'extra_info' must be an object or absent, got {extra!r:.80}")

@@ -3,8 +3,9 @@
 * ``polyrl/guess`` (task ``guess``): the env holds a secret digit (the row's ground
   truth); each turn the model guesses, and the env answers ``+`` (the secret is larger),
   ``-`` (smaller) or ``try`` (no digit in the turn). A right guess at turn ``k`` (0-based)
-  ends the episode with reward ``1 - 0.25 k``; no right guess in ``max_turns`` turns
-  scores 0. Binary search always wins within four turns; a random policy rarely does.
+  ends the episode with reward ``1 - 0.25 k``; a later wrong guess inside the range the
+  hints so far allow earns 0.1 for its turn (a per-turn reward). Binary search always
+  wins within four turns; a random policy rarely does.
   Only the tiny tokenizer's alphabet is used (docs/rewards.md).
 """
 
@@ -21,6 +22,7 @@ from polyrl.envs.base import Env, StepResult, Turn, register_env
 __all__ = ["GuessEnv"]
 
 _DIGIT = re.compile(r"[0-9]")
+FOLLOWED_HINTS = 0.1  # a later wrong guess inside the range the hints allow
 
 
 def _guess_row(rng: random.Random) -> tuple[str, str]:
@@ -33,6 +35,7 @@ class GuessEnv(Env):
 
     def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         self.secret = int(row["ground_truth"])
+        self.low, self.high = 0, 9  # what the hints so far allow
         return super().reset(row)
 
     def step(self, turn: Turn) -> StepResult:
@@ -42,8 +45,14 @@ class GuessEnv(Env):
         guess = int(found.group())
         if guess == self.secret:
             return StepResult(reward=max(0.0, 1.0 - 0.25 * turn.index), done=True)
+        # A wrong guess that the hints so far allow earns a little: a per-turn reward.
+        reward = FOLLOWED_HINTS if self.low <= guess <= self.high and turn.index else 0.0
+        if self.secret > guess:
+            self.low = max(self.low, guess + 1)
+        else:
+            self.high = min(self.high, guess - 1)
         hint = "+" if self.secret > guess else "-"
-        return StepResult([{"role": "user", "content": hint}])
+        return StepResult([{"role": "user", "content": hint}], reward=reward)
 
 
 register_task("guess", "polyrl/guess", _guess_row, "guess a digit with +/- feedback (multi-turn)")

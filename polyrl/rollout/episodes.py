@@ -32,6 +32,8 @@ response being every turn concatenated, and:
     meta turns              per episode: a list of {"text", "tokens", "finish_reason",
                             "reward", "observation", "observation_tokens"} (the dumps)
     meta finish_reason      the episode's (``polyrl.envs.FINISH_REASONS``)
+    meta drift              where a fresh rendering first differs ({"position", "turn",
+                            "kind"}) or None (``EpisodeConfig.check_drift``)
     meta response_text      the response decoded with its special tokens
     info episode_metrics    this batch's ``episode/...`` metrics (docs/agents.md)
 """
@@ -329,6 +331,7 @@ class EpisodeRunner:
             PROMPT_KEY: [e.prompt_ids for e in episodes],
             "finish_reason": [e.finish for e in episodes],
             "turns": [e.turns for e in episodes],
+            "drift": [e.drift for e in episodes],
             "response_text": [
                 self.tokenizer.decode(e.ids, skip_special_tokens=False) for e in episodes
             ],

@@ -89,7 +89,9 @@ class Chatter(Env):
         msgs = [
             {
                 "role": self.rng.choice(["user", "tool"]),
-                "content": "".join(self.rng.choice(ALPHABET) for _ in range(self.rng.randint(0, 5))),
+                "content": "".join(
+                    self.rng.choice(ALPHABET) for _ in range(self.rng.randint(0, 5))
+                ),
             }
             for _ in range(self.rng.randint(1, 2))
         ]
@@ -206,7 +208,9 @@ def test_non_canonical_sampled_tokens_are_kept_and_reported(tokenizer):
         def generate_ids(self, requests, spec):
             out = super().generate_ids(requests, spec)
             for r in out:
-                ids = [tokenizer.convert_tokens_to_ids(c) for c in "user"] + [tokenizer.eos_token_id]
+                ids = [tokenizer.convert_tokens_to_ids(c) for c in "user"] + [
+                    tokenizer.eos_token_id
+                ]
                 r.update(token_ids=np.asarray(ids, np.int32), log_probs=np.zeros(5, np.float32))
                 r.update(text="user", finish_reason="stop")
             return out

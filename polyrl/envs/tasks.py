@@ -4,7 +4,7 @@
   truth); each turn the model guesses, and the env answers ``+`` (the secret is larger),
   ``-`` (smaller) or ``try`` (no digit in the turn). A right guess at turn ``k`` (0-based)
   ends the episode with reward ``1 - 0.25 k``; a later wrong guess inside the range the
-  hints so far allow earns 0.1 for its turn (a per-turn reward). Binary search always
+  hints so far allow earns 0.2 for its turn (a per-turn reward). Binary search always
   wins within four turns; a random policy rarely does.
   Only the tiny tokenizer's alphabet is used (docs/rewards.md).
 """
@@ -22,7 +22,7 @@ from polyrl.envs.base import Env, StepResult, Turn, register_env
 __all__ = ["GuessEnv"]
 
 _DIGIT = re.compile(r"[0-9]")
-FOLLOWED_HINTS = 0.1  # a later wrong guess inside the range the hints allow
+FOLLOWED_HINTS = 0.2  # a later wrong guess inside the range the hints allow
 
 
 def _guess_row(rng: random.Random) -> tuple[str, str]:

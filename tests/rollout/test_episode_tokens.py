@@ -1,9 +1,8 @@
 """The episode loop's token rules, limits and env failures, without Ray or vLLM.
 
-The rollout servers are replaced by :class:`TextPolicy`, which samples random text of the
-tiny tokenizer's alphabet, tokenized canonically, and ends each turn with <|im_end|> or
-cuts it (as vLLM's ``max_tokens`` would); the envs run in the driver (``env_workers=0``).
-tests/rollout/test_episodes.py runs the same loop on real servers and Ray env workers.
+The rollout servers are replaced by ``episode_policy.TextPolicy`` (random canonical text,
+each turn stopped or cut); the envs run in the driver (``env_workers=0``).
+tests/rollout/test_episodes.py runs the loop with Ray env workers and on real servers.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import random
 
 import numpy as np
 import pytest
+from episode_policy import ALPHABET, TextPolicy
 
 from polyrl.batch import Batch
 from polyrl.envs import Env, EpisodeConfig, StepResult, register_env
@@ -20,7 +20,6 @@ from polyrl.envs.workers import EnvPool
 from polyrl.rollout.episodes import ChatTokens, EpisodeRunner, first_drift
 from polyrl.rollout.sampling import SamplingSpec
 
-ALPHABET = "0123456789*+-=: acimnoprstuy"
 # Qwen's layout with a space after <|im_end|> where Qwen has a newline (the tiny
 # vocabulary has no newline): the template closes an assistant turn with "<|im_end|> ",
 # whose space the model never samples.
@@ -38,41 +37,6 @@ def tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-class TextPolicy:
-    """Stands in for RolloutPool: ``generate_ids`` returns canonical tokens of random text,
-    ending with EOS ("stop") or cut at the request's budget ("length"); remembers each
-    request so a test can check the trajectory holds exactly what was sampled."""
-
-    pad_token_id, version = 0, 7
-
-    def __init__(self, tokenizer, seed: int = 0, cut: float = 0.3):
-        self.tok, self.rng, self.cut = tokenizer, random.Random(seed), cut
-        self.sampled: dict[int, list[tuple[list[int], list[int]]]] = {}
-
-    def generate_ids(self, requests, spec):
-        out = []
-        for index, prompt, budget in requests:
-            text = "".join(self.rng.choice(ALPHABET) for _ in range(self.rng.randint(1, 6)))
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-            cap = min(spec.max_tokens, budget)
-            stop = self.rng.random() > self.cut and len(ids) < cap
-            ids = (ids + [self.tok.eos_token_id]) if stop else ids[:cap]
-            self.sampled.setdefault(index, []).append((list(prompt), ids))
-            out.append(
-                {
-                    "token_ids": np.asarray(ids, np.int32),
-                    "log_probs": -np.arange(1, len(ids) + 1, dtype=np.float32),
-                    "finish_reason": "stop" if stop else "length",
-                    "text": self.tok.decode(ids, skip_special_tokens=True),
-                    "version": self.version,
-                }
-            )
-        return out
-
-    def sample_info(self, spec, dropped):
-        return {"n": spec.n, "weight_version": self.version}
 
 
 @register_env("test/chatter")

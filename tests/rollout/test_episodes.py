@@ -1,4 +1,4 @@
-"""Episodes on real rollout servers (vLLM CPU) with envs in real Ray env workers."""
+"""Episodes with envs in real Ray env workers, and on real rollout servers (vLLM CPU)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from episode_policy import TextPolicy
 
 from polyrl.batch import Batch
 from polyrl.envs import Env, EpisodeConfig, StepResult, register_env
@@ -58,9 +59,10 @@ def _prompts(source: str, extras: list[dict]) -> Batch:
     )
 
 
-def test_env_worker_killed_mid_episode_ends_only_its_episodes(pool, tokenizer):
+def test_env_worker_killed_mid_episode_ends_only_its_episodes(ray_session, tokenizer):
+    """The turns come from TextPolicy (no vLLM needed to kill an env worker)."""
     config = EpisodeConfig(max_turns=3, max_episode_tokens=64, env_workers=2, env_timeout_s=20)
-    runner = EpisodeRunner(pool, EnvPool(2, config.env_timeout_s), tokenizer, config)
+    runner = EpisodeRunner(TextPolicy(tokenizer), EnvPool(2, 20), tokenizer, config)
     try:
         # episode k lives on worker k % 2: episode 1 kills worker 1, which also hosts 3 and 5
         extras = [{"kill": i == 1} for i in range(6)]
@@ -76,6 +78,7 @@ def test_env_worker_killed_mid_episode_ends_only_its_episodes(pool, tokenizer):
         runner.shutdown()
 
 
+@pytest.mark.slow  # (the default tier runs episodes on vLLM in tests/trainer/test_multiturn.py)
 def test_guess_episodes_on_real_servers(pool, tokenizer):
     """The guessing game on vLLM: sampled tokens carry their log-probs and version, the
     observation tokens are the template's, and the template gives back the same ids

@@ -490,12 +490,17 @@ def source_problems(cfg: RunConfig, binding: str, path: str, sources: Any) -> li
         else (REWARDS, "register a reward, or set RunConfig.episodes to play them as episodes")
     )
     kind = "environment" if need is ENVS else "reward function"
-    return [
+    out = [
         f"{binding}: {path}: data_source {s!r} has no {kind} ({sorted(need)}); {fix}"
         for s in sorted(sources)
         if s in ENVS or s in REWARDS
         if s not in need
     ]
+    if cfg.episodes is not None:  # each env's tools and parser
+        from polyrl.envs import env_problems
+
+        out += [p for s in sorted(sources) if s in ENVS for p in env_problems(s)]
+    return out
 
 
 def episode_problems(cfg: RunConfig, spec: Any) -> list[str]:

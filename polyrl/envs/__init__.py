@@ -18,7 +18,9 @@ from polyrl.envs.base import (
     Env,
     EpisodeConfig,
     StepResult,
+    ToolEnv,
     Turn,
+    env_problems,
     get_env,
     register_env,
 )
@@ -29,7 +31,9 @@ __all__ = [
     "Env",
     "EpisodeConfig",
     "StepResult",
+    "ToolEnv",
     "Turn",
+    "env_problems",
     "get_env",
     "register_env",
 ]

@@ -35,7 +35,9 @@ __all__ = [
     "EpisodeConfig",
     "FINISH_REASONS",
     "StepResult",
+    "ToolEnv",
     "Turn",
+    "env_problems",
     "get_env",
     "register_env",
 ]
@@ -115,6 +117,46 @@ class Env:
         raise NotImplementedError(f"{type(self).__name__}.step(turn) -> StepResult")
 
 
+class ToolEnv(Env):
+    """An env whose model may call ``tools``: a turn with calls (read by ``tool_parser``)
+    gets each call's result back as a ``tool`` message, a malformed call or a failing
+    tool as an error message (counted in ``info["tool_errors"]``, never raised); a turn
+    without calls is the model's answer, scored by :meth:`answer`. Subclass it and set
+    ``tools``, ``tool_parser`` and :meth:`answer` (and :meth:`reset`).
+
+    max_concurrency: calls of one turn run at most this many at once
+    (``polyrl.envs.tools.run_tool_calls``).
+    """
+
+    tool_parser: str | None = "hermes"
+    max_concurrency: int = 4
+
+    def step(self, turn: Turn) -> StepResult:
+        from polyrl.envs.parsers import parse_tool_calls
+        from polyrl.envs.tools import run_tool_calls
+
+        parsed = parse_tool_calls(turn.text, self.tool_parser or "hermes")
+        if not parsed.calls and not parsed.errors:
+            return self.answer(turn)
+        tools = {tool.name: tool for tool in self.tools}
+        results = run_tool_calls(parsed.calls, tools, max_concurrency=self.max_concurrency)
+        results += parsed.error_results()
+        info = {
+            "tool_calls": float(len(results)),
+            "tool_errors": float(sum(r.error for r in results)),
+            "tool_seconds": float(sum(r.seconds for r in results)),
+        }
+        return StepResult([r.message() for r in results], self.called(turn, results), info=info)
+
+    def called(self, turn: Turn, results: Sequence[Any]) -> float:
+        """The reward of a turn that called tools (``results``: its ToolResults); 0."""
+        return 0.0
+
+    def answer(self, turn: Turn) -> StepResult:
+        """The step of a turn without tool calls: usually the final answer, scored."""
+        raise NotImplementedError(f"{type(self).__name__}.answer(turn) -> StepResult")
+
+
 ENVS: dict[str, Callable[[], Env]] = {}
 
 
@@ -144,6 +186,25 @@ def get_env(data_source: str) -> Callable[[], Env]:
             f"{sorted(ENVS)}{did_you_mean(data_source, ENVS)}. Register one with "
             f"@polyrl.envs.register_env({data_source!r}) in a module given to --import"
         ) from None
+
+
+def env_problems(data_source: str) -> list[str]:
+    """What is wrong with the env of ``data_source``: its tools' schemas
+    (``polyrl.envs.tools.tool_problems``) and its tool-call parser's name."""
+    from polyrl.envs.parsers import PARSERS
+    from polyrl.envs.tools import tool_problems
+
+    cls = get_env(data_source)
+    who = f"env {data_source!r} ({getattr(cls, '__qualname__', cls)})"
+    out = [f"{who}: {p}" for p in tool_problems(list(getattr(cls, "tools", ())))]
+    parser = getattr(cls, "tool_parser", None)
+    if getattr(cls, "tools", ()) and parser not in PARSERS:
+        out.append(
+            f"{who}: tool_parser={parser!r} is not a registered parser "
+            f"({sorted(PARSERS)}{did_you_mean(parser, PARSERS)}); register one with "
+            f"@polyrl.envs.parsers.register_parser"
+        )
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,14 @@
   ends the episode with reward ``1 - 0.25 k``; a later wrong guess inside the range the
   hints so far allow earns 0.2 for its turn (a per-turn reward). Binary search always
   wins within four turns; a random policy rarely does.
-  Only the tiny tokenizer's alphabet is used (docs/rewards.md).
+* ``polyrl/calc`` (task ``calc``): "37*45" -- a product the tiny model cannot compute.
+  A turn that is an arithmetic expression calls the ``calculator`` tool (the
+  ``arithmetic`` tool-call parser: the tiny alphabet has no room for ``<tool_call>``
+  JSON) and gets its result as a ``tool`` message; a call whose value is the answer earns
+  0.2. A turn without a call is the answer, scored with per-position credit
+  (``polyrl/copy``'s rule) and ending the episode: the full answer needs the tool.
+
+Only the tiny tokenizer's alphabet is used (docs/rewards.md).
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyrl.data.tasks import register_task
-from polyrl.envs.base import Env, StepResult, Turn, register_env
+from polyrl.envs.base import Env, StepResult, ToolEnv, Turn, register_env
+from polyrl.envs.parsers import ParseResult, register_parser
+from polyrl.envs.tools import CALCULATOR, ToolCall, calculate
+from polyrl.rewards.rules import positional_match
 
-__all__ = ["GuessEnv"]
+__all__ = ["CalcEnv", "GuessEnv", "arithmetic_calls"]
 
 _DIGIT = re.compile(r"[0-9]")
 FOLLOWED_HINTS = 0.2  # a later wrong guess inside the range the hints allow
@@ -56,3 +66,47 @@ class GuessEnv(Env):
 
 
 register_task("guess", "polyrl/guess", _guess_row, "guess a digit with +/- feedback (multi-turn)")
+
+
+# --- calc -------------------------------------------------------------------------------
+
+_EXPRESSION = re.compile(r"^\s*([0-9][0-9 ]*(?:[-+*][0-9 ]+)+)$")
+CALL_CREDIT = 0.2  # a calculator call whose value is the answer
+
+
+@register_parser("arithmetic")
+def arithmetic_calls(text: str) -> ParseResult:
+    """A turn that is an arithmetic expression ("37*45": digits joined by + - *) is one
+    ``calculator`` call; any other turn has none."""
+    found = _EXPRESSION.match(text)
+    if found is None:
+        return ParseResult(text.strip(), [], [])
+    return ParseResult("", [ToolCall("calculator", {"expression": found.group(1)}, text)], [])
+
+
+def _calc_row(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"{a}*{b}", str(a * b)
+
+
+@register_env("polyrl/calc")
+class CalcEnv(ToolEnv):
+    """A product, answered with the calculator's help (module docstring)."""
+
+    tools = (CALCULATOR,)
+    tool_parser = "arithmetic"
+
+    def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        self.truth = str(row["ground_truth"])
+        return super().reset(row)
+
+    def called(self, turn: Turn, results: Any) -> float:
+        calls = arithmetic_calls(turn.text).calls
+        right = calls and str(calculate(calls[0].arguments["expression"])) == self.truth
+        return CALL_CREDIT if right else 0.0
+
+    def answer(self, turn: Turn) -> StepResult:
+        return StepResult(reward=positional_match(turn.text, self.truth), done=True)
+
+
+register_task("calc", "polyrl/calc", _calc_row, "a 2-digit product via the calculator (tools)")

@@ -105,3 +105,31 @@ def test_env_problems_name_bad_tools_and_parsers():
     assert any("tool_parser='hermez' is not a registered parser" in p for p in problems)
     assert any("did you mean 'hermes'" in p for p in problems)
     assert env_problems("polyrl/calc") == [] and env_problems("polyrl/guess") == []
+
+
+def test_writing_an_environment_examples_run():
+    """docs/agents.md "Writing an environment": its examples register and play."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    section = text.split("## Writing an environment\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2
+    try:
+        for block in blocks:
+            exec(compile(block, "docs/agents.md", "exec"), {})
+        row = {"prompt": [{"role": "user", "content": "6*7"}], "ground_truth": "42"}
+        countdown, arithmetic = ENVS["my/countdown"](), ENVS["my/arithmetic"]()
+        countdown.reset(row)
+        assert countdown.step(_turn("41")).observation == [{"role": "user", "content": "no"}]
+        assert countdown.step(_turn("42")).done
+        arithmetic.reset(row)
+        assert (
+            arithmetic.step(_turn(_call("calculator", '{"expression": "6*7"}'))).info["tool_calls"]
+            == 1
+        )
+        assert arithmetic.step(_turn("42")).reward == 1.0
+    finally:
+        ENVS.pop("my/countdown", None)
+        ENVS.pop("my/arithmetic", None)

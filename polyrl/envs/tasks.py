@@ -9,9 +9,10 @@
 * ``polyrl/calc`` (task ``calc``): "37*45" -- a product the tiny model cannot compute.
   A turn that is an arithmetic expression calls the ``calculator`` tool (the
   ``arithmetic`` tool-call parser: the tiny alphabet has no room for ``<tool_call>``
-  JSON) and gets its result as a ``tool`` message; a call whose value is the answer earns
-  0.2. A turn without a call is the answer, scored with per-position credit
-  (``polyrl/copy``'s rule) and ending the episode: the full answer needs the tool.
+  JSON) and gets its result as a ``tool`` message; a call that computes earns 0.1, one
+  whose value is the answer 0.3. A turn without a call is the answer, scored by the
+  share of its characters that are right (no credit for a wrong digit) and ending the
+  episode: guessing digits earns about 0.1, the full answer needs the tool.
 
 Only the tiny tokenizer's alphabet is used (docs/rewards.md).
 """
@@ -26,8 +27,7 @@ from typing import Any
 from polyrl.data.tasks import register_task
 from polyrl.envs.base import Env, StepResult, ToolEnv, Turn, register_env
 from polyrl.envs.parsers import ParseResult, register_parser
-from polyrl.envs.tools import CALCULATOR, ToolCall, calculate
-from polyrl.rewards.rules import positional_match
+from polyrl.envs.tools import CALCULATOR, ToolCall
 
 __all__ = ["CalcEnv", "GuessEnv", "arithmetic_calls"]
 
@@ -71,7 +71,8 @@ register_task("guess", "polyrl/guess", _guess_row, "guess a digit with +/- feedb
 # --- calc -------------------------------------------------------------------------------
 
 _EXPRESSION = re.compile(r"^\s*([0-9][0-9 ]*(?:[-+*][0-9 ]+)+)$")
-CALL_CREDIT = 0.2  # a calculator call whose value is the answer
+CALL_CREDIT = 0.1  # a calculator call that computes something
+RIGHT_CALL_CREDIT = 0.3  # ... whose value is the answer
 
 
 @register_parser("arithmetic")
@@ -101,12 +102,14 @@ class CalcEnv(ToolEnv):
         return super().reset(row)
 
     def called(self, turn: Turn, results: Any) -> float:
-        calls = arithmetic_calls(turn.text).calls
-        right = calls and str(calculate(calls[0].arguments["expression"])) == self.truth
-        return CALL_CREDIT if right else 0.0
+        if not results or results[0].error:
+            return 0.0
+        return RIGHT_CALL_CREDIT if results[0].content == self.truth else CALL_CREDIT
 
     def answer(self, turn: Turn) -> StepResult:
-        return StepResult(reward=positional_match(turn.text, self.truth), done=True)
+        text, truth = turn.text.strip(), self.truth
+        right = sum(a == b for a, b in zip(text, truth)) / max(len(text), len(truth))
+        return StepResult(reward=right, done=True)
 
 
 register_task("calc", "polyrl/calc", _calc_row, "a 2-digit product via the calculator (tools)")

@@ -116,7 +116,8 @@ class ChatTokens:
 class Episode:
     """One episode's state while it runs (driver side)."""
 
-    key: int
+    index: int  # in the batch: seeds its turns
+    key: int  # unique in the run: names its env in the env workers
     row: dict[str, Any]
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tools: Any = None
@@ -179,6 +180,7 @@ class EpisodeRunner:
         self.chat = ChatTokens(tokenizer)
         self.tokenizer = tokenizer
         self.warned_drift = False
+        self.started = 0  # episodes started so far: the next one's key
 
     def shutdown(self) -> None:
         self.envs.shutdown()
@@ -212,7 +214,9 @@ class EpisodeRunner:
                 for k in ("prompt", "ground_truth", "data_source", "extra_info")
                 if k in prompts
             }
-            episodes += [Episode(i * n + j, {**row, "sample": j}) for j in range(n)]
+            for j in range(n):  # (a batch may run while another does: async, validation)
+                episodes.append(Episode(i * n + j, self.started, {**row, "sample": j}))
+                self.started += 1
         results = self.envs.reset([(e.key, e.row["data_source"], e.row) for e in episodes])
         for e, r in zip(episodes, results):
             e.messages = list(r.get("messages") or [dict(m) for m in e.row["prompt"]])
@@ -228,7 +232,7 @@ class EpisodeRunner:
         """One turn of every active episode: sample, step the envs, append observations."""
         limit, max_turns = self.config.max_episode_tokens, self.config.max_turns
         requests = [
-            (e.key * max_turns + turn, e.prompt_ids + e.ids, limit - e.length) for e in active
+            (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length) for e in active
         ]
         results = self.pool.generate_ids(requests, spec)
         turns = []
@@ -281,10 +285,10 @@ class EpisodeRunner:
         if e.drift and e.drift["kind"] != "sampled" and not self.warned_drift:
             self.warned_drift = True
             logger.warning(
-                "episode %d: the chat template applied to the whole conversation gives other "
+                "episode %d of the batch: the chat template applied to the whole conversation gives other "
                 "tokens than the episode's from position %d (turn %d, %s tokens); the episode "
                 'trains on its own ids (docs/agents.md "Exact tokens")',
-                e.key,
+                e.index,
                 e.drift["position"],
                 e.drift["turn"],
                 e.drift["kind"],

@@ -64,7 +64,8 @@ def test_env_worker_killed_mid_episode_ends_only_its_episodes(ray_session, token
     config = EpisodeConfig(max_turns=3, max_episode_tokens=64, env_workers=2, env_timeout_s=20)
     runner = EpisodeRunner(TextPolicy(tokenizer), EnvPool(2, 20), tokenizer, config)
     try:
-        # episode k lives on worker k % 2: episode 1 kills worker 1, which also hosts 3 and 5
+        # the first batch's episode k lives on worker k % 2: episode 1 kills worker 1,
+        # which also hosts 3 and 5
         extras = [{"kill": i == 1} for i in range(6)]
         spec = SamplingSpec(n=1, max_tokens=4, seed=3)
         batch = runner.generate(_prompts("test/killer", extras), spec)

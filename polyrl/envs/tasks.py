@@ -9,10 +9,11 @@
 * ``polyrl/calc`` (task ``calc``): "37*45" -- a product the tiny model cannot compute.
   A turn that is an arithmetic expression calls the ``calculator`` tool (the
   ``arithmetic`` tool-call parser: the tiny alphabet has no room for ``<tool_call>``
-  JSON) and gets its result as a ``tool`` message; a call that computes earns 0.1, one
-  whose value is the answer 0.3. A turn without a call is the answer, scored by the
-  share of its characters that are right (no credit for a wrong digit) and ending the
-  episode: guessing digits earns about 0.1, the full answer needs the tool.
+  JSON) and gets its result as a ``tool`` message; the episode's first call earns 0.3 x
+  the share of the question's characters it copies in place. A turn without a call is
+  the answer, scored by the share of its characters that are right (no credit for a
+  wrong digit) and ending the episode: guessing digits earns about 0.1, the full answer
+  needs the tool.
 
 Only the tiny tokenizer's alphabet is used (docs/rewards.md).
 """
@@ -71,8 +72,7 @@ register_task("guess", "polyrl/guess", _guess_row, "guess a digit with +/- feedb
 # --- calc -------------------------------------------------------------------------------
 
 _EXPRESSION = re.compile(r"^\s*([0-9][0-9 ]*(?:[-+*][0-9 ]+)+)$")
-CALL_CREDIT = 0.1  # a calculator call that computes something
-RIGHT_CALL_CREDIT = 0.3  # ... whose value is the answer
+CALL_CREDIT = 0.3  # x the share of the question's characters the episode's first call copies
 
 
 @register_parser("arithmetic")
@@ -98,18 +98,22 @@ class CalcEnv(ToolEnv):
     tool_parser = "arithmetic"
 
     def reset(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
-        self.truth = str(row["ground_truth"])
+        self.truth, self.question = str(row["ground_truth"]), row["prompt"][-1]["content"]
+        self.calls = 0
         return super().reset(row)
 
     def called(self, turn: Turn, results: Any) -> float:
-        if not results or results[0].error:
-            return 0.0
-        return RIGHT_CALL_CREDIT if results[0].content == self.truth else CALL_CREDIT
+        self.calls += 1  # only the first call earns: calling again is no shortcut
+        return CALL_CREDIT * _share_right(turn.text, self.question) if self.calls == 1 else 0.0
 
     def answer(self, turn: Turn) -> StepResult:
-        text, truth = turn.text.strip(), self.truth
-        right = sum(a == b for a, b in zip(text, truth)) / max(len(text), len(truth))
-        return StepResult(reward=right, done=True)
+        return StepResult(reward=_share_right(turn.text, self.truth), done=True)
+
+
+def _share_right(text: str, want: str) -> float:
+    """The share of characters in place: ``text`` against ``want`` (the longer counts)."""
+    text = text.strip()
+    return sum(a == b for a, b in zip(text, want)) / max(len(text), len(want), 1)
 
 
 register_task("calc", "polyrl/calc", _calc_row, "a 2-digit product via the calculator (tools)")

@@ -83,9 +83,11 @@ def test_calc_env_rewards_the_right_call_and_the_answer():
     env.reset({"prompt": [{"role": "user", "content": "37*45"}], "ground_truth": "1665"})
     call = env.step(_turn("37*45"))
     assert call.observation == [{"role": "tool", "name": "calculator", "content": "1665"}]
-    assert call.reward == 0.3 and call.info["tool_calls"] == 1
-    assert env.step(_turn("45*3", 1)).reward == 0.1  # a call, but not the question's value
+    assert call.reward == pytest.approx(0.3) and call.info["tool_calls"] == 1
+    assert env.step(_turn("37*45", 1)).reward == 0.0  # only the first call earns
     assert env.step(_turn("1675", 2)) == StepResult(reward=0.75, done=True)  # 3 of 4 right
+    env.reset({"prompt": [{"role": "user", "content": "37*45"}], "ground_truth": "1665"})
+    assert env.step(_turn("37*4")).reward == pytest.approx(0.3 * 4 / 5)  # 4 of 5 copied
     assert arithmetic_calls("1665").calls == [] and arithmetic_calls("3+").calls == []
 
 

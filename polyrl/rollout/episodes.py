@@ -285,9 +285,10 @@ class EpisodeRunner:
         if e.drift and e.drift["kind"] != "sampled" and not self.warned_drift:
             self.warned_drift = True
             logger.warning(
-                "episode %d of the batch: the chat template applied to the whole conversation gives other "
-                "tokens than the episode's from position %d (turn %d, %s tokens); the episode "
-                'trains on its own ids (docs/agents.md "Exact tokens")',
+                "episode %d of the batch: the chat template applied to the whole "
+                "conversation gives other tokens than the episode's from position %d (turn "
+                '%d, %s tokens); the episode trains on its own ids (docs/agents.md "Exact '
+                'tokens")',
                 e.index,
                 e.drift["position"],
                 e.drift["turn"],

@@ -3,7 +3,8 @@
 :class:`EnvPool` starts ``EpisodeConfig.env_workers`` :class:`EnvWorker` actors
 (``polyrl.light_workers``), each holding the env registry (``polyrl.envs.ENVS``) as the
 driver had it (the classes travel by pickle, so an env registered by an ``--import``
-module or a test plays the same in the workers). Episode ``key`` lives on worker
+module or a test plays the same in the workers; each is unpickled when an episode first
+needs it, so one a worker cannot import fails only its episodes). Episode ``key`` lives on worker
 ``key % workers`` from its reset to its end; a worker runs the calls of all its
 episodes concurrently (asyncio: ``async def`` methods are awaited, plain ones run in
 threads).
@@ -21,6 +22,7 @@ import asyncio
 import inspect
 import math
 import numbers
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,7 +73,9 @@ def _check_step(value: Any) -> dict[str, Any]:
 class EnvWorker:
     """One Ray actor hosting the envs of its episodes (module docstring)."""
 
-    def __init__(self, envs: Mapping[str, Callable[[], Env]], timeout_s: float, rank: int = 0):
+    def __init__(
+        self, envs: Mapping[str, Callable[[], Env] | bytes], timeout_s: float, rank: int = 0
+    ):
         setup_worker("env", rank)  # --debug: breakpoint() in an env's step pauses here
         self.envs, self.timeout_s = dict(envs), timeout_s
         self.live: dict[int, Env] = {}
@@ -91,7 +95,10 @@ class EnvWorker:
             return _failure("env_error", f"{what} raised {type(e).__name__}: {e}")
 
     async def _reset(self, key: int, source: str, row: Mapping[str, Any]) -> dict[str, Any]:
-        env = self.envs[source]()
+        factory = self.envs[source]
+        if isinstance(factory, bytes):  # unpickled here: one that cannot be fails alone
+            factory = self.envs[source] = pickle.loads(factory)
+        env = factory()
         messages = _check_messages(await self._call(env.reset, row), "reset's messages")
         self.live[key] = env
         return {
@@ -138,7 +145,15 @@ class EnvPool:
     def __init__(self, num_workers: int = 2, timeout_s: float = 30.0):
         self.timeout_s = timeout_s
         self.envs = dict(ENVS)
-        self.pool = LightWorkers(EnvWorker, (self.envs, timeout_s), num_workers, max_restarts=-1)
+        # Each env class travels pickled on its own and is loaded when an episode needs
+        # it: an env a worker cannot import (registered in a test module or a notebook
+        # the workers do not have) fails its own episodes, not the worker's start.
+        shipped: dict[str, Any] = dict(self.envs)
+        if num_workers:
+            import ray
+
+            shipped = {name: ray.cloudpickle.dumps(cls) for name, cls in self.envs.items()}
+        self.pool = LightWorkers(EnvWorker, (shipped, timeout_s), num_workers, max_restarts=-1)
         self.local = EnvWorker(self.envs, timeout_s) if num_workers == 0 else None
 
     @property

@@ -207,16 +207,19 @@ def reinforce_plus_plus(
 ) -> tuple[Array, Array]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns, whitened over the batch.
 
-    ``R_t = r_t + gamma m_{t+1} R_{t+1}`` (the running return is reset at masked
-    positions, as verl: a masked token cuts the sum), then
-    ``A = masked_whiten(R, mask) * mask`` over all valid tokens of the batch.
-    Inputs [B, T]; returns ``(advantages, returns)`` [B, T] (returns masked).
+    ``R_t = r_t + gamma R'_t`` over valid tokens, ``R'_t`` the return of the next valid
+    token (0 past the end), then ``A = masked_whiten(R, mask) * mask`` over all valid
+    tokens of the batch. Masked positions are skipped as in :func:`gae`: an observation
+    token inside a multi-turn episode passes the return through instead of cutting it
+    (verl resets the running return at every masked token, which for right padding
+    gives the same returns on valid tokens). Inputs [B, T]; returns
+    ``(advantages, returns)`` [B, T] (returns masked).
     """
     _check("reinforce_plus_plus", token_rewards=token_rewards, mask=mask)
     xp = namespace(token_rewards, mask)
     r = stop_gradient(token_rewards)
     m = xp.astype(mask, r.dtype)
-    returns = reverse_linear_scan(r, gamma * shift_left(m))
+    returns = reverse_linear_scan(m * r, m * gamma + (1.0 - m))
     adv = masked_whiten(returns, m) * m
     return adv, returns * m
 

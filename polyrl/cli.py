@@ -143,6 +143,7 @@ def _print_problems(what: str, problems: list[str]) -> None:
 
 
 def cmd_validate_dataset(args: argparse.Namespace) -> int:
+    import polyrl.envs  # noqa: F401  (the built-in envs: their data_sources are valid)
     from polyrl.data.schema import DatasetError, validate_file
 
     tokenizer = None
@@ -183,6 +184,7 @@ def cmd_validate_dataset(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
+    import polyrl.envs  # noqa: F401  (registers the multi-turn tasks: guess, calc)
     from polyrl.data.formats import write_dataset
     from polyrl.data.tasks import TASKS, make_rows
     from polyrl.data.tiny import ensure_tiny_model

@@ -412,6 +412,8 @@ class RunConfig:
       reference, critic, reward model) runs under its framework's profiler
       (``polyrl.profiler``: torch.profiler, jax.profiler); each step's traces go to
       ``<run_dir>/profile/step_<k>/`` with ``summary.json`` (each worker's top ops).
+    episodes: ``polyrl.envs.EpisodeConfig``: every row is a multi-turn episode played by
+      the environment its ``data_source`` names (docs/agents.md); None: single-turn.
     debug: ``polyrl.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
       binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
     cache_dir: where compiled programs are kept across runs (``polyrl.compile_cache``:
@@ -485,6 +487,7 @@ class RunConfig:
     dump_samples: int = 4
     timeline: bool = True
     profile_steps: tuple[int, ...] = ()
+    episodes: object = None
     debug: object = None
     cache_dir: str | None = "~/.cache/polyrl"
 

@@ -8,6 +8,11 @@ progress line), ``RunConfig.dump_samples`` samples spread over the batch go to
     template, special tokens kept), response, ground_truth, reward, advantage (mean over
     the response tokens), prompt_length, response_length, finish_reason ("stop" | "length")
 
+A multi-turn episode (``polyrl.rollout.episodes``) also has ``turns`` (each turn's text,
+tokens, finish_reason, reward, and the observation messages that followed, with their
+token count) and ``drift``; its ``response`` is the turns on one line
+(``[0] '5' (r 0) -> user '+' | [1] '7' (r 0.75)``) and ``finish_reason`` the episode's.
+
 A resumed run first drops the dumps of steps after its checkpoint (as ``metrics.jsonl``
 does), so the file holds each step's samples once.
 
@@ -57,7 +62,30 @@ def dump_rows(batch: Any, tokenizer: Any, samples: int, step: int) -> list[dict[
                 "finish_reason": str(batch["finish_reason"][i]),
             }
         )
+        if "turns" in batch:  # a multi-turn episode (polyrl.rollout.episodes): each turn
+            out[-1]["turns"] = list(batch["turns"][i])
+            out[-1]["drift"] = batch["drift"][i] if "drift" in batch else None
+            out[-1]["response"] = show_turns(out[-1]["turns"])
     return out
+
+
+def _shown(row: dict[str, Any]) -> str:
+    return row["response"] if "turns" in row else repr(row["response"])
+
+
+def show_turns(turns: list[dict[str, Any]]) -> str:
+    """An episode's turns on one line: ``[0] '5' (r 0) -> user '+' | [1] '7' ...``."""
+    parts = []
+    for i, t in enumerate(turns):
+        part = f"[{i}] {t['text']!r}"
+        if "reward" in t:
+            part += f" (r {t['reward']:.3g})"
+        if "error" in t:
+            part += f" (error: {t['error']})"
+        obs = t.get("observation") or []
+        part += "".join(f" -> {m['role']} {m['content']!r}" for m in obs)
+        parts.append(part)
+    return " | ".join(parts)
 
 
 class RolloutDumps:
@@ -94,12 +122,12 @@ class RolloutDumps:
                 adv = "" if r["advantage"] is None else f" adv {r['advantage']:+.2f}"
                 lines.append(
                     f"  reward {r['reward']:.3g}{adv} len {r['response_length']} "
-                    f"({r['finish_reason']}) | {r['prompt']!r} -> {r['response']!r} "
+                    f"({r['finish_reason']}) | {r['prompt']!r} -> {_shown(r)} "
                     f"(truth {r['ground_truth']!r})"
                 )
         else:
             lines = [
-                f"  [sample] step {step}: {r['prompt']!r} -> {r['response']!r} "
+                f"  [sample] step {step}: {r['prompt']!r} -> {_shown(r)} "
                 f"(want {r['ground_truth']!r}, reward {r['reward']:.2f})"
                 for r in rows[:2]
             ]

@@ -112,6 +112,22 @@ ADVICE = {
         "predicting the mean return): its values no longer track the returns; lower "
         "critic/OptimConfig.lr (docs/debugging.md 'Critic blow-up')"
     ),
+    "tools_never_called": (
+        "tools are offered to the model but no episode called one for {patience} steps: "
+        "check that the prompt or system message asks for them, that the chat template "
+        "renders the tools (rollouts.jsonl shows each prompt) and that Env.tool_parser "
+        "matches the model's call format (docs/agents.md 'Health warnings')"
+    ),
+    "tool_calls_failing": (
+        "{value:.0%} of the tool calls failed for {patience} steps: look at the tool "
+        "messages in rollouts.jsonl (a malformed call, a wrong argument, a timeout) "
+        "(docs/agents.md 'Health warnings')"
+    ),
+    "episodes_cut_at_max_turns": (
+        "{value:.0%} of the episodes ended at EpisodeConfig.max_turns for {patience} "
+        "steps: the env rarely says done; raise max_turns or check the env's done "
+        "condition (docs/agents.md 'Health warnings')"
+    ),
     "phase_slow": (
         "{detail} is {value:.3g}x its median so far: look at the timeline (timeline.json) "
         "for the role that stalls"
@@ -233,10 +249,28 @@ class HealthMonitor:
             out["entropy_exploding"] = self._fire(
                 "entropy_exploding", not np.isfinite(v) or v > limit, v
             )
+        if "episode/turns_mean" in m:
+            out |= self._episodes(m)
         if "critic/loss" in m:
             out |= self._critic(m)
         out |= self._phases(m)
         return {f"health/{k}": v for k, v in out.items()}
+
+    def _episodes(self, m: dict[str, float]) -> dict[str, float]:
+        """Multi-turn episodes (``polyrl.rollout.episodes`` metrics)."""
+        calls = m.get("episode/tool_calls_mean", 0.0)
+        never = m.get("episode/tools_offered", 0.0) > 0 and calls == 0
+        failing = calls > 0 and m.get("episode/tool_error_share", 0.0) > self.majority
+        cut = m.get("episode/finish/max_turns", 0.0)
+        return {
+            "tools_never_called": self._fire("tools_never_called", never, 0, sustained=True),
+            "tool_calls_failing": self._fire(
+                "tool_calls_failing", failing, m.get("episode/tool_error_share"), sustained=True
+            ),
+            "episodes_cut_at_max_turns": self._fire(
+                "episodes_cut_at_max_turns", cut > self.majority, cut, sustained=True
+            ),
+        }
 
     def _critic(self, m: dict[str, float]) -> dict[str, float]:
         import numpy as np

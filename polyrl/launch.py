@@ -40,6 +40,7 @@ def _register() -> Any:
         logging.getLogger().addFilter(_quiet_gin_lookups)
     from polyrl.data.tiny import TinyModelSpec
     from polyrl.debug import DebugConfig
+    from polyrl.envs import EpisodeConfig
     from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
     for cls in (
@@ -52,6 +53,7 @@ def _register() -> Any:
         SweepConfig,
         DebugConfig,
         TinyModelSpec,
+        EpisodeConfig,
     ):
         with contextlib.suppress(ValueError):  # already registered in this process
             gin.external_configurable(cls, module="polyrl")

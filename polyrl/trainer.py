@@ -338,6 +338,13 @@ class RLTrainer(Loop):
         self.critic = self._group("critic") if "critic" in self.roles else None
         self.reward_model = self._group("reward") if "reward" in self.roles else None
         self.rewards = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
+        self.episodes = None  # RunConfig.episodes: multi-turn episodes in env workers
+        if cfg.episodes is not None:
+            from polyrl.envs.workers import EnvPool
+            from polyrl.rollout.episodes import EpisodeRunner
+
+            envs = EnvPool(cfg.episodes.env_workers, cfg.episodes.env_timeout_s)
+            self.episodes = EpisodeRunner(self.pool, envs, self.tokenizer, cfg.episodes)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
         # GPU transports retain nothing: a restarted server is re-synced from the actor.
         self.pool.resync_source = self._host_weights
@@ -347,8 +354,9 @@ class RLTrainer(Loop):
         if components.val_prompts is not None:
             from polyrl.evaluation import Evaluator
 
+            generate = self.episodes.generate if self.episodes else self.pool.generate
             self.evaluator = Evaluator(
-                cfg, components.val_prompts, self.tokenizer, self.pool.generate, self.reward
+                cfg, components.val_prompts, self.tokenizer, generate, self.reward
             )
         # RunConfig.async_rollout: batch k+1 is generated while the actor trains on k.
         self.rollouts = Rollouts(self.collect, cfg.total_steps, cfg.async_rollout)
@@ -379,6 +387,8 @@ class RLTrainer(Loop):
         if self.reward_model is not None:
             self.reward_model.shutdown()
         self.rewards.shutdown()
+        if self.episodes is not None:
+            self.episodes.shutdown()
         self.pool.shutdown()
         super().shutdown()
 
@@ -479,7 +489,7 @@ class RLTrainer(Loop):
 
     def inspect(self, step: int, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         """Health checks and the rollout dump of one step (docs/debugging.md)."""
-        stats = response_stats(batch, self.tokenizer)
+        stats = response_stats(batch, self.tokenizer) | batch.info.get("episode_metrics", {})
         self.dumps.write(step + 1, batch)
         return stats | self.health.check(metrics | stats, batch["scores"])
 
@@ -502,7 +512,10 @@ class RLTrainer(Loop):
             )
         # A fixed response width: a jitted backend then compiles once per prompt bucket.
         width = sampling.max_tokens
-        batch = self.pool.generate(prompts, sampling, response_len=width)
+        if self.episodes is not None:  # each row an episode (width: max_episode_tokens)
+            batch = self.episodes.generate(prompts, sampling)
+        else:
+            batch = self.pool.generate(prompts, sampling, response_len=width)
         if self.spec.needs_greedy_baseline:
             greedy = dataclasses.replace(sampling, n=1, temperature=0.0)
             base = self.reward(self.pool.generate(prompts, greedy, response_len=width))
@@ -541,7 +554,10 @@ class RLTrainer(Loop):
 
     def reward(self, batch: Batch) -> Batch:
         """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x
-        the reward model's score when there is one — placed on its last valid token."""
+        the reward model's score when there is one — placed on its last valid token.
+        Episodes come scored by their envs (``token_rewards``: each turn's reward)."""
+        if "token_rewards" in batch:
+            return batch
         scores = self.rewards.score(
             batch["response_text"], batch["ground_truth"], batch["data_source"], batch["extra_info"]
         )

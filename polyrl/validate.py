@@ -512,6 +512,7 @@ def dataset_problems(
                     f"the prompt limit ({limit} tokens) and will be {verb} "
                     f"(RolloutConfig.overlong_prompt={overlong!r})"
                 )
+            problems += source_problems(cfg, binding, path, report.data_sources)
             if binding in ("RunConfig.train_files", "RunConfig.task"):
                 rows += report.n_rows
                 dropped += report.over_limit if report.kept is not None else 0
@@ -576,6 +577,74 @@ def reward_problems(
     return out
 
 
+def source_problems(cfg: RunConfig, binding: str, path: str, sources: Any) -> list[str]:
+    """A multi-turn run's rows need an environment for their data_source, a single-turn
+    run's a reward function (docs/agents.md)."""
+    from polyrl.envs import ENVS
+    from polyrl.rewards import REWARDS
+
+    need, fix = (
+        (ENVS, "register one with polyrl.envs.register_env or unset RunConfig.episodes")
+        if cfg.episodes is not None
+        else (REWARDS, "register a reward, or set RunConfig.episodes to play them as episodes")
+    )
+    kind = "environment" if need is ENVS else "reward function"
+    out = [
+        f"{binding}: {path}: data_source {s!r} has no {kind} ({sorted(need)}); {fix}"
+        for s in sorted(sources)
+        if s in ENVS or s in REWARDS
+        if s not in need
+    ]
+    if cfg.episodes is not None:  # each env's tools and parser
+        from polyrl.envs import env_problems
+
+        out += [p for s in sorted(sources) if s in ENVS for p in env_problems(s)]
+    return out
+
+
+def episode_problems(cfg: RunConfig, spec: Any) -> list[str]:
+    """RunConfig.episodes against the rollout, the sampling, the model and the algorithm."""
+    import json
+    from pathlib import Path
+
+    ep = cfg.episodes
+    if ep is None:
+        return []
+    out = []
+    if ep.max_episode_tokens > cfg.rollout.max_model_len:
+        out.append(
+            f"EpisodeConfig.max_episode_tokens={ep.max_episode_tokens} is more than "
+            f"RolloutConfig.max_model_len={cfg.rollout.max_model_len}: raise max_model_len "
+            f"or lower max_episode_tokens"
+        )
+    if cfg.sampling.max_tokens >= ep.max_episode_tokens:
+        out.append(
+            f"SamplingSpec.max_tokens={cfg.sampling.max_tokens} (one turn) is not below "
+            f"EpisodeConfig.max_episode_tokens={ep.max_episode_tokens} (the whole episode); "
+            f"lower max_tokens or raise max_episode_tokens"
+        )
+    config = Path(str(cfg.model_path), "config.json")
+    positions = (
+        json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
+    )
+    if positions is not None and ep.max_episode_tokens > positions:
+        out.append(
+            f"EpisodeConfig.max_episode_tokens={ep.max_episode_tokens} is more than the "
+            f"model's max_position_embeddings={positions}; lower max_episode_tokens"
+        )
+    for field, on in (
+        ("reward_model_path", cfg.reward_model_path is not None),
+        ("algorithm (ReMax's greedy baseline)", spec.needs_greedy_baseline),
+        ("algo_overrides overlong_buffer_len", bool(spec.overlong_buffer_len)),
+    ):
+        if on:
+            out.append(
+                f"RunConfig.{field} is not supported with RunConfig.episodes (an episode's "
+                f"reward comes from its env); unset one of them"
+            )
+    return out
+
+
 def preflight(
     cfg: RunConfig, reward_rows: dict | None = None
 ) -> tuple[RunConfig, Any, list[str], list[str]]:
@@ -621,6 +690,7 @@ def preflight(
     problems = check_run(cfg, spec) + isolation_problems(cfg, spec) + device_problems(cfg)
     if spec.objective == "rl":
         problems += length_problems(cfg)
+    problems += episode_problems(cfg, spec)
     from transformers import AutoTokenizer
 
     try:

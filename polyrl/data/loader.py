@@ -25,7 +25,7 @@ class PromptSource:
     """Validated prompt rows + their token ids.
 
     ``batch(k, size)`` returns a Batch with meta columns ``prompt_ids`` (list[int]),
-    ``ground_truth``, ``data_source``, ``extra_info`` and the int64 tensor ``prompt_index``.
+    ``prompt`` (the chat messages), ``ground_truth``, ``data_source``, ``extra_info`` and the int64 tensor ``prompt_index``.
     """
 
     kind = "rl"
@@ -88,6 +88,7 @@ class PromptSource:
             {"prompt_index": idx.astype(np.int64)},
             {
                 "prompt_ids": [self.prompt_ids[i] for i in idx],
+                "prompt": [r["prompt"] for r in rows],
                 "ground_truth": [r["ground_truth"] for r in rows],
                 "data_source": [r["data_source"] for r in rows],
                 "extra_info": [r.get("extra_info") for r in rows],

@@ -29,6 +29,9 @@ __all__ = [
 
 ROLES = ("system", "user", "assistant")
 REQUIRED = ("prompt", "ground_truth", "data_source")
+# data_sources an environment plays (multi-turn rows score in their env, not by a reward
+# function); polyrl.envs.register_env adds to it, so this package never imports envs.
+ENV_SOURCES: set[str] = set()
 # Preference (DPO) rows: the prompt and two assistant responses, the first preferred.
 PREFERENCE_REQUIRED = ("prompt", "chosen", "rejected")
 KINDS = {"rl": REQUIRED, "preference": PREFERENCE_REQUIRED}
@@ -174,11 +177,18 @@ def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> li
             f"nothing: drop the row or fix one side"
         )
     source = row.get("data_source")
-    if "data_source" in required and isinstance(source, str) and source not in REWARDS:
+    if (
+        "data_source" in required
+        and isinstance(source, str)
+        and source not in REWARDS
+        and source not in ENV_SOURCES
+    ):
         problems.append(
-            f"{at}: data_source={source!r} has no reward function; registered sources: "
-            f"{sorted(REWARDS)}. Register one with @polyrl.rewards.register_reward({source!r}) "
-            f"in a module and pass --import MODULE (docs/rewards.md)"
+            f"{at}: data_source={source!r} has no reward function or environment; "
+            f"registered sources: {sorted(REWARDS)}, environments: {sorted(ENV_SOURCES)}. "
+            f"Register one with @polyrl.rewards.register_reward({source!r}) or "
+            f"@polyrl.envs.register_env({source!r}) in a module and pass --import MODULE "
+            f"(docs/rewards.md, docs/agents.md)"
         )
     extra = row.get("extra_info")
     if extra is not None and not isinstance(extra, Mapping):

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.debug import place, setup_worker
+from polyrl.light_workers import LightWorkers
 from polyrl.rewards.registry import REWARDS, RewardFn
 from polyrl.timeline import Traced
 
@@ -131,8 +132,9 @@ class RewardWorker(Traced):
 
 
 class RewardPool:
-    """``num_workers`` reward actors (``ray`` must be initialised). ``num_workers=0``
-    scores in the driver (no Ray), e.g. for a notebook or a unit test.
+    """``num_workers`` reward actors (``polyrl.light_workers``; ``ray`` must be
+    initialised). ``num_workers=0`` scores in the driver (no Ray), e.g. for a notebook or
+    a unit test.
 
     options: Ray actor options of each worker (default: no CPU reserved — rule rewards
     are light, and the logical CPUs belong to the roles and to user tasks).
@@ -147,18 +149,11 @@ class RewardPool:
     ):
         self.timeout_s = timeout_s
         self.fns = dict(REWARDS)
-        self.workers: list[Any] = []
-        if num_workers:
-            import ray
+        self.pool = LightWorkers(RewardWorker, (self.fns, timeout_s), num_workers, options, env)
 
-            remote = ray.remote(RewardWorker)
-            for rank in range(num_workers):
-                opts = options(rank) if options else {"num_cpus": 0}
-                self.workers.append(
-                    remote.options(**opts, runtime_env={"env_vars": dict(env or {})}).remote(
-                        self.fns, timeout_s, rank
-                    )
-                )
+    @property
+    def workers(self) -> list[Any]:
+        return self.pool.workers
 
     def score(
         self,
@@ -175,7 +170,7 @@ class RewardPool:
             return np.asarray(score_items(self.fns, items, self.timeout_s), np.float32)
         import ray
 
-        shards = [s for s in np.array_split(np.arange(len(items)), len(self.workers)) if len(s)]
+        shards = self.pool.shards(len(items))
         refs = [w.score.remote([items[j] for j in idx]) for w, idx in zip(self.workers, shards)]
         try:
             parts = ray.get(refs)
@@ -189,7 +184,4 @@ class RewardPool:
         return np.asarray(scores, np.float32)
 
     def shutdown(self) -> None:
-        from polyrl.ray_session import end_actors
-
-        end_actors(self.workers)
-        self.workers = []
+        self.pool.shutdown()

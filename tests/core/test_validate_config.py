@@ -17,6 +17,7 @@ from polyrl.data.tasks import make_preference_rows, make_rows
 
 GRPO = "gin/experiments/tiny_grpo.gin"
 DPO = "gin/experiments/tiny_dpo.gin"
+MULTITURN = "gin/experiments/tiny_multiturn.gin"
 GPU_POOLS = (
     "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'GPU': 2}, 'gen': {'CPU': 1, 'GPU': 4}}",
     "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'train', "
@@ -205,6 +206,22 @@ CASES = [
      "set RolloutConfig.max_model_len = 256 and RolloutConfig.max_prompt_len = 16"),
     ("broken-jsonl", GRPO, ["polyrl.RunConfig.train_files = ['{data}/broken.jsonl']"],
      "broken.jsonl: line 3: invalid JSON"),
+    # multi-turn episodes (docs/agents.md)
+    ("env-task-without-episodes", GRPO, ["polyrl.RunConfig.task = 'guess'"],
+     "RunConfig.task: task guess (train): data_source 'polyrl/guess' has no reward function"),
+    ("reward-task-as-episodes", MULTITURN, ["polyrl.RunConfig.task = 'copy'"],
+     "data_source 'polyrl/copy' has no environment (['polyrl/calc', 'polyrl/guess'"),
+    ("episode-longer-than-model-len", MULTITURN, ["polyrl.EpisodeConfig.max_episode_tokens = 100"],
+     "EpisodeConfig.max_episode_tokens=100 is more than RolloutConfig.max_model_len=80"),
+    ("turn-as-long-as-episode", MULTITURN, ["polyrl.SamplingSpec.max_tokens = 64"],
+     "SamplingSpec.max_tokens=64 (one turn) is not below EpisodeConfig.max_episode_tokens=64"),
+    ("episode-past-positions", MULTITURN, ["polyrl.EpisodeConfig.max_episode_tokens = 300",
+                                           "polyrl.RolloutConfig.max_model_len = 300"],
+     "EpisodeConfig.max_episode_tokens=300 is more than the model's max_position_embeddings=256"),
+    ("episodes-with-remax", MULTITURN, ["include 'gin/algos/remax.gin'"],
+     "RunConfig.algorithm (ReMax's greedy baseline) is not supported with RunConfig.episodes"),
+    ("max-turns-zero", MULTITURN, ["polyrl.EpisodeConfig.max_turns = 0"],
+     "EpisodeConfig.max_turns=0 must be >= 1"),
 ]  # fmt: skip
 
 GIN_FILES = {
@@ -282,6 +299,7 @@ FIXES = [
                               "polyrl.RolloutConfig.overlong_prompt = 'drop'"],
      "WARNING RunConfig.train_files: {data}/long.parquet: 32 of 32 prompts are over the prompt "
      "limit (32 tokens) and will be dropped"),
+    ("multi-turn", MULTITURN, [], "roles: actor, rollout, reference"),
     ("datasets: preference file for DPO", DPO,
      ["polyrl.RunConfig.train_files = ['{data}/pairs.parquet']"],
      "data: total_steps 20 x prompts_per_step 32 = 640 prompts over 64 rows = 10.00 passes"),

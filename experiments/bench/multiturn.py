@@ -1,0 +1,144 @@
+"""Multi-turn episodes per second, and polyrl's overhead per turn. Not a test; a table on
+stdout and ``--json``.
+
+    python experiments/bench/multiturn.py                     # tiny model, CPU
+    python experiments/bench/multiturn.py --model DIR --prompts 64 --n 8 --max-tokens 64
+
+Runs the guessing game (``polyrl/guess``) through ``EpisodeRunner`` on one rollout server
+and one env worker, ``--batches`` times after one warm-up batch, and splits each batch's
+wall time into: the rollout calls (``RolloutPool.generate_ids``: vLLM plus the Ray round
+trip), the env calls (``EnvPool.step``/``reset``: Ray round trips and the env's work),
+and the rest: polyrl's own bookkeeping in the driver (the chat template for each
+observation, the drift check, the batch). That rest, divided by the turns of the batch,
+is the overhead per turn. Compared with one single-turn ``RolloutPool.generate`` of the
+same prompts and turn length (``--max-tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def _timed(obj, name: str, spent: dict) -> None:
+    """Wrap ``obj.name`` to add its wall time to ``spent[name]``."""
+    fn = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF model directory (default: the tiny model)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=3, help="per turn")
+    p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--episode-tokens", type=int, default=64)
+    p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+
+    import ray
+    from transformers import AutoTokenizer
+
+    from polyrl.data.loader import PromptSource
+    from polyrl.data.tiny import ensure_tiny_model
+    from polyrl.envs import EpisodeConfig
+    from polyrl.envs.workers import EnvPool
+    from polyrl.rollout import RolloutConfig, RolloutPool, SamplingSpec
+    from polyrl.rollout.episodes import EpisodeRunner
+
+    model = args.model or str(ensure_tiny_model(Path(tempfile.gettempdir()) / "polyrl-bench"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    episodes_per_batch = args.prompts * args.n
+    pool = RolloutPool(
+        RolloutConfig(
+            model_path=model,
+            dtype="float32",
+            max_model_len=args.episode_tokens + 16,
+            kv_cache_gib=0.5,
+            max_num_batched_tokens=max(4096, episodes_per_batch * args.episode_tokens),
+        )
+    )
+    config = EpisodeConfig(
+        max_turns=args.max_turns, max_episode_tokens=args.episode_tokens, env_workers=1
+    )
+    envs = EnvPool(1, config.env_timeout_s)
+    runner = EpisodeRunner(pool, envs, tokenizer, config)
+    spent: dict[str, float] = {}
+    _timed(pool, "generate_ids", spent)
+    _timed(envs, "step", spent)
+    _timed(envs, "reset", spent)
+    source = PromptSource.from_task("guess", 1024, tokenizer)
+    spec = SamplingSpec(n=args.n, max_tokens=args.max_tokens, seed=0)
+    rows = []
+    try:
+        for k in range(args.batches + 1):
+            spent.clear()
+            prompts = source.batch(k, args.prompts)
+            t0 = time.perf_counter()
+            batch = runner.generate(prompts, spec)
+            wall = time.perf_counter() - t0
+            turns = int(batch["num_turns"].sum())
+            t1 = time.perf_counter()
+            single = pool.generate(prompts, spec)
+            single_wall = time.perf_counter() - t1
+            rest = wall - sum(spent.values())
+            rows.append(
+                {
+                    "wall_s": wall,
+                    "episodes_per_s": len(batch) / wall,
+                    "turns": turns,
+                    "rollout_s": spent.get("generate_ids", 0.0),
+                    "env_s": spent.get("step", 0.0) + spent.get("reset", 0.0),
+                    "polyrl_s": rest,
+                    "overhead_per_turn_ms": 1e3 * rest / max(turns, 1),
+                    "single_turn_generate_s": single_wall,
+                    "sampled_tokens": int(batch["response_mask"].sum()),
+                    "single_turn_tokens": int(single["response_mask"].sum()),
+                }
+            )
+    finally:
+        runner.shutdown()
+        pool.shutdown()
+        ray.shutdown()
+    warm = rows[1:]
+    out = {
+        "model": model,
+        "episodes_per_batch": episodes_per_batch,
+        "batches": warm,
+        "median": {k: statistics.median(r[k] for r in warm) for k in warm[0]},
+    }
+    med = out["median"]
+    print(f"{episodes_per_batch} guess episodes a batch, median of {len(warm)} warm batches:")
+    print(f"  wall {med['wall_s']:.3f} s  = {med['episodes_per_s']:.1f} episodes/s")
+    print(
+        f"  rollout {med['rollout_s']:.3f} s, envs {med['env_s']:.3f} s, "
+        f"polyrl {med['polyrl_s']:.3f} s over {med['turns']:.0f} turns "
+        f"= {med['overhead_per_turn_ms']:.3f} ms a turn"
+    )
+    print(
+        f"  one single-turn generate of the same prompts: {med['single_turn_generate_s']:.3f} s "
+        f"({med['single_turn_tokens']:.0f} tokens vs {med['sampled_tokens']:.0f} sampled "
+        f"over the episodes)"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=float))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Env workers: the environments of many episodes at once, in light Ray actors.
+
+:class:`EnvPool` starts ``EpisodeConfig.env_workers`` :class:`EnvWorker` actors
+(``polyrl.light_workers``), each holding the env registry (``polyrl.envs.ENVS``) as the
+driver had it (the classes travel by pickle, so an env registered by an ``--import``
+module or a test plays the same in the workers; each is unpickled when an episode first
+needs it, so one a worker cannot import fails only its episodes). Episode ``key`` lives on worker
+``key % workers`` from its reset to its end; a worker runs the calls of all its
+episodes concurrently (asyncio: ``async def`` methods are awaited, plain ones run in
+threads).
+
+Nothing an env does stops the run: each call is checked and bounded by
+``EpisodeConfig.env_timeout_s``, and a call that raises, returns something malformed or
+runs too long ends its episode with ``env_error`` / ``env_timeout`` and the reason in
+``detail``. A worker that dies ends the episodes it hosted (``env_worker_died``); Ray
+restarts it for the next step's episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import pickle
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from polyrl.debug import setup_worker
+from polyrl.envs.base import ENVS, Env, StepResult, Turn
+from polyrl.light_workers import LightWorkers
+
+__all__ = ["EnvPool", "EnvWorker"]
+
+# Seconds a worker's whole call may take beyond the per-env timeout before the driver
+# gives up on it (its event loop is stuck, e.g. an env that holds the GIL).
+GRACE_S = 30.0
+
+
+def _failure(reason: str, detail: str) -> dict[str, Any]:
+    return {"error": reason, "detail": detail}
+
+
+def _check_messages(value: Any, what: str) -> list[dict[str, Any]]:
+    ok = isinstance(value, list) and all(
+        isinstance(m, Mapping)
+        and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        raise TypeError(
+            f"{what} must be a list of messages {{'role': str, 'content': str}}, got {value!r:.200}"
+        )
+    return [dict(m) for m in value]
+
+
+def _check_step(value: Any) -> dict[str, Any]:
+    if not isinstance(value, StepResult):
+        raise TypeError(f"step returned {type(value).__name__}, not polyrl.envs.StepResult")
+    reward = value.reward
+    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+        raise TypeError(f"StepResult.reward={reward!r} is not one finite number")
+    info = {str(k): float(v) for k, v in dict(value.info).items()}
+    return {
+        "observation": _check_messages(list(value.observation), "StepResult.observation"),
+        "reward": float(reward),
+        "done": bool(value.done),
+        "info": info,
+    }
+
+
+class EnvWorker:
+    """One Ray actor hosting the envs of its episodes (module docstring)."""
+
+    def __init__(
+        self, envs: Mapping[str, Callable[[], Env] | bytes], timeout_s: float, rank: int = 0
+    ):
+        setup_worker("env", rank)  # --debug: breakpoint() in an env's step pauses here
+        self.envs, self.timeout_s = dict(envs), timeout_s
+        self.live: dict[int, Env] = {}
+
+    async def _call(self, fn: Callable, *args: Any) -> Any:
+        run = fn(*args) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, *args)
+        return await asyncio.wait_for(run, self.timeout_s)
+
+    async def _guarded(self, key: int, what: str, work: Any) -> dict[str, Any]:
+        try:
+            return await work
+        except TimeoutError:
+            self.live.pop(key, None)
+            return _failure("env_timeout", f"{what} ran past {self.timeout_s:g} s")
+        except Exception as e:
+            self.live.pop(key, None)
+            return _failure("env_error", f"{what} raised {type(e).__name__}: {e}")
+
+    async def _reset(self, key: int, source: str, row: Mapping[str, Any]) -> dict[str, Any]:
+        factory = self.envs[source]
+        if isinstance(factory, bytes):  # unpickled here: one that cannot be fails alone
+            factory = self.envs[source] = pickle.loads(factory)
+        env = factory()
+        messages = _check_messages(await self._call(env.reset, row), "reset's messages")
+        self.live[key] = env
+        return {
+            "messages": messages,
+            "tools": [tool.schema() for tool in env.tools] or None,
+            "tool_parser": env.tool_parser,
+        }
+
+    async def _step(self, key: int, turn: Turn) -> dict[str, Any]:
+        env = self.live.get(key)
+        if env is None:
+            raise KeyError(f"episode {key} has no env on this worker (restarted?)")
+        out = _check_step(await self._call(env.step, turn))
+        if out["done"]:
+            self.live.pop(key, None)
+        return out
+
+    async def reset(self, items: Sequence[tuple[int, str, Mapping[str, Any]]]) -> list[dict]:
+        """``(key, data_source, row)`` -> the first messages, tool schemas and parser."""
+        return list(
+            await asyncio.gather(
+                *(self._guarded(k, f"{s} reset", self._reset(k, s, r)) for k, s, r in items)
+            )
+        )
+
+    async def step(self, items: Sequence[tuple[int, Turn]]) -> list[dict]:
+        """``(key, turn)`` -> observation, reward, done, info (or error, detail)."""
+        return list(
+            await asyncio.gather(
+                *(self._guarded(k, f"step {t.index}", self._step(k, t)) for k, t in items)
+            )
+        )
+
+    def close(self, keys: Sequence[int]) -> None:
+        """Drop the envs of episodes that ended for a reason of the driver's (a limit)."""
+        for key in keys:
+            self.live.pop(key, None)
+
+
+class EnvPool:
+    """``num_workers`` :class:`EnvWorker` actors (0: one worker object in the driver).
+    Each method takes a list of items and returns one result per item, in order."""
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 30.0):
+        self.timeout_s = timeout_s
+        self.envs = dict(ENVS)
+        # Each env class travels pickled on its own and is loaded when an episode needs
+        # it: an env a worker cannot import (registered in a test module or a notebook
+        # the workers do not have) fails its own episodes, not the worker's start.
+        shipped: dict[str, Any] = dict(self.envs)
+        if num_workers:
+            import ray
+
+            shipped = {name: ray.cloudpickle.dumps(cls) for name, cls in self.envs.items()}
+        self.pool = LightWorkers(EnvWorker, (shipped, timeout_s), num_workers, max_restarts=-1)
+        self.local = EnvWorker(self.envs, timeout_s) if num_workers == 0 else None
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.pool.workers
+
+    def reset(self, items: Sequence[tuple[int, str, Mapping[str, Any]]]) -> list[dict]:
+        return self._run("reset", items)
+
+    def step(self, items: Sequence[tuple[int, Turn]]) -> list[dict]:
+        return self._run("step", items)
+
+    def close(self, keys: Sequence[int]) -> None:
+        if self.local is not None:
+            self.local.close(keys)
+            return
+        import ray
+
+        by_worker = self._by_worker([(k,) for k in keys])
+        refs = [
+            self.workers[w].close.remote([keys[i] for i in idx]) for w, idx in by_worker.items()
+        ]
+        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)  # best effort
+
+    def _by_worker(self, items: Sequence[tuple]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            out.setdefault(int(item[0]) % len(self.workers), []).append(i)
+        return out
+
+    def _run(self, method: str, items: Sequence[tuple]) -> list[dict]:
+        if self.local is not None:
+            return asyncio.run(getattr(self.local, method)(list(items)))
+        import ray
+
+        out: list[dict | None] = [None] * len(items)
+        calls = {
+            w: getattr(self.workers[w], method).remote([items[i] for i in idx])
+            for w, idx in self._by_worker(items).items()
+        }
+        index = self._by_worker(items)
+        for w, ref in calls.items():
+            try:
+                results = ray.get(ref, timeout=self.timeout_s + GRACE_S)
+            except ray.exceptions.GetTimeoutError:
+                results = [_failure("env_timeout", f"env worker {w} did not answer")] * len(
+                    index[w]
+                )
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                why = f"env worker {w} died: {type(e).__name__}: {str(e).splitlines()[0]}"
+                results = [_failure("env_worker_died", why)] * len(index[w])
+            for i, r in zip(index[w], results):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()

@@ -1,0 +1,372 @@
+"""Multi-turn episodes on the rollout servers, with exact tokens (docs/agents.md).
+
+An episode is a prompt and a list of turns, each either the model's sampled ids (with
+their log-probs and the weight version that sampled them) or an observation's ids (the
+chat template's tokens for the messages the env appended: never sampled). The loop is
+turn-batched: every active episode's next turn goes to the rollout servers in one
+:meth:`RolloutPool.generate_ids` call, as the episode's exact ids so far (vLLM's prefix
+cache holds the earlier turns), then every episode's env steps at once in the env
+workers (``polyrl.envs.workers``).
+
+Exact tokens. Earlier turns are never re-tokenized: a turn's sampled ids are kept as
+sampled, and an observation's ids are the difference of the template applied to the
+conversation with and without the new messages (:class:`ChatTokens`), plus the
+template's end of the assistant turn that the model did not sample (the newline after
+``<|im_end|>`` in Qwen's template; the whole ``<|im_end|>`` when the turn was cut at
+``max_tokens``). With ``EpisodeConfig.check_drift`` each finished episode is compared with
+a fresh application of the template to its whole conversation; the first position where
+they differ is reported with its turn and whether the model sampled it (a sampled text
+that the tokenizer would split differently: harmless, the sampled ids are trained) or the
+template made it (the observation's tokens in context differ from a fresh rendering).
+
+The output batch has the layout of ``RolloutPool.generate`` (one row per episode, rows
+``i*n .. i*n+n-1`` are prompt ``i``'s episodes, ``group_ids`` says which prompt) with the
+response being every turn concatenated, and:
+
+    response_mask           [N, R] float32  1 on tokens the policy sampled only
+    rollout_log_probs       [N, R] float32  their log-probs, 0 on observation tokens
+    rollout_token_versions  [N, R] int32    weight version per sampled token, -1 elsewhere
+    token_rewards           [N, R] float32  each turn's reward on its last sampled token
+    scores                  [N]    float32  the episode's reward (sum over turns)
+    num_turns               [N]    int32
+    meta turns              per episode: a list of {"text", "tokens", "finish_reason",
+                            "reward", "observation", "observation_tokens"} (the dumps)
+    meta finish_reason      the episode's (``polyrl.envs.FINISH_REASONS``)
+    meta drift              where a fresh rendering first differs ({"position", "turn",
+                            "kind"}) or None (``EpisodeConfig.check_drift``)
+    meta response_text      the response decoded with its special tokens
+    info episode_metrics    this batch's ``episode/...`` metrics (docs/agents.md)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from polyrl.batch import Batch, from_token_lists
+from polyrl.envs.base import FINISH_REASONS, EpisodeConfig, Turn
+from polyrl.rollout.pool import PROMPT_KEY
+from polyrl.rollout.sampling import SamplingSpec
+
+__all__ = ["ChatTokens", "Episode", "EpisodeRunner", "TemplateError", "first_drift"]
+
+logger = logging.getLogger(__name__)
+
+
+class TemplateError(ValueError):
+    """The chat template does not extend a conversation by appending text (e.g. it
+    rewrites earlier turns), so observation tokens cannot be computed as a difference."""
+
+
+class ChatTokens:
+    """A tokenizer's chat template as token deltas (module docstring)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.eos_text = tokenizer.decode([self.eos_id]) if self.eos_id is not None else ""
+
+    def render(self, messages: Sequence[Mapping], tools: Any, generation: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tools=tools or None, add_generation_prompt=generation, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt(self, messages: Sequence[Mapping], tools: Any = None) -> list[int]:
+        """The first prompt: the template with the generation prompt (as
+        ``polyrl.data.prompts.encode_prompt`` when there are no tools)."""
+        return self.encode(self.render(messages, tools, True))
+
+    def observation(
+        self,
+        messages: Sequence[Mapping],
+        new: Sequence[Mapping],
+        tools: Any,
+        sampled: Sequence[int],
+    ) -> list[int]:
+        """The ids to append after the model's last turn (``messages[-1]``, sampled as
+        ``sampled``) for the ``new`` messages, up to the next generation prompt."""
+        before = self.render(messages[:-1], tools, True)
+        closed = self.render(messages, tools, False)
+        content = str(messages[-1]["content"])
+        if not closed.startswith(before + content):
+            raise TemplateError(
+                "the template does not render the assistant turn as the generation prompt "
+                "followed by its text"
+            )
+        tail = closed[len(before) + len(content) :]  # the template's end of the turn
+        if sampled and sampled[-1] == self.eos_id and tail.startswith(self.eos_text):
+            tail = tail[len(self.eos_text) :]  # the model sampled that part itself
+        full = self.render([*messages, *new], tools, True)
+        if not full.startswith(closed):
+            raise TemplateError(
+                "the template renders the conversation differently once messages are "
+                "appended (it rewrites earlier turns)"
+            )
+        return self.encode(tail + full[len(closed) :])
+
+
+@dataclasses.dataclass
+class Episode:
+    """One episode's state while it runs (driver side)."""
+
+    index: int  # in the batch: seeds its turns
+    key: int  # unique in the run: names its env in the env workers
+    row: dict[str, Any]
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tools: Any = None
+    prompt_ids: list[int] = dataclasses.field(default_factory=list)
+    ids: list[int] = dataclasses.field(default_factory=list)  # the response: every turn
+    sampled: list[int] = dataclasses.field(default_factory=list)  # 1 where the model sampled
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (pos, r)
+    turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    segments: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
+    info: dict[str, float] = dataclasses.field(default_factory=dict)
+    finish: str | None = None
+    detail: str = ""
+    drift: dict[str, Any] | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.ids)
+
+    def append(self, kind: str, turn: int, ids: Sequence[int], log_probs: Any, version: int):
+        start = self.length
+        self.ids.extend(int(t) for t in ids)
+        self.sampled.extend([int(kind == "sampled")] * len(ids))
+        self.log_probs.extend(np.asarray(log_probs, np.float64).tolist())
+        self.versions.extend([version] * len(ids))
+        self.segments.append((kind, turn, start, self.length))
+
+    def end(self, reason: str, detail: str = "") -> None:
+        assert reason in FINISH_REASONS, reason
+        self.finish, self.detail = reason, detail
+
+
+def first_drift(
+    ids: Sequence[int], fresh: Sequence[int], segments: Sequence[tuple[str, int, int, int]]
+) -> dict[str, Any] | None:
+    """Where an episode's ids (prompt + response) first differ from ``fresh`` (the
+    template applied to its whole conversation), as ``{"position", "turn", "kind"}``
+    (kind: "prompt", "sampled" or "observation"), or None. ``fresh`` may go on past the
+    episode's ids (the template closes the last turn)."""
+    n = min(len(ids), len(fresh))
+    diff = np.flatnonzero(np.asarray(ids[:n]) != np.asarray(fresh[:n]))
+    if len(diff):
+        pos = int(diff[0])
+    elif len(fresh) < len(ids):
+        pos = len(fresh)
+    else:
+        return None
+    for kind, turn, start, end in segments:
+        if start <= pos < end:
+            return {"position": pos, "turn": turn, "kind": kind}
+    return {"position": pos, "turn": -1, "kind": "prompt"}
+
+
+class EpisodeRunner:
+    """Runs a batch of prompts as episodes on ``pool`` with ``envs`` (module docstring)."""
+
+    def __init__(self, pool: Any, envs: Any, tokenizer: Any, config: EpisodeConfig):
+        self.pool, self.envs, self.config = pool, envs, config
+        self.chat = ChatTokens(tokenizer)
+        self.tokenizer = tokenizer
+        self.warned_drift = False
+        self.started = 0  # episodes started so far: the next one's key
+
+    def shutdown(self) -> None:
+        self.envs.shutdown()
+
+    # ------------------------------------------------------------------ the loop
+    def generate(
+        self, prompts: Batch, spec: SamplingSpec, response_len: int | None = None
+    ) -> Batch:
+        """``spec.n`` episodes of each row of ``prompts`` (meta ``prompt``, ``data_source``,
+        ``ground_truth``, ``extra_info``) as one batch (module docstring). ``response_len``:
+        the response width (default ``max_episode_tokens``)."""
+        prompts.require("prompt", "data_source", who="EpisodeRunner.generate")
+        episodes = self._reset(prompts, spec.n)
+        for turn in range(self.config.max_turns):
+            active = [e for e in episodes if e.finish is None]
+            if not active:
+                break
+            self._turn(active, turn, spec)
+        self.envs.close([e.key for e in episodes if e.finish != "done"])
+        if self.config.check_drift:
+            for e in episodes:
+                self._check_drift(e)
+        width = self.config.max_episode_tokens if response_len is None else response_len
+        return self._assemble(prompts.repeat(spec.n), episodes, spec, width)
+
+    def _reset(self, prompts: Batch, n: int) -> list[Episode]:
+        episodes = []
+        for i in range(len(prompts)):
+            row = {
+                k: prompts[k][i]
+                for k in ("prompt", "ground_truth", "data_source", "extra_info")
+                if k in prompts
+            }
+            for j in range(n):  # (a batch may run while another does: async, validation)
+                episodes.append(Episode(i * n + j, self.started, {**row, "sample": j}))
+                self.started += 1
+        results = self.envs.reset([(e.key, e.row["data_source"], e.row) for e in episodes])
+        for e, r in zip(episodes, results):
+            e.messages = list(r.get("messages") or [dict(m) for m in e.row["prompt"]])
+            e.tools = r.get("tools")
+            e.prompt_ids = self.chat.prompt(e.messages, e.tools)
+            if "error" in r:
+                e.end(r["error"], r["detail"])
+            elif e.length >= self.config.max_episode_tokens:
+                e.end("max_tokens", f"the prompt has {e.length} tokens")
+        return episodes
+
+    def _turn(self, active: list[Episode], turn: int, spec: SamplingSpec) -> None:
+        """One turn of every active episode: sample, step the envs, append observations."""
+        limit, max_turns = self.config.max_episode_tokens, self.config.max_turns
+        requests = [
+            (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length) for e in active
+        ]
+        results = self.pool.generate_ids(requests, spec)
+        turns = []
+        for e, r in zip(active, results):
+            ids = [int(t) for t in r["token_ids"]]
+            e.append("sampled", turn, ids, r["log_probs"], int(r["version"]))
+            text = r["text"]
+            if text is None:  # SamplingSpec.detokenize=False
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            e.messages.append({"role": "assistant", "content": text})
+            e.turns.append({"text": text, "tokens": len(ids), "finish_reason": r["finish_reason"]})
+            turns.append((e.key, Turn(text, tuple(ids), turn, str(r["finish_reason"]))))
+        for e, out in zip(active, self.envs.step(turns)):
+            self._observe(e, turn, out)
+
+    def _observe(self, e: Episode, turn: int, out: Mapping[str, Any]) -> None:
+        if "error" in out:
+            e.turns[-1]["error"] = out["detail"]
+            e.end(out["error"], out["detail"])
+            return
+        e.rewards.append((len(e.ids) - 1, out["reward"]))  # the turn's last sampled token
+        e.turns[-1]["reward"] = out["reward"]
+        for k, v in out["info"].items():
+            e.info[k] = e.info.get(k, 0.0) + v
+        if out["done"]:
+            return e.end("done")
+        if e.info.get("tool_calls", 0.0) > self.config.max_tool_calls:
+            return e.end("max_tool_calls", f"{e.info['tool_calls']:g} tool calls")
+        if turn + 1 >= self.config.max_turns:
+            return e.end("max_turns")
+        sampled = e.ids[len(e.ids) - e.turns[-1]["tokens"] :]
+        try:
+            obs = self.chat.observation(e.messages, out["observation"], e.tools, sampled)
+        except TemplateError as err:
+            return e.end("template_error", str(err))
+        if e.length + len(obs) >= self.config.max_episode_tokens:
+            return e.end("max_tokens", f"an observation of {len(obs)} tokens does not fit")
+        e.append("observation", turn, obs, np.zeros(len(obs)), -1)
+        e.messages.extend(out["observation"])
+        e.turns[-1]["observation"] = out["observation"]
+        e.turns[-1]["observation_tokens"] = len(obs)
+
+    def _check_drift(self, e: Episode) -> None:
+        try:
+            fresh = self.chat.encode(self.chat.render(e.messages, e.tools, False))
+        except Exception as err:  # a template that cannot render its own conversation
+            e.drift = {"position": 0, "turn": -1, "kind": "template", "error": str(err)}
+            return
+        e.drift = first_drift(e.prompt_ids + e.ids, fresh, e.segments)
+        if e.drift and e.drift["kind"] != "sampled" and not self.warned_drift:
+            self.warned_drift = True
+            logger.warning(
+                "episode %d of the batch: the chat template applied to the whole "
+                "conversation gives other tokens than the episode's from position %d (turn "
+                '%d, %s tokens); the episode trains on its own ids (docs/agents.md "Exact '
+                'tokens")',
+                e.index,
+                e.drift["position"],
+                e.drift["turn"],
+                e.drift["kind"],
+            )
+
+    # --------------------------------------------------------------- the batch
+    def _assemble(
+        self, rep: Batch, episodes: list[Episode], spec: SamplingSpec, width: int
+    ) -> Batch:
+        seq = from_token_lists(
+            [e.prompt_ids for e in episodes],
+            [e.ids for e in episodes],
+            self.pool.pad_token_id,
+            response_len=max(width, max(len(e.ids) for e in episodes)),
+        )
+        shape = seq["responses"].shape
+        mask = np.zeros(shape, np.float32)
+        log_probs = np.zeros(shape, np.float32)
+        versions = np.full(shape, -1, np.int32)
+        rewards = np.zeros(shape, np.float32)
+        for row, e in enumerate(episodes):
+            n = len(e.ids)
+            mask[row, :n] = e.sampled
+            log_probs[row, :n] = e.log_probs
+            versions[row, :n] = np.where(np.asarray(e.sampled, bool), e.versions, -1)
+            for pos, r in e.rewards:
+                rewards[row, pos] += r
+        sampled_versions = [[v for v, s in zip(e.versions, e.sampled) if s] for e in episodes]
+        tensors = {
+            **seq.tensors,
+            "response_mask": mask,
+            "rollout_log_probs": log_probs,
+            "rollout_token_versions": versions,
+            "token_rewards": rewards,
+            "scores": rewards.sum(-1),
+            "response_lengths": np.array([len(e.ids) for e in episodes], np.int32),
+            "prompt_lengths": np.array([len(e.prompt_ids) for e in episodes], np.int32),
+            "rollout_weight_version": np.array(
+                [min(v, default=self.pool.version) for v in sampled_versions], np.int64
+            ),
+            "num_turns": np.array([len(e.turns) for e in episodes], np.int32),
+        }
+        meta = {
+            PROMPT_KEY: [e.prompt_ids for e in episodes],
+            "finish_reason": [e.finish for e in episodes],
+            "turns": [e.turns for e in episodes],
+            "drift": [e.drift for e in episodes],
+            "response_text": [
+                self.tokenizer.decode(e.ids, skip_special_tokens=False) for e in episodes
+            ],
+        }
+        info = self.pool.sample_info(spec, []) | {"episode_metrics": self.metrics(episodes)}
+        return rep.with_columns(tensors, meta, **info)
+
+    def metrics(self, episodes: list[Episode]) -> dict[str, float]:
+        """The ``episode/...`` metrics of a batch (docs/agents.md "Metrics")."""
+        n = len(episodes)
+        total = lambda key: sum(e.info.get(key, 0.0) for e in episodes)  # noqa: E731
+        calls, response = total("tool_calls"), sum(len(e.ids) for e in episodes)
+        observed = sum(len(e.ids) - sum(e.sampled) for e in episodes)
+        turns = [t for e in episodes for t in e.turns]
+        out = {
+            "episode/turns_mean": sum(len(e.turns) for e in episodes) / n,
+            "episode/length_mean": sum(e.length for e in episodes) / n,
+            "episode/observation_token_share": observed / max(response, 1),
+            "episode/turn_cut_share": sum(t["finish_reason"] == "length" for t in turns)
+            / max(len(turns), 1),
+            "episode/tool_calls_mean": calls / n,
+            "episode/tool_errors_mean": total("tool_errors") / n,
+            "episode/tool_error_share": total("tool_errors") / calls if calls else 0.0,
+            "episode/tool_latency_s": total("tool_seconds") / calls if calls else 0.0,
+            "episode/tools_offered": float(any(e.tools for e in episodes)),
+        }
+        for reason in FINISH_REASONS:
+            out[f"episode/finish/{reason}"] = sum(e.finish == reason for e in episodes) / n
+        if self.config.check_drift:
+            drifted = [e.drift for e in episodes if e.drift]
+            out["episode/drift_share"] = len(drifted) / n
+            out["episode/template_drift_share"] = sum(d["kind"] != "sampled" for d in drifted) / n
+        return out

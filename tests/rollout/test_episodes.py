@@ -1,0 +1,119 @@
+"""Episodes with envs in real Ray env workers, and on real rollout servers (vLLM CPU)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from episode_policy import TextPolicy
+
+from polyrl.batch import Batch
+from polyrl.envs import Env, EpisodeConfig, StepResult, register_env
+from polyrl.envs.workers import EnvPool
+from polyrl.rollout.episodes import ChatTokens, EpisodeRunner
+from polyrl.rollout.sampling import SamplingSpec
+
+
+@pytest.fixture(scope="module")
+def tokenizer(padded_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(padded_model_dir)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def envs_by_value(ray_session):
+    """The env workers get this module's env classes by value (the test module is not
+    importable in a worker of this Ray session)."""
+    ray_session.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@register_env("test/killer")
+class Killer(Env):
+    """Plays two turns; at turn 1 kills its worker's process when the row says so."""
+
+    def reset(self, row):
+        self.kill = row["extra_info"].get("kill", False)
+        return super().reset(row)
+
+    def step(self, turn):
+        if turn.index == 1 and self.kill:
+            os._exit(1)
+        if turn.index == 1:
+            return StepResult(reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "+"}], reward=0.5)
+
+
+def _prompts(source: str, extras: list[dict]) -> Batch:
+    n = len(extras)
+    return Batch(
+        {"prompt_index": np.arange(n)},
+        {
+            "prompt": [[{"role": "user", "content": "secret"}]] * n,
+            "ground_truth": [str(i % 10) for i in range(n)],
+            "data_source": [source] * n,
+            "extra_info": extras,
+        },
+    )
+
+
+def test_env_worker_killed_mid_episode_ends_only_its_episodes(ray_session, tokenizer):
+    """The turns come from TextPolicy (no vLLM needed to kill an env worker)."""
+    config = EpisodeConfig(max_turns=3, max_episode_tokens=64, env_workers=2, env_timeout_s=20)
+    runner = EpisodeRunner(TextPolicy(tokenizer), EnvPool(2, 20), tokenizer, config)
+    try:
+        # the first batch's episode k lives on worker k % 2: episode 1 kills worker 1,
+        # which also hosts 3 and 5
+        extras = [{"kill": i == 1} for i in range(6)]
+        spec = SamplingSpec(n=1, max_tokens=4, seed=3)
+        batch = runner.generate(_prompts("test/killer", extras), spec)
+        assert list(batch["finish_reason"]) == ["done", "env_worker_died"] * 3
+        assert list(batch["scores"]) == [1.5, 0.5] * 3  # the dead ones keep turn 0's reward
+        assert all("env worker 1 died" in t[-1]["error"] for t in batch["turns"][1::2])
+        # Ray restarted worker 1: the next batch plays out everywhere
+        batch = runner.generate(_prompts("test/killer", [{}] * 6), spec)
+        assert list(batch["finish_reason"]) == ["done"] * 6
+    finally:
+        runner.shutdown()
+
+
+@pytest.mark.slow  # (the default tier runs episodes on vLLM in tests/trainer/test_multiturn.py)
+def test_guess_episodes_on_real_servers(pool, tokenizer):
+    """The guessing game on vLLM: sampled tokens carry their log-probs and version, the
+    observation tokens are the template's, and the template gives back the same ids
+    except where the model sampled a non-canonical split (never in an observation)."""
+    config = EpisodeConfig(max_turns=4, max_episode_tokens=80, env_workers=1)
+    runner = EpisodeRunner(pool, EnvPool(1, config.env_timeout_s), tokenizer, config)
+    try:
+        prompts = _prompts("polyrl/guess", [{}] * 8)
+        batch = runner.generate(prompts, SamplingSpec(n=4, max_tokens=3, seed=0))
+    finally:
+        runner.shutdown()
+    chat = ChatTokens(tokenizer)
+    mask = batch["response_mask"] > 0
+    assert (batch["rollout_log_probs"][mask] < 0).all()
+    assert (batch["rollout_log_probs"][~mask] == 0).all()
+    assert (batch["rollout_token_versions"][mask] == pool.version).all()
+    assert (batch["rollout_token_versions"][~mask] == -1).all()
+    for row in range(len(batch)):
+        messages = list(batch["prompt"][row])
+        response = list(batch["responses"][row, : batch["response_lengths"][row]])
+        pos = 0
+        for turn in batch["turns"][row]:
+            sampled = response[pos : pos + turn["tokens"]]
+            assert mask[row, pos : pos + turn["tokens"]].all()
+            assert turn["text"] == tokenizer.decode(sampled, skip_special_tokens=True)
+            pos += turn["tokens"]
+            messages.append({"role": "assistant", "content": turn["text"]})
+            if "observation" in turn:
+                obs = chat.observation(messages, turn["observation"], None, sampled)
+                assert response[pos : pos + len(obs)] == obs
+                assert not mask[row, pos : pos + len(obs)].any()
+                pos += len(obs)
+                messages += turn["observation"]
+        assert pos == len(response)
+    m = batch.info["episode_metrics"]
+    assert m["episode/template_drift_share"] == 0.0
+    assert m["episode/turns_mean"] > 1

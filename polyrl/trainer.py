@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from polyrl import checkpoints, reliability
-from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_metrics
+from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_bound
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
 from polyrl.dumps import RolloutDumps
@@ -336,8 +336,10 @@ class RLTrainer(Loop):
             self.evaluator = Evaluator(
                 cfg, components.val_prompts, self.tokenizer, self.pool.generate, self.reward
             )
-        # RunConfig.async_rollout: batch k+1 is generated while the actor trains on k.
-        self.rollouts = Rollouts(self.collect, cfg.total_steps, cfg.async_rollout)
+        # RunConfig.max_staleness: batches k+1..k+N are generated while the actor trains on k.
+        self.rollouts = Rollouts(
+            self.collect, cfg.total_steps, staleness_bound(cfg), cfg.stale_policy
+        )
 
     def _gpu_memory(self, role: str) -> list[dict[str, Any] | None]:
         group = {"actor": self.actor, "reference": self.reference, "critic": self.critic}.get(
@@ -372,8 +374,7 @@ class RLTrainer(Loop):
         self.timer.start_step(step + 1)
         turns, phase = self.turns, self.timer.phase
         with phase("generate"):
-            batch = self.rollouts.take(step)
-        staleness = staleness_metrics(batch, step, self.rollouts.limit)
+            batch, staleness = self.rollouts.take(step)
         with phase("reward"):
             batch = self.reward(batch)
         if self.spec.dynamic_sampling:
@@ -404,10 +405,11 @@ class RLTrainer(Loop):
                         self.critic, self.critic_loss, batch, "critic", False, self.mini_rows
                     )
             turns.rollout_wake()
-            with phase("generate"):  # async: the next batch must be sampled before the sync
-                metrics |= self.rollouts.settle() | staleness
-            with phase("sync_weights"):
-                metrics |= self.sync_weights(version=step + 1)
+            done = step + 1  # validation samples with the servers' weights: push them first
+            due = done == self.cfg.total_steps or (self.evaluator and self.evaluator.due(done))
+            metrics |= staleness | self.rollouts.sync(
+                lambda: self.sync_weights(version=done), done, bool(due), phase
+            )
         metrics |= self.timer.metrics(COMPUTE_PHASES)
         return metrics | self.inspect(step, batch, metrics)
 
@@ -503,11 +505,11 @@ class RLTrainer(Loop):
         seen, kept = len(batch), []
         for extra in range(self.cfg.max_gen_batches):
             if extra:
-                more = self.reward(
-                    self.collect(
+                with self.rollouts.exclusive():  # not beside a generation ahead
+                    more = self.collect(
                         step, self.cfg.total_steps + step * self.cfg.max_gen_batches + extra
                     )
-                )
+                more = self.reward(more)
                 batch, seen = (
                     more.with_columns({"group_ids": more["group_ids"] + 10**6 * extra}),
                     seen + len(more),

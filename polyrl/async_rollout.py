@@ -123,8 +123,9 @@ class Rollouts:
         total_steps: int,
         max_staleness: int,
         stale_policy: str = "drop",
+        on_span: Callable[[str, float, float, int], None] | None = None,
     ):
-        self.collect, self.total_steps = collect, total_steps
+        self.collect, self.total_steps, self.on_span = collect, total_steps, on_span
         self.limit, self.stale_policy = max_staleness, stale_policy
         self._cond = threading.Condition()
         self._ready: dict[int, Batch | BaseException] = {}
@@ -134,6 +135,7 @@ class Rollouts:
         self._busy = self._pushing = self._stop = False
         self._thread: threading.Thread | None = None
         self._stats = {"generate_s": 0.0, "generated": 0.0, "gen_idle_s": 0.0, "wait_s": 0.0}
+        self._spans: list[tuple[float, float, int]] = []  # (start, seconds, batch) generated
 
     # ------------------------------------------------------------ trainer side
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -223,8 +225,15 @@ class Rollouts:
                 self._cond.notify_all()
 
     def _report(self) -> dict[str, float]:
-        out = {f"async/{k}": v for k, v in self._stats.items()}
-        self._stats = dict.fromkeys(self._stats, 0.0)
+        """The ``async/`` metrics since the last call; the background generations as
+        ``generate_ahead`` spans to ``on_span`` (the timeline; step = batch + 1, as the
+        trainer's steps count there), from the trainer's thread."""
+        with self._cond:  # (re-entrant)
+            out = {f"async/{k}": v for k, v in self._stats.items()}
+            self._stats = dict.fromkeys(self._stats, 0.0)
+            spans, self._spans = self._spans, []
+        for start, seconds, index in spans if self.on_span else ():
+            self.on_span("generate_ahead", start, seconds, index + 1)
         return out
 
     # ------------------------------------------------------------ the generator
@@ -250,6 +259,7 @@ class Rollouts:
             except BaseException as e:  # re-raised by take() in the trainer
                 got = e
             with self._cond:
+                self._spans.append((t0, time.perf_counter() - t0, index))
                 self._stats["generate_s"] += time.perf_counter() - t0
                 self._stats["generated"] += 1
                 self._busy, self._next = False, index + 1

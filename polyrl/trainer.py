@@ -338,7 +338,11 @@ class RLTrainer(Loop):
             )
         # RunConfig.max_staleness: batches k+1..k+N are generated while the actor trains on k.
         self.rollouts = Rollouts(
-            self.collect, cfg.total_steps, staleness_bound(cfg), cfg.stale_policy
+            self.collect,
+            cfg.total_steps,
+            staleness_bound(cfg),
+            cfg.stale_policy,
+            self.timeline.add if self.timeline is not None else None,
         )
 
     def _gpu_memory(self, role: str) -> list[dict[str, Any] | None]:

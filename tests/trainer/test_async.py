@@ -61,9 +61,9 @@ class Servers:
         return push
 
 
-def _run_loop(n: int, steps: int, servers: Servers, train_s=lambda k: 0.0):
+def _run_loop(n: int, steps: int, servers: Servers, train_s=lambda k: 0.0, on_span=None):
     """The trainer's use of Rollouts: take, train, sync; returns each step's metrics."""
-    rollouts = Rollouts(servers.collect, steps, n)
+    rollouts = Rollouts(servers.collect, steps, n, on_span=on_span)
     rows = []
     for step in range(steps):
         batch, metrics = rollouts.take(step)
@@ -111,10 +111,14 @@ def test_staleness_never_exceeds_the_bound(n):
 def test_training_bound_runs_the_full_bound_ahead():
     """Generation is instant and training slow: the generator fills the bound, so batch j
     is sampled by version j - n (the first n by version 0) and waits for the rest."""
-    servers = Servers()
-    rows = _run_loop(2, 6, servers, lambda k: 0.03)
+    servers, spans = Servers(), []
+    rows = _run_loop(2, 6, servers, lambda k: 0.1, lambda *span: spans.append(span))
     assert servers.sampled == {0: 0, 1: 0, 2: 0, 3: 1, 4: 2, 5: 3}
-    assert sum(r["async/gen_idle_s"] for r in rows) > 0.03  # it waited for the bound
+    assert sum(r["async/gen_idle_s"] for r in rows) > 0.1  # it waited for the bound
+    # each background generation is one timeline span, steps counted from 1
+    assert [(name, step) for name, _, _, step in spans] == [
+        ("generate_ahead", k + 1) for k in range(6)
+    ]
 
 
 def test_generation_bound_defers_the_push():

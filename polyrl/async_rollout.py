@@ -124,15 +124,18 @@ class Rollouts:
         max_staleness: int,
         stale_policy: str = "drop",
         on_span: Callable[[str, float, float, int], None] | None = None,
+        phase: Callable[[str], Any] = lambda name: contextlib.nullcontext(),
     ):
         self.collect, self.total_steps, self.on_span = collect, total_steps, on_span
+        self.phase = phase  # times the trainer's waits ("generate") and pushes
         self.limit, self.stale_policy = max_staleness, stale_policy
         self._cond = threading.Condition()
         self._ready: dict[int, Batch | BaseException] = {}
         self._version = 0  # the weight version the rollout servers hold
         self._next = 0  # the next batch the generator starts
         self._taken = 0  # the trainer has taken every batch before this one
-        self._busy = self._pushing = self._stop = False
+        self._busy = self._pushing = self._stop = self._taking = False
+        self._deferred: tuple[Callable[[], dict[str, float]], int] | None = None
         self._thread: threading.Thread | None = None
         self._stats = {"generate_s": 0.0, "generated": 0.0, "gen_idle_s": 0.0, "wait_s": 0.0}
         self._spans: list[tuple[float, float, int]] = []  # (start, seconds, batch) generated
@@ -141,28 +144,41 @@ class Rollouts:
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Batch ``step`` (generated ahead, or now) after the staleness bound, and its
         staleness metrics (:func:`staleness_metrics`) plus ``async/buffer_batches``: how
-        many batches were ready when the trainer asked (this one included)."""
-        if self.limit == 0:
-            batch, extra = self.collect(step), {}
-        else:
-            with self._cond:
-                if self._thread is None:
-                    self._next = max(self._next, step)
-                    self._thread = threading.Thread(
-                        target=self._generate, name="polyrl-rollout-ahead", daemon=True
-                    )
-                    self._thread.start()
-                extra = {"async/buffer_batches": float(len(self._ready))}
-                t0 = time.perf_counter()
-                while step not in self._ready:
-                    self._cond.wait()
-                self._stats["wait_s"] += time.perf_counter() - t0
-                got = self._ready.pop(step)
-                self._taken = step + 1
-            if isinstance(got, BaseException):
-                raise got
-            batch = got
-        batch, metrics = staleness_metrics(batch, step, self.limit, self.stale_policy)
+        many batches were ready when the trainer asked (this one included). A push the
+        last :meth:`sync` deferred is made here if the generator is between batches (the
+        actor has not trained since); otherwise it is dropped (the next sync pushes)."""
+        extra: dict[str, float] = {}
+        with self.phase("generate"):
+            if self.limit == 0:
+                got: Batch | BaseException = self.collect(step)
+            else:
+                with self._cond:
+                    if self._thread is None:
+                        self._next = max(self._next, step)
+                        self._thread = threading.Thread(
+                            target=self._generate, name="polyrl-rollout-ahead", daemon=True
+                        )
+                        self._thread.start()
+                    extra["async/buffer_batches"] = float(len(self._ready))
+                    t0 = time.perf_counter()
+                    self._taking = True  # the generator leaves a deferred push its turn
+                    while step not in self._ready:
+                        if self._deferred is not None and not self._busy:
+                            deferred, self._deferred = self._deferred, None
+                            extra |= self._push(*deferred)
+                        else:
+                            self._cond.wait()
+                    self._taking = False
+                    self._stats["wait_s"] += time.perf_counter() - t0
+                    got = self._ready.pop(step)
+                    self._taken = step + 1
+                    deferred, self._deferred = self._deferred, None
+                    if deferred is not None and not self._busy:
+                        extra |= self._push(*deferred)
+                    self._cond.notify_all()
+        if isinstance(got, BaseException):
+            raise got
+        batch, metrics = staleness_metrics(got, step, self.limit, self.stale_policy)
         if len(batch) == 0:  # all stale and dropped: sample it again, now (within the bound)
             with self.exclusive():
                 batch, again = staleness_metrics(self.collect(step), step, self.limit)
@@ -170,41 +186,45 @@ class Rollouts:
         return batch, metrics | extra
 
     def sync(
-        self,
-        push: Callable[[], dict[str, float]],
-        version: int,
-        required: bool = False,
-        phase: Callable[[str], Any] = lambda name: contextlib.nullcontext(),
+        self, push: Callable[[], dict[str, float]], version: int, required: bool = False
     ) -> dict[str, float]:
         """Push weight ``version`` to the servers with ``push()`` once no generation runs,
         or defer it (metric ``async/sync_deferred`` = 1) while the generator is busy and
         can start its next batch without it (``required``: never defer, e.g. before a
-        validation). ``phase(name)`` times the wait ("generate") and the push
-        ("sync_weights"). Returns ``push``'s metrics and the ``async/`` metrics since the
-        last call: ``generate_s`` (background generation wall time), ``generated``
-        (batches), ``gen_idle_s`` (the generator waited for the bound or a push),
-        ``wait_s`` (the trainer waited for generation: for its batch or to push)."""
+        validation); :meth:`take` makes a deferred push if it finds the generator between
+        batches. Returns ``push``'s metrics and the ``async/`` metrics since the last
+        call: ``generate_s`` (background generation wall time), ``generated`` (batches),
+        ``gen_idle_s`` (the generator waited for the bound or a push), ``wait_s`` (the
+        trainer waited for generation: for its batch or to push)."""
         if self.limit == 0:
-            with phase("sync_weights"):
+            with self.phase("sync_weights"):
                 return push()
-        with phase("generate"), self._cond:
+        with self._cond:
+            self._deferred = None
             after = self._next + 1 if self._busy else self._next
             if self._busy and not required and after - self.limit <= self._version:
+                self._deferred = (push, version)
                 return {"async/sync_deferred": 1.0} | self._report()
-            t0 = time.perf_counter()
-            while self._busy:
-                self._cond.wait()
-            self._stats["wait_s"] += time.perf_counter() - t0
-            self._pushing = True
+            with self.phase("generate"):
+                t0 = time.perf_counter()
+                while self._busy:
+                    self._cond.wait()
+                self._stats["wait_s"] += time.perf_counter() - t0
+            return self._push(push, version) | {"async/sync_deferred": 0.0} | self._report()
+
+    def _push(self, push: Callable[[], dict[str, float]], version: int) -> dict[str, float]:
+        """Run ``push`` (called with the lock held and no generation running; the lock is
+        released meanwhile, and the generator starts nothing until it is done)."""
+        self._pushing = True
+        self._cond.release()
         try:
-            with phase("sync_weights"):
-                metrics = push()
+            with self.phase("sync_weights"):
+                return push()
         finally:
-            with self._cond:
-                self._pushing = False
-                self._version = version
-                self._cond.notify_all()
-        return metrics | {"async/sync_deferred": 0.0} | self._report()
+            self._cond.acquire()
+            self._pushing = False
+            self._version = version
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -246,7 +266,11 @@ class Rollouts:
                 while (
                     not self._stop
                     and self._next < self.total_steps
-                    and (self._pushing or self._next - self.limit > self._version)
+                    and (
+                        self._pushing
+                        or self._next - self.limit > self._version
+                        or (self._taking and self._deferred is not None)
+                    )
                 ):
                     self._cond.wait()
                 self._stats["gen_idle_s"] += time.perf_counter() - t0

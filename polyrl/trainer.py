@@ -343,6 +343,7 @@ class RLTrainer(Loop):
             staleness_bound(cfg),
             cfg.stale_policy,
             self.timeline.add if self.timeline is not None else None,
+            self.timer.phase,
         )
 
     def _gpu_memory(self, role: str) -> list[dict[str, Any] | None]:
@@ -377,8 +378,7 @@ class RLTrainer(Loop):
     def step(self, step: int) -> dict[str, float]:
         self.timer.start_step(step + 1)
         turns, phase = self.turns, self.timer.phase
-        with phase("generate"):
-            batch, staleness = self.rollouts.take(step)
+        batch, staleness = self.rollouts.take(step)  # (timed as "generate")
         with phase("reward"):
             batch = self.reward(batch)
         if self.spec.dynamic_sampling:
@@ -412,7 +412,7 @@ class RLTrainer(Loop):
             done = step + 1  # validation samples with the servers' weights: push them first
             due = done == self.cfg.total_steps or (self.evaluator and self.evaluator.due(done))
             metrics |= staleness | self.rollouts.sync(
-                lambda: self.sync_weights(version=done), done, bool(due), phase
+                lambda: self.sync_weights(version=done), done, bool(due)
             )
         metrics |= self.timer.metrics(COMPUTE_PHASES)
         return metrics | self.inspect(step, batch, metrics)

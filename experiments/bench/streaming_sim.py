@@ -130,7 +130,7 @@ def tiny_curves(steps: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=25)
     p.add_argument("--skip", type=int, default=5, help="steps left out of the mean (filling)")
     p.add_argument("--batch", type=int, default=256, help="responses per step")
     p.add_argument("--median_len", type=float, default=400.0)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--train_s_per_token", type=float, default=6e-5)
     p.add_argument("--sync_s", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ms_per_s", type=float, default=10.0, help="wall ms per simulated second")
+    p.add_argument("--ms_per_s", type=float, default=30.0, help="wall ms per simulated second")
     p.add_argument("--tiny", type=int, default=0, help="also train the tiny task this long")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)

@@ -130,6 +130,28 @@ def test_generation_bound_defers_the_push():
     assert any(r["async/sync_deferred"] == 1.0 for r in rows)
     assert max(k - v for k, v in servers.sampled.items()) <= 3
     assert rows[-1]["async/sync_deferred"] == 0.0  # the last push is never deferred
+    assert servers.version == 8
+
+
+def test_exclusive_never_overlaps_a_background_generation():
+    """DAPO's refills run in the trainer's thread inside ``exclusive()``: never beside a
+    generation ahead (the servers would interleave two batches' requests)."""
+    running = threading.Event()
+
+    def collect(step):
+        running.set()
+        time.sleep(0.01)
+        running.clear()
+        return _batch(step, 0)
+
+    rollouts = Rollouts(collect, total_steps=20, max_staleness=4)
+    rollouts.take(0)
+    for _ in range(10):
+        with rollouts.exclusive():
+            assert not running.is_set()
+            time.sleep(0.005)
+            assert not running.is_set()
+    rollouts.discard()
 
 
 def test_background_error_reaches_the_trainer():

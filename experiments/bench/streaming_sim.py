@@ -17,7 +17,9 @@ modelled durations (``--ms_per_s`` wall milliseconds per simulated second):
 
 Reports, per setting, the mean step time over the steps after the first ``--skip`` (the
 pipeline filling), and its ratio to ``max(mean gen, mean train)`` (no schedule without
-partial rollouts beats that) and to the synchronous step (gen + train + sync). Prints a
+partial rollouts beats that): ``x limit`` with the modelled times, ``as run`` with the
+sleeps as they actually ran in that setting (a loaded machine oversleeps; compare the
+settings by this column), and to the synchronous step (gen + train + sync). Prints a
 table, then one JSON object::
 
     python experiments/bench/streaming_sim.py
@@ -62,10 +64,13 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
     """``a.steps`` steps of the trainer loop at max_staleness ``n``, in scaled wall time."""
     scale = a.ms_per_s / 1000.0
     server = {"version": 0}
+    gen_real: list[float] = []  # the sleeps as they ran (a loaded machine oversleeps)
 
     def collect(j: int) -> Batch:
         version = server["version"]
+        t = time.perf_counter()
         time.sleep(gen_s(j, a) * scale)
+        gen_real.append(time.perf_counter() - t)
         return Batch({"rollout_weight_version": np.full(a.batch, version)}, {}, {"step": j})
 
     def push(version: int):
@@ -77,20 +82,26 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
         return run
 
     rollouts = Rollouts(collect, a.steps, n)
-    ends, staleness, deferred = [], [], 0
+    ends, staleness, deferred, train_real = [], [], 0, []
     t0 = time.perf_counter()
     for k in range(a.steps):
         batch, m = rollouts.take(k)
         staleness.append(m["rollout/staleness_max"])
+        t = time.perf_counter()
         time.sleep(train_s(k, a) * scale)
+        train_real.append(time.perf_counter() - t)
         m = rollouts.sync(push(k + 1), k + 1, required=k + 1 == a.steps)
         deferred += int(m.get("async/sync_deferred", 0))
         ends.append(time.perf_counter() - t0)
     rollouts.discard()
     steps = np.diff([0.0, *ends])[a.skip :] / scale
+    gen, train = np.mean(gen_real[a.skip :]) / scale, np.mean(train_real[a.skip :]) / scale
     return {
         "max_staleness": n,
         "step_s": float(steps.mean()),
+        "generation_s_as_run": float(gen),
+        "training_s_as_run": float(train),
+        "x_limit_as_run": float(steps.mean() / max(gen, train)),
         "staleness_mean": float(np.mean(staleness)),
         "staleness_max": float(np.max(staleness)),
         "pushes_deferred": deferred,
@@ -158,12 +169,16 @@ def main(argv: list[str] | None = None) -> dict:
         f"training alone {trn:.2f} s/step, push {a.sync_s:.2f} s; limit max(gen, train) = "
         f"{limit:.2f} s"
     )
-    print(f"{'max_staleness':>13} {'step s':>8} {'x limit':>8} {'x sync':>7} {'stale':>6} deferred")
+    print(
+        f"{'max_staleness':>13} {'step s':>8} {'x limit':>8} {'as run':>7} {'x sync':>7} "
+        f"{'stale':>6} deferred"
+    )
     for r in rows:
         r["x_limit"], r["x_sync"] = r["step_s"] / limit, r["step_s"] / sync
         print(
             f"{r['max_staleness']:>13} {r['step_s']:8.2f} {r['x_limit']:8.3f} "
-            f"{r['x_sync']:7.3f} {r['staleness_mean']:6.2f} {r['pushes_deferred']}"
+            f"{r['x_limit_as_run']:7.3f} {r['x_sync']:7.3f} {r['staleness_mean']:6.2f} "
+            f"{r['pushes_deferred']}"
         )
     result = {
         "model": {k: v for k, v in vars(a).items() if k not in ("out", "staleness")},

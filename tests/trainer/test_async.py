@@ -368,3 +368,36 @@ def test_async_run_resumes_with_the_same_metrics(ray_session, tmp_path):
             # Same seeds, data and weights; fp32 CPU kernels: 1e-6 allows for
             # reduction-order noise in a restarted engine (as the synchronous test).
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-7), (x["step"], key)
+
+
+@pytest.mark.slow
+def test_staleness_2_run_resumes_within_the_bound(ray_session, tmp_path):
+    """Stop a max_staleness=2 run after its step-2 checkpoint, which holds the batches
+    generated ahead and finished; --resume takes them (or regenerates one that was in
+    flight) and finishes with no batch staler than 2."""
+    common = (
+        "polyrl.RunConfig.total_steps = 5",
+        "polyrl.RunConfig.save_every = 2",
+    )
+    run = tmp_path / "cut"
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_2(step, metrics):
+        if step == 2:
+            raise Stop
+
+    bound = "polyrl.RunConfig.max_staleness = 2"
+    with pytest.raises(Stop):
+        train([GRPO], _params(run, *common, bound=bound), on_step=stop_at_2)
+    saved = sorted(p.name for p in (run / "checkpoints" / "step_2").glob("pending_batch_*.npz"))
+    assert saved and set(saved) <= {
+        "pending_batch_2.npz",
+        "pending_batch_3.npz",
+        "pending_batch_4.npz",
+    }
+    train([GRPO], _params(run, *common, bound=bound), resume=True)
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["rollout/staleness_max"] <= 2 for r in rows)

@@ -136,8 +136,12 @@ class Rollouts:
         self._taken = 0  # the trainer has taken every batch before this one
         self._busy = self._pushing = self._stop = self._taking = False
         self._deferred: tuple[Callable[[], dict[str, float]], int] | None = None
+        self._snapshot: tuple[Callable[[], dict[str, float]], int] | None = None
         self._thread: threading.Thread | None = None
-        self._stats = {"generate_s": 0.0, "generated": 0.0, "gen_idle_s": 0.0, "wait_s": 0.0}
+        self._alive = False  # the generator's thread runs (it stops after a failure)
+        self._stats = dict.fromkeys(
+            ("generate_s", "generated", "gen_idle_s", "wait_s", "pushed_ahead"), 0.0
+        )
         self._spans: list[tuple[float, float, int]] = []  # (start, seconds, batch) generated
 
     # ------------------------------------------------------------ trainer side
@@ -158,12 +162,13 @@ class Rollouts:
                         self._thread = threading.Thread(
                             target=self._generate, name="polyrl-rollout-ahead", daemon=True
                         )
+                        self._alive = True
                         self._thread.start()
                     extra["async/buffer_batches"] = float(len(self._ready))
                     t0 = time.perf_counter()
                     self._taking = True  # the generator leaves a deferred push its turn
                     while step not in self._ready:
-                        if self._deferred is not None and not self._busy:
+                        if self._deferred is not None and not (self._busy or self._pushing):
                             deferred, self._deferred = self._deferred, None
                             extra |= self._push(*deferred)
                         else:
@@ -173,7 +178,7 @@ class Rollouts:
                     got = self._ready.pop(step)
                     self._taken = step + 1
                     deferred, self._deferred = self._deferred, None
-                    if deferred is not None and not self._busy:
+                    if deferred is not None and not (self._busy or self._pushing):
                         extra |= self._push(*deferred)
                     self._cond.notify_all()
         if isinstance(got, BaseException):
@@ -186,13 +191,20 @@ class Rollouts:
         return batch, metrics | extra
 
     def sync(
-        self, push: Callable[[], dict[str, float]], version: int, required: bool = False
+        self,
+        push: Callable[[], dict[str, float]],
+        version: int,
+        required: bool = False,
+        snapshot: Callable[[], Callable[[], dict[str, float]]] | None = None,
     ) -> dict[str, float]:
         """Push weight ``version`` to the servers with ``push()`` once no generation runs,
         or defer it (metric ``async/sync_deferred`` = 1) while the generator is busy and
         can start its next batch without it (``required``: never defer, e.g. before a
         validation); :meth:`take` makes a deferred push if it finds the generator between
-        batches. Returns ``push``'s metrics and the ``async/`` metrics since the last
+        batches. With ``snapshot`` (``snapshot()`` copies the weights now and returns a
+        push of that copy), a busy generator never makes the trainer wait: the copy is
+        taken (phase "snapshot_weights") and the generator's thread pushes it before its
+        next batch (``async/pushed_ahead``). Returns ``push``'s metrics and the ``async/`` metrics since the last
         call: ``generate_s`` (background generation wall time), ``generated`` (batches),
         ``gen_idle_s`` (the generator waited for the bound or a push), ``wait_s`` (the
         trainer waited for generation: for its batch or to push)."""
@@ -200,17 +212,37 @@ class Rollouts:
             with self.phase("sync_weights"):
                 return push()
         with self._cond:
-            self._deferred = None
-            after = self._next + 1 if self._busy else self._next
-            if self._busy and not required and after - self.limit <= self._version:
+            self._deferred = self._snapshot = None
+            # A batch the generator may start under the servers' version is sampled by
+            # it (if its thread has not woken yet, the push waits for it too): with N = 1
+            # batch k + 1 is always sampled by version k, whatever the timing.
+            busy = self._busy or self._startable()
+            after = self._next + 1 if busy else self._next
+            if busy and not required and snapshot is not None:
+                with self.phase("snapshot_weights"):
+                    self._snapshot = (snapshot(), version)
+                return {"async/sync_deferred": 1.0} | self._report()
+            if busy and not required and after - self.limit <= self._version:
                 self._deferred = (push, version)
                 return {"async/sync_deferred": 1.0} | self._report()
             with self.phase("generate"):
                 t0 = time.perf_counter()
-                while self._busy:
+                while self._busy or self._pushing or self._startable():
                     self._cond.wait()
                 self._stats["wait_s"] += time.perf_counter() - t0
             return self._push(push, version) | {"async/sync_deferred": 0.0} | self._report()
+
+    def _startable(self) -> bool:
+        """The generator may start a batch now (it will, once its thread runs)."""
+        index = self._next
+        while index in self._ready or index < self._taken:
+            index += 1
+        return (
+            self._alive
+            and not self._pushing
+            and index < self.total_steps
+            and index - self.limit <= self._version
+        )
 
     def _push(self, push: Callable[[], dict[str, float]], version: int) -> dict[str, float]:
         """Run ``push`` (called with the lock held and no generation running; the lock is
@@ -234,7 +266,7 @@ class Rollouts:
             yield
             return
         with self._cond:
-            while self._busy:
+            while self._busy or self._pushing:
                 self._cond.wait()
             self._pushing = True
         try:
@@ -258,6 +290,14 @@ class Rollouts:
 
     # ------------------------------------------------------------ the generator
     def _generate(self) -> None:
+        try:
+            self._generate_batches()
+        finally:
+            with self._cond:
+                self._alive = False
+                self._cond.notify_all()
+
+    def _generate_batches(self) -> None:
         while True:
             with self._cond:
                 t0 = time.perf_counter()
@@ -268,7 +308,7 @@ class Rollouts:
                     and self._next < self.total_steps
                     and (
                         self._pushing
-                        or self._next - self.limit > self._version
+                        or (self._next - self.limit > self._version and self._snapshot is None)
                         or (self._taking and self._deferred is not None)
                     )
                 ):
@@ -276,6 +316,25 @@ class Rollouts:
                 self._stats["gen_idle_s"] += time.perf_counter() - t0
                 if self._stop or self._next >= self.total_steps:
                     return
+                if self._snapshot is not None:  # the trainer's copy: push it, then go on
+                    (push, version), self._snapshot = self._snapshot, None
+                    self._pushing = True
+                    self._cond.release()
+                    try:
+                        push()
+                    except BaseException as e:  # re-raised by take() in the trainer
+                        failed: BaseException | None = e
+                    else:
+                        failed = None
+                    self._cond.acquire()
+                    self._pushing = False
+                    self._cond.notify_all()
+                    if failed is not None:
+                        self._ready[self._next] = failed
+                        return
+                    self._version = version
+                    self._stats["pushed_ahead"] += 1
+                    continue
                 index, self._busy = self._next, True
             t0 = time.perf_counter()
             try:
@@ -297,7 +356,7 @@ class Rollouts:
         """Stop generating ahead and forget the batches generated (a generation in flight
         finishes on its own, in its daemon thread)."""
         with self._cond:
-            self._stop = True
+            self._stop, self._alive = True, False
             self._ready.clear()
             self._cond.notify_all()
 

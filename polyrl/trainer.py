@@ -411,8 +411,10 @@ class RLTrainer(Loop):
             turns.rollout_wake()
             done = step + 1  # validation samples with the servers' weights: push them first
             due = done == self.cfg.total_steps or (self.evaluator and self.evaluator.due(done))
+            # N >= 2: a busy generator gets a host copy to push between its batches
+            snapshot = (lambda: self.weights_snapshot(done)) if self.rollouts.limit > 1 else None
             metrics |= staleness | self.rollouts.sync(
-                lambda: self.sync_weights(version=done), done, bool(due)
+                lambda: self.sync_weights(version=done), done, bool(due), snapshot
             )
         metrics |= self.timer.metrics(COMPUTE_PHASES)
         return metrics | self.inspect(step, batch, metrics)
@@ -617,6 +619,19 @@ class RLTrainer(Loop):
         from polyrl.weight_sync import bucket_bytes
 
         return bucket_bytes(self.cfg.weight_transport, self.cfg.weight_bucket_mb)
+
+    def weights_snapshot(self, version: int) -> Callable[[], dict[str, float]]:
+        """A host copy of the actor's weights, now, and a push of it to the rollout
+        servers as ``version`` (object store) for the background generator to run
+        between two batches (``Rollouts.sync``), while the actor trains on."""
+        buckets = self._host_weights()
+
+        def push() -> dict[str, float]:
+            stats = self.pool.weight_syncer("object_store", retain=False).push(buckets, version)
+            self.pool.commit(stats)
+            return {}
+
+        return push
 
     def sync_weights(self, version: int) -> dict[str, float]:
         self.syncer.ensure_group(self.actor.form_weight_group)  # again after a server restart

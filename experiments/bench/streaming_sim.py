@@ -13,7 +13,10 @@ modelled durations (``--ms_per_s`` wall milliseconds per simulated second):
   ``gen = prefill_s + max(len) * decode_s_per_token``.
 * Training on batch ``j``: ``train = train_fixed_s + sum(len) * train_s_per_token``
   (forward and backward cost grows with the batch's tokens).
-* The weight push: ``sync_s``, during which nothing is generated.
+* The weight push: ``sync_s``, during which nothing is generated. At staleness >= 2 a
+  push the trainer would wait for is a host copy instead (``snapshot_s`` on the trainer's
+  side, as ``RLTrainer.weights_snapshot``) that the generator pushes between batches
+  (``--no_snapshot``: without them).
 
 Reports, per setting, the mean step time over the steps after the first ``--skip`` (the
 pipeline filling), and its ratio to ``max(mean gen, mean train)`` (no schedule without
@@ -81,6 +84,10 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
 
         return run
 
+    def snapshot(version: int):  # as RLTrainer.weights_snapshot: copy now, push later
+        time.sleep(a.snapshot_s * scale)
+        return push(version)
+
     rollouts = Rollouts(collect, a.steps, n)
     ends, staleness, deferred, train_real = [], [], 0, []
     t0 = time.perf_counter()
@@ -90,7 +97,8 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
         t = time.perf_counter()
         time.sleep(train_s(k, a) * scale)
         train_real.append(time.perf_counter() - t)
-        m = rollouts.sync(push(k + 1), k + 1, required=k + 1 == a.steps)
+        copy = (lambda v=k + 1: snapshot(v)) if n > 1 and not a.no_snapshot else None
+        m = rollouts.sync(push(k + 1), k + 1, k + 1 == a.steps, copy)
         deferred += int(m.get("async/sync_deferred", 0))
         ends.append(time.perf_counter() - t0)
     rollouts.discard()
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--train_fixed_s", type=float, default=2.0)
     p.add_argument("--train_s_per_token", type=float, default=6e-5)
     p.add_argument("--sync_s", type=float, default=0.5)
+    p.add_argument("--snapshot_s", type=float, default=0.2, help="host copy (staleness >= 2)")
+    p.add_argument("--no_snapshot", action="store_true", help="staleness >= 2 without copies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ms_per_s", type=float, default=30.0, help="wall ms per simulated second")
     p.add_argument("--tiny", type=int, default=0, help="also train the tiny task this long")

@@ -61,15 +61,19 @@ class Servers:
         return push
 
 
-def _run_loop(n: int, steps: int, servers: Servers, train_s=lambda k: 0.0, on_span=None):
-    """The trainer's use of Rollouts: take, train, sync; returns each step's metrics."""
+def _run_loop(
+    n: int, steps: int, servers: Servers, train_s=lambda k: 0.0, on_span=None, snapshot=False
+):
+    """The trainer's use of Rollouts: take, train, sync (with ``snapshot``: a busy
+    generator gets a copy to push itself, as RLTrainer at n >= 2); each step's metrics."""
     rollouts = Rollouts(servers.collect, steps, n, on_span=on_span)
     rows = []
     for step in range(steps):
         batch, metrics = rollouts.take(step)
         assert batch.info["step"] == step
         time.sleep(train_s(step))
-        metrics |= rollouts.sync(servers.pusher(step + 1), step + 1, step + 1 == steps)
+        copy = (lambda v=step + 1: servers.pusher(v)) if snapshot else None
+        metrics |= rollouts.sync(servers.pusher(step + 1), step + 1, step + 1 == steps, copy)
         rows.append(metrics)
     return rows
 
@@ -93,14 +97,16 @@ def test_staleness_0_and_1_keep_the_former_schedules():
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_staleness_never_exceeds_the_bound(n):
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_staleness_never_exceeds_the_bound(n, snapshot):
     """Random generation and training times (seeded): every batch is at most n versions
-    stale, no push lands mid-generation (Servers asserts it), every batch comes once."""
+    stale, no push lands mid-generation (Servers asserts it), every batch comes once;
+    with or without copies pushed by the generator."""
     rng = np.random.default_rng(n)
     gen = rng.exponential(0.004, 40)
     train = rng.exponential(0.004, 40)
     servers = Servers(lambda j: gen[j])
-    rows = _run_loop(n, 40, servers, lambda k: train[k])
+    rows = _run_loop(n, 40, servers, lambda k: train[k], snapshot=snapshot)
     stale = [k - servers.sampled[k] for k in range(40)]
     assert max(stale) <= n and min(stale) >= 0
     assert [r["rollout/staleness_max"] for r in rows] == [float(s) for s in stale]
@@ -130,6 +136,17 @@ def test_generation_bound_defers_the_push():
     assert any(r["async/sync_deferred"] == 1.0 for r in rows)
     assert max(k - v for k, v in servers.sampled.items()) <= 3
     assert rows[-1]["async/sync_deferred"] == 0.0  # the last push is never deferred
+    assert servers.version == 8
+
+
+def test_busy_generator_pushes_the_trainers_copy():
+    """Generation slow, training instant, n = 2 with copies: the trainer never waits to
+    push (every push but the last is a copy the generator pushes between batches), and
+    the generator keeps batch j within 2 versions."""
+    servers = Servers(lambda j: 0.02)
+    rows = _run_loop(2, 8, servers, snapshot=True)
+    assert sum(r["async/pushed_ahead"] for r in rows) >= 3
+    assert max(k - v for k, v in servers.sampled.items()) <= 2
     assert servers.version == 8
 
 

@@ -12,8 +12,13 @@ pushes weight version ``k + 1`` to the rollout servers: every sample is on-polic
 step ``j`` by weight version ``j``, is at most ``N`` versions stale; the same rule keeps at
 most ``N + 1`` batches generated ahead. The weights never change under a running generate:
 the trainer's weight push (:meth:`Rollouts.sync`) waits until the generator is between
-batches, and is *deferred* (skipped this step; the next step pushes newer weights) when
-the generator is busy and can start its next batch without it. With ``N = 1`` this is
+batches, and is *deferred* when the generator is busy and can start its next batch
+without it (made at the next :meth:`Rollouts.take` if the generator is then between
+batches, else dropped: the next step pushes newer weights). With ``N >= 2`` the trainer
+instead hands a busy generator a host copy of the weights (``RLTrainer.weights_snapshot``)
+that the generator's thread pushes before its next batch, so the trainer never waits to
+push. A batch the generator may start under the servers' version is always sampled by
+it (a push waits for it even if its thread has not woken yet). With ``N = 1`` this is
 exactly verl's one-step-off-policy trainer (batch ``k + 1`` is sampled by version ``k``
 while the actor trains on batch ``k``; the push waits for it), the former
 ``RunConfig.async_rollout = True``. Each row's staleness is ``step -

@@ -12,12 +12,9 @@ pushes weight version ``k + 1`` to the rollout servers: every sample is on-polic
 step ``j`` by weight version ``j``, is at most ``N`` versions stale; the same rule keeps at
 most ``N + 1`` batches generated ahead. The weights never change under a running generate:
 the trainer's weight push (:meth:`Rollouts.sync`) waits until the generator is between
-batches, and is *deferred* when the generator is busy and can start its next batch
-without it (made at the next :meth:`Rollouts.take` if the generator is then between
-batches, else dropped: the next step pushes newer weights). With ``N >= 2`` the trainer
-instead hands a busy generator a host copy of the weights (``RLTrainer.weights_snapshot``)
-that the generator's thread pushes before its next batch, so the trainer never waits to
-push. A batch the generator may start under the servers' version is always sampled by
+batches. With ``N >= 2`` the trainer instead hands a busy generator a host copy of the
+weights (``RLTrainer.weights_snapshot``) that the generator's thread pushes before its
+next batch, so the trainer does not wait to push. A batch the generator may start under the servers' version is always sampled by
 it (a push waits for it even if its thread has not woken yet). With ``N = 1`` this is
 exactly verl's one-step-off-policy trainer (batch ``k + 1`` is sampled by version ``k``
 while the actor trains on batch ``k``; the push waits for it), the former
@@ -139,8 +136,7 @@ class Rollouts:
         self._version = 0  # the weight version the rollout servers hold
         self._next = 0  # the next batch the generator starts
         self._taken = 0  # the trainer has taken every batch before this one
-        self._busy = self._pushing = self._stop = self._taking = False
-        self._deferred: tuple[Callable[[], dict[str, float]], int] | None = None
+        self._busy = self._pushing = self._stop = False
         self._snapshot: tuple[Callable[[], dict[str, float]], int] | None = None
         self._thread: threading.Thread | None = None
         self._alive = False  # the generator's thread runs (it stops after a failure)
@@ -153,9 +149,7 @@ class Rollouts:
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Batch ``step`` (generated ahead, or now) after the staleness bound, and its
         staleness metrics (:func:`staleness_metrics`) plus ``async/buffer_batches``: how
-        many batches were ready when the trainer asked (this one included). A push the
-        last :meth:`sync` deferred is made here if the generator is between batches (the
-        actor has not trained since); otherwise it is dropped (the next sync pushes)."""
+        many batches were ready when the trainer asked (this one included)."""
         extra: dict[str, float] = {}
         with self.phase("generate"):
             if self.limit == 0:
@@ -171,21 +165,11 @@ class Rollouts:
                         self._thread.start()
                     extra["async/buffer_batches"] = float(len(self._ready))
                     t0 = time.perf_counter()
-                    self._taking = True  # the generator leaves a deferred push its turn
                     while step not in self._ready:
-                        if self._deferred is not None and not (self._busy or self._pushing):
-                            deferred, self._deferred = self._deferred, None
-                            extra |= self._push(*deferred)
-                        else:
-                            self._cond.wait()
-                    self._taking = False
+                        self._cond.wait()
                     self._stats["wait_s"] += time.perf_counter() - t0
                     got = self._ready.pop(step)
                     self._taken = step + 1
-                    deferred, self._deferred = self._deferred, None
-                    if deferred is not None and not (self._busy or self._pushing):
-                        extra |= self._push(*deferred)
-                    self._cond.notify_all()
         if isinstance(got, BaseException):
             raise got
         batch, metrics = staleness_metrics(got, step, self.limit, self.stale_policy)
@@ -202,33 +186,27 @@ class Rollouts:
         required: bool = False,
         snapshot: Callable[[], Callable[[], dict[str, float]]] | None = None,
     ) -> dict[str, float]:
-        """Push weight ``version`` to the servers with ``push()`` once no generation runs,
-        or defer it (metric ``async/sync_deferred`` = 1) while the generator is busy and
-        can start its next batch without it (``required``: never defer, e.g. before a
-        validation); :meth:`take` makes a deferred push if it finds the generator between
-        batches. With ``snapshot`` (``snapshot()`` copies the weights now and returns a
-        push of that copy), a busy generator never makes the trainer wait: the copy is
-        taken (phase "snapshot_weights") and the generator's thread pushes it before its
-        next batch (``async/pushed_ahead``). Returns ``push``'s metrics and the ``async/`` metrics since the last
-        call: ``generate_s`` (background generation wall time), ``generated`` (batches),
+        """Push weight ``version`` to the servers with ``push()`` once no generation runs
+        (nor one the generator may start under the servers' version). With ``snapshot``
+        (``snapshot()`` copies the weights now and returns a push of that copy) a busy
+        generator does not make the trainer wait: the copy is taken (phase
+        "snapshot_weights"; metric ``async/sync_deferred`` = 1) and the generator's thread
+        pushes it before its next batch (``async/pushed_ahead``); ``required`` (e.g. before
+        a validation) pushes now regardless. Returns ``push``'s metrics and the
+        ``async/`` metrics since the last call: ``generate_s`` (background generation wall time), ``generated`` (batches),
         ``gen_idle_s`` (the generator waited for the bound or a push), ``wait_s`` (the
         trainer waited for generation: for its batch or to push)."""
         if self.limit == 0:
             with self.phase("sync_weights"):
                 return push()
         with self._cond:
-            self._deferred = self._snapshot = None
+            self._snapshot = None
             # A batch the generator may start under the servers' version is sampled by
             # it (if its thread has not woken yet, the push waits for it too): with N = 1
             # batch k + 1 is always sampled by version k, whatever the timing.
-            busy = self._busy or self._startable()
-            after = self._next + 1 if busy else self._next
-            if busy and not required and snapshot is not None:
+            if (self._busy or self._startable()) and not required and snapshot is not None:
                 with self.phase("snapshot_weights"):
                     self._snapshot = (snapshot(), version)
-                return {"async/sync_deferred": 1.0} | self._report()
-            if busy and not required and after - self.limit <= self._version:
-                self._deferred = (push, version)
                 return {"async/sync_deferred": 1.0} | self._report()
             with self.phase("generate"):
                 t0 = time.perf_counter()
@@ -314,7 +292,6 @@ class Rollouts:
                     and (
                         self._pushing
                         or (self._next - self.limit > self._version and self._snapshot is None)
-                        or (self._taking and self._deferred is not None)
                     )
                 ):
                     self._cond.wait()

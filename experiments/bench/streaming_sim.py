@@ -89,7 +89,7 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
         return push(version)
 
     rollouts = Rollouts(collect, a.steps, n)
-    ends, staleness, deferred, train_real = [], [], 0, []
+    ends, staleness, copies, train_real = [], [], 0, []
     t0 = time.perf_counter()
     for k in range(a.steps):
         batch, m = rollouts.take(k)
@@ -99,7 +99,7 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
         train_real.append(time.perf_counter() - t)
         copy = (lambda v=k + 1: snapshot(v)) if n > 1 and not a.no_snapshot else None
         m = rollouts.sync(push(k + 1), k + 1, k + 1 == a.steps, copy)
-        deferred += int(m.get("async/sync_deferred", 0))
+        copies += int(m.get("async/sync_deferred", 0))
         ends.append(time.perf_counter() - t0)
     rollouts.discard()
     steps = np.diff([0.0, *ends])[a.skip :] / scale
@@ -112,7 +112,7 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
         "x_limit_as_run": float(steps.mean() / max(gen, train)),
         "staleness_mean": float(np.mean(staleness)),
         "staleness_max": float(np.max(staleness)),
-        "pushes_deferred": deferred,
+        "pushes_by_copy": copies,
     }
 
 
@@ -181,14 +181,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     print(
         f"{'max_staleness':>13} {'step s':>8} {'x limit':>8} {'as run':>7} {'x sync':>7} "
-        f"{'stale':>6} deferred"
+        f"{'stale':>6} copies"
     )
     for r in rows:
         r["x_limit"], r["x_sync"] = r["step_s"] / limit, r["step_s"] / sync
         print(
             f"{r['max_staleness']:>13} {r['step_s']:8.2f} {r['x_limit']:8.3f} "
             f"{r['x_limit_as_run']:7.3f} {r['x_sync']:7.3f} {r['staleness_mean']:6.2f} "
-            f"{r['pushes_deferred']}"
+            f"{r['pushes_by_copy']}"
         )
     result = {
         "model": {k: v for k, v in vars(a).items() if k not in ("out", "staleness")},

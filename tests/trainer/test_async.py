@@ -127,18 +127,6 @@ def test_training_bound_runs_the_full_bound_ahead():
     ]
 
 
-def test_generation_bound_defers_the_push():
-    """Generation slow, training instant: with n = 3 the generator is busy at every sync
-    and may start its next batch without new weights, so the push is deferred (no wait)
-    until the bound forces it."""
-    servers = Servers(lambda j: 0.02)
-    rows = _run_loop(3, 8, servers)
-    assert any(r["async/sync_deferred"] == 1.0 for r in rows)
-    assert max(k - v for k, v in servers.sampled.items()) <= 3
-    assert rows[-1]["async/sync_deferred"] == 0.0  # the last push is never deferred
-    assert servers.version == 8
-
-
 def test_busy_generator_pushes_the_trainers_copy():
     """Generation slow, training instant, n = 2 with copies: the trainer never waits to
     push (every push but the last is a copy the generator pushes between batches), and

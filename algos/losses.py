@@ -61,7 +61,10 @@ __all__ = [
     "ppo_policy_loss",
     "gspo_policy_loss",
     "cispo_policy_loss",
+    "IS_LEVELS",
+    "rollout_log_ratio",
     "truncated_is_weight",
+    "masked_is_weight",
     "value_loss",
     "kl_penalty",
     "entropy_from_logits",
@@ -383,7 +386,51 @@ def cispo_policy_loss(
     return loss, metrics
 
 
-# --------------------------------------------------------------------------- truncated IS
+# --------------------------------------------------------------------------- off-policy corrections
+
+# level -> how the rollout/trainer ratio of a token is formed (see rollout_log_ratio)
+IS_LEVELS = ("token", "sequence", "geometric")
+
+
+def rollout_log_ratio(
+    old_log_probs: Array, rollout_log_probs: Array, mask: Array, level: str = "token"
+) -> Array:
+    """The log of the trainer/rollout ratio ``pi_old / mu`` that each token's correction
+    uses, [B, T], clamped to +-20 before any ``exp``:
+
+    * ``"token"``: each token's own ``log pi_old(y_t) - log mu(y_t)``;
+    * ``"sequence"``: the sequence's product ratio, ``sum_t m (log pi_old - log mu)``,
+      the same for every token of the row (the exact sequence IS weight);
+    * ``"geometric"``: its geometric mean, ``sum_t m (log pi_old - log mu) / sum_t m``
+      (GSPO's length-normalised ratio; verl's rollout correction "geometric").
+    """
+    if level not in IS_LEVELS:
+        raise _choice_error("rollout_log_ratio", "level", level, IS_LEVELS)
+    check_same_shape(
+        "rollout_log_ratio",
+        old_log_probs=old_log_probs,
+        rollout_log_probs=rollout_log_probs,
+        mask=mask,
+    )
+    xp = namespace(old_log_probs, rollout_log_probs, mask)
+    diff = old_log_probs - rollout_log_probs
+    if level == "token":
+        return _log_ratio(xp, old_log_probs, rollout_log_probs)
+    m = xp.astype(mask, diff.dtype)
+    per_seq = masked_sum(diff, m, axis=-1)
+    if level == "geometric":
+        per_seq = per_seq / _nonzero_count(xp, xp.sum(m, axis=-1))
+    per_seq = xp.clip(per_seq, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return per_seq[:, None] + xp.zeros_like(diff)
+
+
+def _seq_metric(indicator: Array, mask: Array, global_seqs: Any) -> Array:
+    """Share of sequences (with a valid token) where ``indicator`` [B, T] holds on some
+    valid token, as a summable contribution (sum / ``global_seqs``)."""
+    xp = namespace(indicator, mask)
+    m = xp.astype(mask, indicator.dtype)
+    hit = xp.astype(masked_sum(indicator, m, axis=-1) > 0, indicator.dtype)
+    return stop_gradient(_seq_reduce(hit, m, xp, global_seqs))
 
 
 def truncated_is_weight(
@@ -392,38 +439,88 @@ def truncated_is_weight(
     mask: Array,
     cap: float,
     global_tokens: float | Array | None = None,
+    level: str = "token",
+    global_seqs: float | Array | None = None,
 ) -> tuple[Array, Metrics]:
     """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"; verl's ``tis_imp_ratio_cap``).
+    secretly brings you off-policy RL training"; verl's ``tis_imp_ratio_cap`` and its
+    rollout correction ``rollout_is``).
 
     The rollout engine samples with its own kernels (and, in the asynchronous mode, with
-    weights one step older), so its log-probs ``rollout_log_probs`` differ from those the
-    trainer computes for the same tokens, ``old_log_probs``. The policy loss is computed
-    against the trainer's ``old_log_probs``; each token's loss is then multiplied by the
-    stop-gradient weight [B, T]::
+    weights up to ``max_staleness`` updates older), so its log-probs ``rollout_log_probs``
+    differ from those the trainer computes for the same tokens, ``old_log_probs``. The
+    policy loss is computed against the trainer's ``old_log_probs``; each token's loss is
+    then multiplied by the stop-gradient weight [B, T]::
 
-        w = sg[min(exp(clamp(old_log_probs - rollout_log_probs, -20, 20)), cap)]
+        w = sg[min(exp(rollout_log_ratio(old_log_probs, rollout_log_probs, mask, level)), cap)]
 
-    (truncated from above only, as verl). ``cap`` must be > 0. Metrics (token means):
-    ``tis_weight_mean`` (mean of ``w``) and ``tis_clipfrac`` (share of tokens whose ratio
-    exceeded ``cap``).
+    (truncated from above only, as verl): per token (``level="token"``), or one weight per
+    sequence, the product (``"sequence"``) or geometric mean (``"geometric"``) of its
+    tokens' ratios. ``cap`` must be > 0. Metrics: ``tis_weight_mean`` (token mean of
+    ``w``), ``tis_ratio_mean`` (token mean of the untruncated ratio), ``tis_clipfrac``
+    (share of tokens whose ratio exceeded ``cap``) and ``tis_clip_seqfrac`` (share of
+    sequences with such a token).
     """
     if not cap > 0:
         raise ValueError(f"truncated_is_weight: cap must be > 0, got {cap!r}")
-    check_same_shape(
-        "truncated_is_weight",
-        old_log_probs=old_log_probs,
-        rollout_log_probs=rollout_log_probs,
-        mask=mask,
-    )
     xp = namespace(old_log_probs, rollout_log_probs, mask)
-    ratio = xp.exp(_log_ratio(xp, old_log_probs, rollout_log_probs))
+    ratio = xp.exp(rollout_log_ratio(old_log_probs, rollout_log_probs, mask, level))
     weight = stop_gradient(xp.clip(ratio, None, cap))
+    clipped = _as_float(xp, ratio > cap, ratio)
     metrics = {
         "tis_weight_mean": _token_metric(weight, mask, global_tokens),
-        "tis_clipfrac": _token_metric(_as_float(xp, ratio > cap, ratio), mask, global_tokens),
+        "tis_ratio_mean": _token_metric(stop_gradient(ratio), mask, global_tokens),
+        "tis_clipfrac": _token_metric(clipped, mask, global_tokens),
+        "tis_clip_seqfrac": _seq_metric(clipped, mask, global_seqs),
     }
     return weight, metrics
+
+
+def masked_is_weight(
+    old_log_probs: Array,
+    rollout_log_probs: Array,
+    mask: Array,
+    low: float | None,
+    high: float | None,
+    global_tokens: float | Array | None = None,
+    level: str = "token",
+    global_seqs: float | Array | None = None,
+) -> tuple[Array, Metrics]:
+    """Masked importance sampling (IcePop, "Every step evolves", Ling team 2025; verl's
+    rollout correction rejection sampling ``rollout_rs``): a token whose trainer/rollout
+    ratio ``r = exp(rollout_log_ratio(..., level))`` leaves the band ``[low, high]`` is
+    removed from the policy loss; the others keep weight 1. The stop-gradient 0/1 weight
+    [B, T]::
+
+        w = sg[1 if low <= r <= high else 0]      (low = None: no lower bound; high likewise)
+
+    ``level="token"`` masks single tokens (IcePop); ``"sequence"`` / ``"geometric"`` mask
+    whole sequences whose product / geometric-mean ratio leaves the band. A masked token
+    still counts in the loss's normalisers (IcePop's objective averages over all tokens).
+    Metrics: ``is_mask_frac`` (share of tokens masked), ``is_mask_seqfrac`` (share of
+    sequences with a masked token), ``is_mask_ratio_mean`` (token mean of ``r``).
+    """
+    if low is None and high is None:
+        raise ValueError("masked_is_weight: set low, high or both (the band [low, high])")
+    if (low is not None and not 0 <= low < 1) or (high is not None and not high > 1):
+        raise ValueError(
+            f"masked_is_weight: the band must hold ratio 1 (0 <= low < 1 < high), "
+            f"got low={low!r}, high={high!r}"
+        )
+    xp = namespace(old_log_probs, rollout_log_probs, mask)
+    ratio = stop_gradient(xp.exp(rollout_log_ratio(old_log_probs, rollout_log_probs, mask, level)))
+    out = xp.zeros_like(ratio) > 1.0
+    if low is not None:
+        out = out | (ratio < low)
+    if high is not None:
+        out = out | (ratio > high)
+    masked = _as_float(xp, out, ratio)
+    metrics = {
+        "is_mask_frac": _token_metric(masked, mask, global_tokens),
+        "is_mask_seqfrac": _seq_metric(masked, mask, global_seqs),
+        "is_mask_ratio_mean": _token_metric(ratio, mask, global_tokens),
+    }
+    return 1.0 - masked, metrics
 
 
 def _weighted(losses: Array, weights: Array | None) -> Array:

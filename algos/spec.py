@@ -36,11 +36,13 @@ from polyrl.algos.kl import KL_CONTROLLERS, KLController, make_kl_controller
 from polyrl.algos.losses import (
     AGG_MODES,
     DPO_KINDS,
+    IS_LEVELS,
     KL_KINDS,
     POLICY_LOSSES,
     aggregate,
     dpo_loss,
     kl_penalty,
+    masked_is_weight,
     truncated_is_weight,
     value_loss,
 )
@@ -72,8 +74,14 @@ class RLActorLoss:
     ``tis_cap`` (None = off): truncated importance sampling of the rollout/trainer
     mismatch (``losses.truncated_is_weight``): every token's policy loss is weighted by
     ``min(exp(old_log_probs - rollout_log_probs), tis_cap)`` (needs
-    ``batch["rollout_log_probs"]``, the rollout's sampled log-probs); adds the metrics
-    ``tis_weight_mean`` and ``tis_clipfrac``.
+    ``batch["rollout_log_probs"]``, the rollout's sampled log-probs); ``tis_level``
+    ("token" | "sequence" | "geometric") forms the ratio per token or per sequence; adds
+    the ``tis_*`` metrics of ``losses.truncated_is_weight``.
+
+    ``is_mask_low`` / ``is_mask_high`` (both None = off): masked importance sampling
+    (``losses.masked_is_weight``, IcePop): tokens (``is_mask_level="token"``) or whole
+    sequences (``"sequence"``, ``"geometric"``) whose ratio leaves the band are removed
+    from the policy loss; adds the ``is_mask_*`` metrics. Both corrections multiply.
     """
 
     policy_loss: str
@@ -84,25 +92,46 @@ class RLActorLoss:
     kl_coef: float
     entropy_coef: float
     tis_cap: float | None = None
+    tis_level: str = "token"
+    is_mask_low: float | None = None
+    is_mask_high: float | None = None
+    is_mask_level: str = "token"
+
+    def _correction(self, batch: Mapping[str, Array], ctx: Any) -> tuple[Array | None, Metrics]:
+        """The off-policy correction's per-token weights (None: none) and metrics."""
+        masking = self.is_mask_low is not None or self.is_mask_high is not None
+        if self.tis_cap is None and not masking:
+            return None, {}
+        if "rollout_log_probs" not in batch:
+            knob = f"tis_cap={self.tis_cap}" if self.tis_cap is not None else "is_mask_low/high"
+            raise ValueError(
+                f"AlgorithmSpec.{knob} needs the rollout's sampled log-probs (batch column "
+                "'rollout_log_probs', filled by RolloutPool.generate); turn the off-policy "
+                "correction off (tis_cap=None, is_mask_low=is_mask_high=None) for batches "
+                "without them"
+            )
+        args = (batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])
+        weights, metrics = None, {}
+        if self.tis_cap is not None:
+            weights, metrics = truncated_is_weight(
+                *args, self.tis_cap, ctx.global_tokens, self.tis_level, ctx.global_seqs
+            )
+        if masking:
+            keep, mask_metrics = masked_is_weight(
+                *args,
+                self.is_mask_low,
+                self.is_mask_high,
+                ctx.global_tokens,
+                self.is_mask_level,
+                ctx.global_seqs,
+            )
+            weights, metrics = (keep if weights is None else weights * keep), metrics | mask_metrics
+        return weights, metrics
 
     def __call__(self, outputs: Mapping[str, Array], batch: Mapping[str, Array], ctx: Any):
         log_probs, mask = outputs["log_probs"], batch["response_mask"]
         norms = {"global_tokens": ctx.global_tokens, "global_seqs": ctx.global_seqs}
-        weights, tis_metrics = None, {}
-        if self.tis_cap is not None:
-            if "rollout_log_probs" not in batch:
-                raise ValueError(
-                    f"AlgorithmSpec.tis_cap={self.tis_cap} needs the rollout's sampled "
-                    "log-probs (batch column 'rollout_log_probs', filled by RolloutPool."
-                    "generate); set tis_cap=None for batches without them"
-                )
-            weights, tis_metrics = truncated_is_weight(
-                batch["old_log_probs"],
-                batch["rollout_log_probs"],
-                mask,
-                self.tis_cap,
-                ctx.global_tokens,
-            )
+        weights, tis_metrics = self._correction(batch, ctx)
         pg_loss, pg_metrics = POLICY_LOSSES[self.policy_loss].fn(
             log_probs,
             batch["old_log_probs"],
@@ -211,6 +240,10 @@ def _rl_actor_loss(spec: AlgorithmSpec) -> RLActorLoss:
         kl_coef=spec.kl_loss_coef,
         entropy_coef=spec.entropy_coef,
         tis_cap=spec.tis_cap,
+        tis_level=spec.tis_level,
+        is_mask_low=spec.is_mask_low,
+        is_mask_high=spec.is_mask_high,
+        is_mask_level=spec.is_mask_level,
     )
 
 
@@ -242,7 +275,9 @@ class AlgorithmSpec:
 
     policy loss: ``clip_low``, ``clip_high`` (``clip_high > clip_low`` = clip-higher),
     ``dual_clip`` (None = off; only the "ppo" loss), ``agg`` (``AGG_MODES``),
-    ``entropy_coef``.
+    ``entropy_coef``. Off-policy corrections of the rollout/trainer mismatch (``RLActorLoss``):
+    ``tis_cap`` / ``tis_level`` (truncated IS), ``is_mask_low`` / ``is_mask_high`` /
+    ``is_mask_level`` (masked IS); ``IS_LEVELS`` names the levels.
 
     KL as a loss term: ``use_kl_loss``, ``kl_loss_kind`` (``KL_KINDS``), ``kl_loss_coef``.
     KL in the reward: ``kl_in_reward``, ``kl_reward_kind``, ``kl_ctrl`` ("fixed" |
@@ -266,6 +301,10 @@ class AlgorithmSpec:
     agg: str = "token-mean"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    tis_level: str = "token"
+    is_mask_low: float | None = None
+    is_mask_high: float | None = None
+    is_mask_level: str = "token"
     # KL as a loss term
     use_kl_loss: bool = False
     kl_loss_kind: str = "k3"
@@ -304,6 +343,16 @@ class AlgorithmSpec:
         _check_choice("kl_reward_kind", self.kl_reward_kind, KL_KINDS)
         _check_choice("kl_ctrl", self.kl_ctrl, KL_CONTROLLERS)
         _check_choice("dpo_kind", self.dpo_kind, DPO_KINDS)
+        _check_choice("tis_level", self.tis_level, IS_LEVELS)
+        _check_choice("is_mask_level", self.is_mask_level, IS_LEVELS)
+        if (self.is_mask_low is not None and not 0 <= self.is_mask_low < 1) or (
+            self.is_mask_high is not None and not self.is_mask_high > 1
+        ):
+            raise ValueError(
+                f"AlgorithmSpec.is_mask_low / is_mask_high: the band must hold ratio 1 "
+                f"(0 <= is_mask_low < 1 < is_mask_high, None = unbounded), got "
+                f"{self.is_mask_low!r} / {self.is_mask_high!r}; e.g. 0.5 / 2.0 (IcePop)"
+            )
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError(
                 f"AlgorithmSpec.clip_low / clip_high must be >= 0, got "

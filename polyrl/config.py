@@ -387,9 +387,13 @@ class RunConfig:
       "cuda_ipc" (actor and rollout colocated on the same GPUs) or "nccl" (separate GPUs).
     weight_bucket_mb: the size of one weight-sync bucket (MiB). None: the transport's
       (``polyrl.weight_sync.bucket_bytes``: 1024 for CUDA IPC, 64 otherwise).
-    async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
-      while the actor trains on step k (``polyrl.async_rollout``; staleness <= 1, logged
-      as ``rollout/staleness_mean``). Off: every batch is sampled by the current weights.
+    max_staleness / stale_policy: how many policy versions a sample may lag the trainer
+      (``polyrl.async_rollout``): 0 synchronous (every batch sampled by the current
+      weights); N >= 1: the rollout servers generate batches up to N steps ahead while
+      the actor trains (staleness <= N, logged as ``rollout/staleness_mean`` / ``_max``).
+      Rows older than N (a checkpoint written with a larger N) are dropped with their
+      group (``"drop"``) or kept for the off-policy correction (``"reweight"``).
+      async_rollout: the former switch; True means max_staleness = 1.
     max_nonfinite_steps: a step whose loss or gradients are not finite skips its update
       (weights and optimizer state unchanged); this many such steps in a row stop the run
       with a checkpoint (0: never stop). See docs/reliability.md.
@@ -471,6 +475,8 @@ class RunConfig:
     lora: LoraConfig | None = None
     weight_transport: str = "object_store"
     async_rollout: bool = False
+    max_staleness: int = 0
+    stale_policy: str = "drop"
     weight_bucket_mb: float | None = None
     save_every: int = 0
     keep_checkpoints: int = 2

@@ -325,7 +325,7 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
         )
     lines += _startup_lines(rows, step_total + (validate or 0.0))
     ahead = sum(r.get("async/generate_s", 0.0) for r in rows)
-    if ahead:  # RunConfig.async_rollout: "generate" above is only the time waited for it
+    if ahead:  # RunConfig.max_staleness: "generate" above is only the time waited for it
         hidden = ahead - sum(r.get("async/wait_s", 0.0) for r in rows)
         lines.append(
             f"  generation ahead (async): {ahead:.2f} s, {hidden:.2f} s of it "

@@ -36,6 +36,7 @@ __all__ = ["PHASE_ROLES", "Timeline", "Traced", "record"]
 # Which role's workers run a phase of the RL loop (the driver runs the rest).
 PHASE_ROLES = {
     "generate": "rollout",
+    "generate_ahead": "rollout",  # RunConfig.max_staleness >= 1: the background generation
     "reward": "reward",
     "dynamic_sampling": "rollout",
     "reference": "reference",

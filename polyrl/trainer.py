@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from polyrl import checkpoints, reliability
-from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_metrics
+from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_bound
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
 from polyrl.dumps import RolloutDumps
@@ -358,8 +358,15 @@ class RLTrainer(Loop):
             self.evaluator = Evaluator(
                 cfg, components.val_prompts, self.tokenizer, generate, self.reward
             )
-        # RunConfig.async_rollout: batch k+1 is generated while the actor trains on k.
-        self.rollouts = Rollouts(self.collect, cfg.total_steps, cfg.async_rollout)
+        # RunConfig.max_staleness: batches k+1..k+N are generated while the actor trains on k.
+        self.rollouts = Rollouts(
+            self.collect,
+            cfg.total_steps,
+            staleness_bound(cfg),
+            cfg.stale_policy,
+            self.timeline.add if self.timeline is not None else None,
+            self.timer.phase,
+        )
 
     def _gpu_memory(self, role: str) -> list[dict[str, Any] | None]:
         group = {"actor": self.actor, "reference": self.reference, "critic": self.critic}.get(
@@ -395,9 +402,7 @@ class RLTrainer(Loop):
     def step(self, step: int) -> dict[str, float]:
         self.timer.start_step(step + 1)
         turns, phase = self.turns, self.timer.phase
-        with phase("generate"):
-            batch = self.rollouts.take(step)
-        staleness = staleness_metrics(batch, step, self.rollouts.limit)
+        batch, staleness = self.rollouts.take(step)  # (timed as "generate")
         with phase("reward"):
             batch = self.reward(batch)
         if self.spec.dynamic_sampling:
@@ -428,10 +433,13 @@ class RLTrainer(Loop):
                         self.critic, self.critic_loss, batch, "critic", False, self.mini_rows
                     )
             turns.rollout_wake()
-            with phase("generate"):  # async: the next batch must be sampled before the sync
-                metrics |= self.rollouts.settle() | staleness
-            with phase("sync_weights"):
-                metrics |= self.sync_weights(version=step + 1)
+            done = step + 1  # validation samples with the servers' weights: push them first
+            due = done == self.cfg.total_steps or (self.evaluator and self.evaluator.due(done))
+            # N >= 2: a busy generator gets a host copy to push between its batches
+            snapshot = (lambda: self.weights_snapshot(done)) if self.rollouts.limit > 1 else None
+            metrics |= staleness | self.rollouts.sync(
+                lambda: self.sync_weights(version=done), done, bool(due), snapshot
+            )
         metrics |= self.timer.metrics(COMPUTE_PHASES)
         return metrics | self.inspect(step, batch, metrics)
 
@@ -533,11 +541,11 @@ class RLTrainer(Loop):
         seen, kept = len(batch), []
         for extra in range(self.cfg.max_gen_batches):
             if extra:
-                more = self.reward(
-                    self.collect(
+                with self.rollouts.exclusive():  # not beside a generation ahead
+                    more = self.collect(
                         step, self.cfg.total_steps + step * self.cfg.max_gen_batches + extra
                     )
-                )
+                more = self.reward(more)
                 batch, seen = (
                     more.with_columns({"group_ids": more["group_ids"] + 10**6 * extra}),
                     seen + len(more),
@@ -644,6 +652,19 @@ class RLTrainer(Loop):
         from polyrl.weight_sync import bucket_bytes
 
         return bucket_bytes(self.cfg.weight_transport, self.cfg.weight_bucket_mb)
+
+    def weights_snapshot(self, version: int) -> Callable[[], dict[str, float]]:
+        """A host copy of the actor's weights, now, and a push of it to the rollout
+        servers as ``version`` (object store) for the background generator to run
+        between two batches (``Rollouts.sync``), while the actor trains on."""
+        buckets = self._host_weights()
+
+        def push() -> dict[str, float]:
+            stats = self.pool.weight_syncer("object_store", retain=False).push(buckets, version)
+            self.pool.commit(stats)
+            return {}
+
+        return push
 
     def sync_weights(self, version: int) -> dict[str, float]:
         self.syncer.ensure_group(self.actor.form_weight_group)  # again after a server restart

@@ -1,8 +1,9 @@
 """Benchmark: the asynchronous mode's step time against its limit, in one run.
 
 Runs the same experiment twice with ``polyrl train`` (each in its own process):
-synchronous (``RunConfig.async_rollout = False``), which measures generation alone
-(``time/generate``) and training alone (the rest of the step), then asynchronous. The
+synchronous (``RunConfig.max_staleness = 0``), which measures generation alone
+(``time/generate``) and training alone (the rest of the step), then asynchronous
+(``max_staleness = --staleness``, default 1). The
 one-step off-policy step cannot beat the longer of the two; the goal (issue 11) is an
 async step <= 1.1x that limit. Steady state: the median over steps >= ``--skip``.
 
@@ -30,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profiling import format_top, phase_table  # noqa: E402
 
 
-def run(gin: str, params: list[str], run_dir: Path, async_on: bool, steps: int) -> list[dict]:
+def run(gin: str, params: list[str], run_dir: Path, staleness: int, steps: int) -> list[dict]:
     bindings = [
         *params,
         f"polyrl.RunConfig.run_dir = '{run_dir}'",
         f"polyrl.RunConfig.total_steps = {steps}",
-        f"polyrl.RunConfig.async_rollout = {async_on}",
+        f"polyrl.RunConfig.async_rollout = {staleness > 0}",
+        f"polyrl.RunConfig.max_staleness = {staleness}",
         "polyrl.RunConfig.tensorboard = False",
     ]
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--gin_file", gin]
@@ -58,14 +60,17 @@ def main() -> None:
     p.add_argument("--gin", default="gin/experiments/gpu_grpo_0p5b_async.gin")
     p.add_argument("--gin_param", action="append", default=[])
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument(
+        "--staleness", type=int, default=1, help="RunConfig.max_staleness of the async run"
+    )
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the medians")
     p.add_argument("--work", default="runs/bench_async_step")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", metavar="DIR", help="keep both runs' timeline traces here")
     args = p.parse_args()
     work = Path(args.work)
-    sync = run(args.gin, args.gin_param, work / "sync", False, args.steps)
-    ahead = run(args.gin, args.gin_param, work / "async", True, args.steps)
+    sync = run(args.gin, args.gin_param, work / "sync", 0, args.steps)
+    ahead = run(args.gin, args.gin_param, work / "async", args.staleness, args.steps)
     gen = median(sync, "time/generate", args.skip)
     train = statistics.median(r["time/step"] - r["time/generate"] for r in sync[args.skip :])
     step_sync, step_async = (

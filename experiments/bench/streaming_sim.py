@@ -1,0 +1,211 @@
+"""CPU simulation: step time of bounded-staleness rollout (``RunConfig.max_staleness``)
+against the synchronous loop and against the longer of generation and training alone.
+
+No GPU, no model: the real scheduler (``polyrl.async_rollout.Rollouts``, the class the
+trainer uses) drives a simulated rollout server and a simulated trainer that sleep for
+modelled durations (``--ms_per_s`` wall milliseconds per simulated second):
+
+* Generation of batch ``j``: ``B`` responses whose lengths are drawn (seed ``j``, the same
+  for every setting) from a log-normal distribution, median ``--median_len`` tokens and
+  shape ``--sigma`` (1.0: the long tail of reasoning RL, mean/median = e^(sigma^2/2) =
+  1.65, p99/median = 10), capped at ``--max_len``. The servers decode the batch with
+  continuous batching, so the batch is done when its longest response is:
+  ``gen = prefill_s + max(len) * decode_s_per_token``.
+* Training on batch ``j``: ``train = train_fixed_s + sum(len) * train_s_per_token``
+  (forward and backward cost grows with the batch's tokens).
+* The weight push: ``sync_s``, during which nothing is generated. At staleness >= 2 a
+  push the trainer would wait for is a host copy instead (``snapshot_s`` on the trainer's
+  side, as ``RLTrainer.weights_snapshot``) that the generator pushes between batches
+  (``--no_snapshot``: without them).
+
+Reports, per setting, the mean step time over the steps after the first ``--skip`` (the
+pipeline filling), and its ratio to ``max(mean gen, mean train)`` (no schedule without
+partial rollouts beats that): ``x limit`` with the modelled times, ``as run`` with the
+sleeps as they actually ran in that setting (a loaded machine oversleeps; compare the
+settings by this column), and to the synchronous step (gen + train + sync). Prints a
+table, then one JSON object::
+
+    python experiments/bench/streaming_sim.py
+    python experiments/bench/streaming_sim.py --sigma 1.5 --staleness 0 1 2 4 8
+
+``--tiny STEPS`` also trains the real tiny GRPO task (vLLM-CPU, Ray; run it through the
+e2e slot on a shared machine) at staleness 0 and 2 for STEPS steps each, on the same data
+and seeds, and prints both reward curves (the mean of each block of 5 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from polyrl.async_rollout import Rollouts
+from polyrl.batch import Batch
+
+
+def lengths(j: int, a: argparse.Namespace) -> np.ndarray:
+    rng = np.random.default_rng([a.seed, j])
+    drawn = rng.lognormal(np.log(a.median_len), a.sigma, a.batch)
+    return np.minimum(np.ceil(drawn), a.max_len)
+
+
+def gen_s(j: int, a: argparse.Namespace) -> float:
+    return a.prefill_s + lengths(j, a).max() * a.decode_s_per_token
+
+
+def train_s(j: int, a: argparse.Namespace) -> float:
+    return a.train_fixed_s + lengths(j, a).sum() * a.train_s_per_token
+
+
+def simulate(n: int, a: argparse.Namespace) -> dict:
+    """``a.steps`` steps of the trainer loop at max_staleness ``n``, in scaled wall time."""
+    scale = a.ms_per_s / 1000.0
+    server = {"version": 0}
+    gen_real: list[float] = []  # the sleeps as they ran (a loaded machine oversleeps)
+
+    def collect(j: int) -> Batch:
+        version = server["version"]
+        t = time.perf_counter()
+        time.sleep(gen_s(j, a) * scale)
+        gen_real.append(time.perf_counter() - t)
+        return Batch({"rollout_weight_version": np.full(a.batch, version)}, {}, {"step": j})
+
+    def push(version: int):
+        def run() -> dict:
+            time.sleep(a.sync_s * scale)
+            server["version"] = version
+            return {}
+
+        return run
+
+    def snapshot(version: int):  # as RLTrainer.weights_snapshot: copy now, push later
+        time.sleep(a.snapshot_s * scale)
+        return push(version)
+
+    rollouts = Rollouts(collect, a.steps, n)
+    ends, staleness, copies, train_real = [], [], 0, []
+    t0 = time.perf_counter()
+    for k in range(a.steps):
+        batch, m = rollouts.take(k)
+        staleness.append(m["rollout/staleness_max"])
+        t = time.perf_counter()
+        time.sleep(train_s(k, a) * scale)
+        train_real.append(time.perf_counter() - t)
+        copy = (lambda v=k + 1: snapshot(v)) if n > 1 and not a.no_snapshot else None
+        m = rollouts.sync(push(k + 1), k + 1, k + 1 == a.steps, copy)
+        copies += int(m.get("async/sync_deferred", 0))
+        ends.append(time.perf_counter() - t0)
+    rollouts.discard()
+    steps = np.diff([0.0, *ends])[a.skip :] / scale
+    gen, train = np.mean(gen_real[a.skip :]) / scale, np.mean(train_real[a.skip :]) / scale
+    return {
+        "max_staleness": n,
+        "step_s": float(steps.mean()),
+        "generation_s_as_run": float(gen),
+        "training_s_as_run": float(train),
+        "x_limit_as_run": float(steps.mean() / max(gen, train)),
+        "staleness_mean": float(np.mean(staleness)),
+        "staleness_max": float(np.max(staleness)),
+        "pushes_by_copy": copies,
+    }
+
+
+def tiny_curves(steps: int) -> dict:
+    from polyrl.launch import train
+    from polyrl.metrics import read_jsonl
+
+    curves = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in (0, 2):
+            run = Path(tmp) / f"s{n}"
+            train(
+                ["gin/experiments/tiny_grpo.gin"],
+                [
+                    f"polyrl.RunConfig.run_dir = {str(run)!r}",
+                    "polyrl.RunConfig.tensorboard = False",
+                    f"polyrl.RunConfig.total_steps = {steps}",
+                    f"polyrl.RunConfig.max_staleness = {n}",
+                    'polyrl.RunConfig.algo_overrides = {"kl_loss_coef": 0.001, "tis_cap": 2.0}',
+                ],
+            )
+            rows = read_jsonl(run / "metrics.jsonl")
+            rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+            curves[f"staleness_{n}"] = {
+                "reward_by_5_steps": [
+                    round(float(np.mean(rewards[i : i + 5])), 4) for i in range(0, len(rewards), 5)
+                ],
+                "staleness_max": max(r["rollout/staleness_max"] for r in rows),
+                "step_s_median": statistics.median(r["time/step"] for r in rows[2:]),
+            }
+    return curves
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--skip", type=int, default=5, help="steps left out of the mean (filling)")
+    p.add_argument("--batch", type=int, default=256, help="responses per step")
+    p.add_argument("--median_len", type=float, default=400.0)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--max_len", type=int, default=8192)
+    p.add_argument("--prefill_s", type=float, default=1.0)
+    p.add_argument("--decode_s_per_token", type=float, default=0.003)
+    p.add_argument("--train_fixed_s", type=float, default=2.0)
+    p.add_argument("--train_s_per_token", type=float, default=6e-5)
+    p.add_argument("--sync_s", type=float, default=0.5)
+    p.add_argument("--snapshot_s", type=float, default=0.2, help="host copy (staleness >= 2)")
+    p.add_argument("--no_snapshot", action="store_true", help="staleness >= 2 without copies")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ms_per_s", type=float, default=30.0, help="wall ms per simulated second")
+    p.add_argument("--tiny", type=int, default=0, help="also train the tiny task this long")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+
+    gens = [gen_s(j, a) for j in range(a.steps)][a.skip :]
+    trains = [train_s(j, a) for j in range(a.steps)][a.skip :]
+    gen, trn = float(np.mean(gens)), float(np.mean(trains))
+    limit = max(gen, trn)
+    rows = [simulate(n, a) for n in a.staleness]
+    sync = next((r["step_s"] for r in rows if r["max_staleness"] == 0), gen + trn + a.sync_s)
+    print(
+        f"generation alone {gen:.2f} s/step (p50 {np.median(gens):.2f}, max {max(gens):.2f}), "
+        f"training alone {trn:.2f} s/step, push {a.sync_s:.2f} s; limit max(gen, train) = "
+        f"{limit:.2f} s"
+    )
+    print(
+        f"{'max_staleness':>13} {'step s':>8} {'x limit':>8} {'as run':>7} {'x sync':>7} "
+        f"{'stale':>6} copies"
+    )
+    for r in rows:
+        r["x_limit"], r["x_sync"] = r["step_s"] / limit, r["step_s"] / sync
+        print(
+            f"{r['max_staleness']:>13} {r['step_s']:8.2f} {r['x_limit']:8.3f} "
+            f"{r['x_limit_as_run']:7.3f} {r['x_sync']:7.3f} {r['staleness_mean']:6.2f} "
+            f"{r['pushes_by_copy']}"
+        )
+    result = {
+        "model": {k: v for k, v in vars(a).items() if k not in ("out", "staleness")},
+        "generation_s": gen,
+        "training_s": trn,
+        "limit_s": limit,
+        "settings": rows,
+    }
+    if a.tiny:
+        result["tiny"] = tiny_curves(a.tiny)
+        for name, c in result["tiny"].items():
+            print(f"tiny task {name}: reward per 5 steps {c['reward_by_5_steps']}")
+    print(json.dumps(result))
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

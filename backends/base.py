@@ -110,6 +110,10 @@ class TrainEngine(Protocol):
         """Full tensors under HF names in buckets of about ``bucket_bytes``; never more
         than one bucket of gathered weights alive at a time."""
 
+    def set_weights(self, named: Mapping[str, Any]) -> None:
+        """Replace every weight with full arrays (numpy) under HF names, as another
+        engine's ``export_weights`` gave them (the shadow check, ``polyrl.shadow``)."""
+
     def save(self, path: str) -> None:
         """Checkpoint model, optimizer, schedule, RNG and step to directory ``path``."""
 
@@ -277,7 +281,9 @@ class ArrayBridge:
 class Backend:
     """A registry entry: the engine class (``"module:Class"``, imported lazily, so the
     core never imports torch or jax), the backend's process model, the framework whose
-    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), why
+    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), the
+    function (``"module:function"``, path -> ``polyrl.exchange.Exchange``) that reads one of
+    its engine checkpoints for the other backend (``polyrl.exchange``), why
     ``ModelConfig.compile`` cannot run on a ``tensor`` axis (``compile_problem(compile,
     tensor, where) -> str | None``, asked by validate-config and the engine) and the
     bridge weight sync reaches its arrays through (None: its arrays are torch tensors)."""
@@ -285,6 +291,7 @@ class Backend:
     engine: str
     process: ProcessModel
     profiler: str
+    exporter: str
     compile_problem: Callable[[bool, int, str], str | None] = _no_compile_problem
     arrays: ArrayBridge | None = None
 
@@ -296,12 +303,14 @@ ENGINES: dict[str, Backend] = {
         "polyrl.backends.torch_fsdp.engine:TorchFSDPEngine",
         ProcessModel("device", "torch.distributed", lambda devices, gpu: {}, _torch_group_env),
         "torch",
+        "polyrl.backends.torch_fsdp.checkpoint:export_exchange",
         compile_problem=_torch_compile_problem,
     ),
     "jax_pjit": Backend(
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
         ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env),
         "jax",
+        "polyrl.backends.jax_pjit.checkpoint:export_exchange",
         arrays=ArrayBridge(("jax", "jaxlib"), "polyrl.backends.jax_pjit.bridge"),
     ),
 }

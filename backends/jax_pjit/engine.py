@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from polyrl import checkpoints, faults, micro_batch
+from polyrl import checkpoints, exchange, faults, micro_batch
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
 from polyrl.backends.jax_pjit import attention, checkpoint, distributed, gpu_memory, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
@@ -433,6 +433,19 @@ class JaxPjitEngine:
         self._check_loaded()
         return export_buckets(self.params, bucket_bytes, dtype=self.compute_dtype)
 
+    def set_weights(self, named: dict[str, np.ndarray]) -> None:
+        """Replace every weight with full arrays under HF names (another engine's)."""
+        self._check_loaded()
+        missing = sorted(set(self.params) - set(named))
+        if missing:
+            raise ValueError(
+                f"no weights given for {len(missing)} parameter(s), e.g. {missing[:3]}"
+            )
+        self.params = {
+            k: jax.device_put(np.asarray(named[k]).astype(v.dtype), self.param_shardings[k])
+            for k, v in self.params.items()
+        }
+
     def _state(self) -> dict[str, Any]:
         state = {
             "params": self.params,
@@ -455,7 +468,21 @@ class JaxPjitEngine:
         return {"role": self.model_cfg.role, "model": checkpoints.model_shape(self.model_cfg.path)}
 
     def load(self, path: str) -> None:
+        """Restore :meth:`save`'s checkpoint, or an exchange directory another backend's
+        checkpoint was converted into (``polyrl.exchange``)."""
         self._check_loaded()
+        if exchange.is_exchange(path):
+            checkpoints.check_manifest(exchange.read_info(path), self._identity(), path)
+            state = exchange.read(path, set(self.params))
+            if self.opt_state is not None and not state.moments:
+                raise ValueError(f"exchange checkpoint {path} has no optimizer state to train from")
+            self.set_weights(state.params)
+            if self.opt_state is not None:
+                self.opt_state = jax.device_put(
+                    checkpoint.opt_state_from_exchange(self.opt_state, state), self._opt_shardings
+                )
+            self.step = state.step
+            return
         checkpoints.check_manifest(checkpoint.read_info(path), self._identity(), path)
         state, _ = checkpoint.restore_state(path, checkpoint.abstract_like(self._state()))
         self.params = state["params"]

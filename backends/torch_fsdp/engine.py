@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from polyrl import checkpoints, faults, micro_batch
+from polyrl import checkpoints, exchange, faults, micro_batch
 from polyrl.backends.base import (
     ENGINES,
     Bucket,
@@ -307,6 +307,11 @@ class TorchFSDPEngine:
         self._check_usable("export_weights")
         return weights.iter_buckets(self.model, bucket_bytes, self.export_dtype, self.env.device)
 
+    def set_weights(self, named: dict[str, np.ndarray]) -> None:
+        """Replace every weight with full arrays under HF names (another engine's)."""
+        self._check_usable("set_weights")
+        checkpoint.set_full_params(self.model, named)
+
     def save_hf(self, path: str) -> None:
         """HF directory (safetensors + config + tokenizer) of the current weights, loadable
         by transformers and vLLM; critic/reward as ``*ForSequenceClassification``."""
@@ -334,7 +339,15 @@ class TorchFSDPEngine:
         checkpoint.save_checkpoint(path, self.model, self.optimizer, extra)
 
     def load(self, path: str) -> None:
+        """Restore :meth:`save`'s checkpoint, or an exchange directory another backend's
+        checkpoint was converted into (``polyrl.exchange``)."""
         self._check_usable("load")
+        if exchange.is_exchange(path):
+            extra = exchange.read_info(path)
+            checkpoints.check_manifest(extra, self._identity(), path)
+            checkpoint.load_exchange(path, self.model, self.optimizer)
+            self.step = int(extra["step"])
+            return
         extra = checkpoint.read_extra(path)
         checkpoints.check_manifest(extra, self._identity(), path)
         checkpoint.load_checkpoint(path, self.model, self.optimizer)

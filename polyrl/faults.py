@@ -27,7 +27,8 @@ Points and where they fire:
   fails with ``ENOSPC`` / sees 0 bytes free;
 * ``temperature_scale@<backend>=<percent>``: every forward of that backend's engines
   scores at ``percent``/100 x the asked temperature (a wrong temperature on one side of
-  the three-way check, ``polyrl.shadow``);
+  the three-way check, ``polyrl.shadow``); ``temperature_scale@rollout=<percent>``: the
+  rollout servers sample (and report log-probs) at that temperature;
 * ``broken_mask@<backend>=1``: every forward of that backend's engines attends to the
   padding too (its attention mask all ones);
 * ``fail_write@metrics=<N>`` / ``fail_write@checkpoint=<N>``: writing the metrics row

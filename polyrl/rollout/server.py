@@ -128,7 +128,11 @@ def vllm_requests(
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": list(map(int, ids))} for _, ids in requests]
-    return prompts, [SamplingParams(**spec.vllm_kwargs(int(i), allowed)) for i, _ in requests]
+    kwargs = [spec.vllm_kwargs(int(i), allowed) for i, _ in requests]
+    scale = faults.values("temperature_scale", "rollout")  # test-only: a wrong temperature
+    for kw in kwargs if scale else ():
+        kw["temperature"] *= max(scale) / 100
+    return prompts, [SamplingParams(**kw) for kw in kwargs]
 
 
 class RolloutServer(Traced):

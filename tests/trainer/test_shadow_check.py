@@ -42,8 +42,9 @@ def _run(tmp_path, monkeypatch, fault: str) -> tuple[list[dict], str]:
         ("", None),
         ("temperature_scale@torch_fsdp=150", "train"),
         ("broken_mask@jax_pjit=1", "shadow"),
+        ("temperature_scale@rollout=150", "rollout"),
     ],
-    ids=["healthy", "train-temperature", "shadow-mask"],
+    ids=["healthy", "train-temperature", "shadow-mask", "rollout-temperature"],
 )
 def test_shadow_check_names_the_wrong_side(ray_session, tmp_path, monkeypatch, capsys, fault, side):
     rows, run = _run(tmp_path, monkeypatch, fault)

@@ -120,7 +120,7 @@ CASES = [
     ("shadow-negative", GRPO, ["polyrl.RunConfig.shadow_every = -1"],
      "RunConfig.shadow_every=-1 must be an int >= 0 (0: no shadow check)"),
     ("shadow-without-rollouts", DPO, ["polyrl.RunConfig.shadow_every = 5"],
-     "RunConfig.shadow_every=5: algorithm 'dpo' (preference) samples no rollouts"),
+     "RunConfig.shadow_every=5: algorithm 'dpo' samples no rollouts"),
     ("bucket-zero", GRPO, ["polyrl.RunConfig.weight_bucket_mb = 0"],
      "RunConfig.weight_bucket_mb=0 must be > 0 (MiB per weight-sync bucket); leave it unbound"),
     ("truncated-sampling", GRPO, ["polyrl.SamplingSpec.top_p = 0.9"],

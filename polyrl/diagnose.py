@@ -51,14 +51,16 @@ def _engine(
 
 def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
     """The offline three-way check and one update on both backends (module docstring)."""
+    import dataclasses
+
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is first imported here
     from transformers import AutoTokenizer
 
     from polyrl import shadow
     from polyrl.async_rollout import load_batch
-    from polyrl.config import ModelConfig, ParallelConfig
+    from polyrl.config import ParallelConfig
     from polyrl.launch import parse_config, prepare
-    from polyrl.roles import other_backend
+    from polyrl.roles import build_roles, other_backend
 
     run = Path(run_dir)
     stem = run / "shadow" / f"step_{step}"
@@ -84,13 +86,11 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
             "keep_checkpoints) or step 1"
         )
     ckpt_backend = json.loads((ckpt / "manifest.json").read_text())["backend"] if step > 1 else ""
-    model = ModelConfig(
-        cfg.model_path,
-        role="actor",
-        dtype=cfg.model_dtype,
-        sampling_vocab_size=online.get("sampling_vocab_size"),
-    )
-    parallel = ParallelConfig(micro_batch_size=cfg.actor_parallel.micro_batch_size)
+    # The run's actor engine (model, dtype, attention, micro-batches) on one device.
+    actor = build_roles(cfg, spec)["actor"]
+    vocab = online.get("sampling_vocab_size")
+    model = dataclasses.replace(actor.model, sampling_vocab_size=vocab)
+    parallel = dataclasses.replace(actor.parallel, mesh=ParallelConfig().mesh)
     temperature = float(cfg.sampling.temperature) or 1.0
     loss = spec.make_actor_loss()
     sides = {"train": cfg.backend, "shadow": other_backend(cfg.backend)}

@@ -168,9 +168,11 @@ def write_report(
     worst: list[dict[str, Any]],
     sides: dict[str, str],
     verdict: str | None,
+    **extra: Any,
 ) -> None:
     """``path`` (JSON): the step's three-way metrics, the verdict, which stack each side
-    is and the worst tokens."""
+    is, the worst tokens and ``extra`` (what ``polyrl diagnose`` needs to score again)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"step": step, "sides": sides, "odd_side": verdict, "metrics": metrics, "worst": worst}
+    doc |= extra
     path.write_text(json.dumps(doc, indent=1))

@@ -29,8 +29,8 @@ Points and where they fire:
   scores at ``percent``/100 x the asked temperature (a wrong temperature on one side of
   the three-way check, ``polyrl.shadow``); ``temperature_scale@rollout=<percent>``: the
   rollout servers sample (and report log-probs) at that temperature;
-* ``broken_mask@<backend>=1``: every forward of that backend's engines attends to the
-  padding too (its attention mask all ones);
+* ``broken_mask@<backend>=1``: every forward of that backend's engines hides each row's
+  first real token from attention (its attention mask 0 there: an off-by-one mask);
 * ``fail_write@metrics=<N>`` / ``fail_write@checkpoint=<N>``: writing the metrics row
   / the checkpoint after ``N`` steps raises ``OSError(ENOSPC)``, as a full
   disk does.

@@ -81,8 +81,10 @@ class EngineWorker(Traced):
         scale = faults.values("temperature_scale", self.backend)
         if scale:
             kwargs["temperature"] = kwargs.get("temperature", 1.0) * max(scale) / 100
-        if faults.values("broken_mask", self.backend):
-            batch = batch.with_columns({"attention_mask": np.ones_like(batch["attention_mask"])})
+        if faults.values("broken_mask", self.backend):  # hide each row's first real token
+            mask = np.array(batch["attention_mask"], copy=True)
+            mask[np.arange(len(mask)), np.argmax(mask != 0, axis=1)] = 0
+            batch = batch.with_columns({"attention_mask": mask})
         return batch, kwargs
 
     def load_weights(self, payloads: list[Any]) -> None:

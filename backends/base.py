@@ -282,8 +282,8 @@ class Backend:
     """A registry entry: the engine class (``"module:Class"``, imported lazily, so the
     core never imports torch or jax), the backend's process model, the framework whose
     profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), the
-    function (``"module:function"``, path -> ``polyrl.exchange.Exchange``) that reads one of
-    its engine checkpoints for the other backend (``polyrl.exchange``), why
+    function (``"module:function"``, path -> ``polyrl.backends.exchange.Exchange``) that reads one of
+    its engine checkpoints for the other backend (``polyrl.backends.exchange``), why
     ``ModelConfig.compile`` cannot run on a ``tensor`` axis (``compile_problem(compile,
     tensor, where) -> str | None``, asked by validate-config and the engine) and the
     bridge weight sync reaches its arrays through (None: its arrays are torch tensors)."""

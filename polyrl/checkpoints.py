@@ -194,20 +194,24 @@ def check_resumable(path: Path | None, manifest: Mapping[str, Any]) -> str | Non
 
 
 def restore(
-    path: Path, parts: Mapping[str, Callable[[str], None]], manifest: Mapping[str, Any]
+    path: Path,
+    parts: Mapping[str, Callable[[str], None]],
+    manifest: Mapping[str, Any],
+    exchange: Any = None,
 ) -> dict[str, Any]:
     """Check checkpoint ``path`` against ``manifest``, load each part, return the state.
 
     A checkpoint of the other backend is converted part by part into the exchange format
-    (``polyrl.exchange``) next to it, loaded from there, and the conversion removed; one
-    line names what does not carry over."""
+    (``polyrl.backends.exchange``) next to it, loaded from there, and the conversion removed; one
+    line names what does not carry over. ``exchange``: the ``polyrl.backends.exchange``
+    module (passed in: the backends import this module, so it cannot import them)."""
     other = check_resumable(path, manifest)
     if other is None:
         for name, load in parts.items():
             load(str(path / name))
         return json.loads((path / STATE).read_text())
-    from polyrl import exchange
-
+    if exchange is None:
+        raise CheckpointMismatch(f"checkpoint {path} was written by {other}; pass exchange")
     staging = path.with_name(path.name + ".exchange")
     shutil.rmtree(staging, ignore_errors=True)
     try:

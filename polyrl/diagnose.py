@@ -28,8 +28,7 @@ __all__ = ["diagnose", "format_diagnosis"]
 def _engine(
     backend: str, model: Any, parallel: Any, optim: Any, weights: Path | None, ckpt_backend: str
 ):
-    from polyrl import exchange
-    from polyrl.backends import get_engine
+    from polyrl.backends import exchange, get_engine
 
     if backend == "jax_pjit":
         import jax

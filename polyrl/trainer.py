@@ -308,9 +308,10 @@ class Loop(abc.ABC):
         if path is None:
             print(f"[resume] no checkpoint under {self.run_dir}/checkpoints: starting at step 0")
             return
-        state = checkpoints.restore(
-            path, self._engine_parts("load"), checkpoints.run_manifest(self.cfg, self.spec)
-        )
+        from polyrl.backends import exchange  # converts the other backend's checkpoint
+
+        manifest = checkpoints.run_manifest(self.cfg, self.spec)
+        state = checkpoints.restore(path, self._engine_parts("load"), manifest, exchange)
         self.start_step = state["step"]
         self.restore_extra(state, path)
         print(f"[resume] from {path} at step {self.start_step}", flush=True)

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from polyrl import exchange
+from polyrl.backends import exchange
 
 __all__ = [
     "save_state",

@@ -32,7 +32,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from polyrl import checkpoints, exchange, faults, micro_batch
+from polyrl import checkpoints, faults, micro_batch
+from polyrl.backends import exchange
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
 from polyrl.backends.jax_pjit import attention, checkpoint, distributed, gpu_memory, sharding
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
@@ -469,7 +470,7 @@ class JaxPjitEngine:
 
     def load(self, path: str) -> None:
         """Restore :meth:`save`'s checkpoint, or an exchange directory another backend's
-        checkpoint was converted into (``polyrl.exchange``)."""
+        checkpoint was converted into (``polyrl.backends.exchange``)."""
         self._check_loaded()
         if exchange.is_exchange(path):
             checkpoints.check_manifest(exchange.read_info(path), self._identity(), path)

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from polyrl import exchange
+from polyrl.backends import exchange
 
 __all__ = [
     "save_checkpoint",
@@ -243,7 +243,7 @@ def set_full_params(model: nn.Module, params: dict[str, Any]) -> None:
 def load_exchange(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> exchange.Exchange:
-    """Load an exchange directory (``polyrl.exchange``) into this rank's shards: full
+    """Load an exchange directory (``polyrl.backends.exchange``) into this rank's shards: full
     tensors in, each rank keeps its part (``full_state_dict`` + DTensor distribution)."""
     state = exchange.read(path, {k for k, _ in model.named_parameters()})
     set_full_params(model, state.params)

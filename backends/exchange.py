@@ -125,7 +125,7 @@ def convert(backend: str, src: str | os.PathLike, out: str | os.PathLike) -> Non
     """Convert ``backend``'s engine checkpoint at ``src`` into an exchange directory
     ``out``, in a child process that imports only that backend (on the host's CPU)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "polyrl.exchange", backend, str(src), str(out)]
+    cmd = [sys.executable, "-m", "polyrl.backends.exchange", backend, str(src), str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(

@@ -123,6 +123,10 @@ class TrainEngine(Protocol):
         (``polyrl.checkpoints.save_peft_adapters``); every rank must call it. Without
         LoRA: ValueError."""
 
+    def set_weights(self, named: Mapping[str, Any]) -> None:
+        """Replace every weight with full arrays (numpy) under HF names, as another
+        engine's ``export_weights`` gave them (the shadow check, ``polyrl.shadow``)."""
+
     def save(self, path: str) -> None:
         """Checkpoint model, optimizer, schedule, RNG and step to directory ``path``."""
 
@@ -307,7 +311,9 @@ class ArrayBridge:
 class Backend:
     """A registry entry: the engine class (``"module:Class"``, imported lazily, so the
     core never imports torch or jax), the backend's process model, the framework whose
-    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), why
+    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), the
+    function (``"module:function"``, path -> ``polyrl.backends.exchange.Exchange``) that reads one of
+    its engine checkpoints for the other backend (``polyrl.backends.exchange``), why
     ``ModelConfig.compile`` cannot run on a ``tensor`` axis (``compile_problem(compile,
     tensor, where) -> str | None``, asked by validate-config and the engine), the same
     for LoRA (``lora_problem(lora, tensor, where)``) and the bridge weight sync reaches
@@ -316,6 +322,7 @@ class Backend:
     engine: str
     process: ProcessModel
     profiler: str
+    exporter: str
     compile_problem: Callable[[bool, int, str], str | None] = _no_compile_problem
     lora_problem: Callable[[Any, int, str], str | None] = _no_lora_problem
     arrays: ArrayBridge | None = None
@@ -328,6 +335,7 @@ ENGINES: dict[str, Backend] = {
         "polyrl.backends.torch_fsdp.engine:TorchFSDPEngine",
         ProcessModel("device", "torch.distributed", lambda devices, gpu: {}, _torch_group_env),
         "torch",
+        "polyrl.backends.torch_fsdp.checkpoint:export_exchange",
         compile_problem=_torch_compile_problem,
         lora_problem=_torch_lora_problem,
     ),
@@ -335,6 +343,7 @@ ENGINES: dict[str, Backend] = {
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
         ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env),
         "jax",
+        "polyrl.backends.jax_pjit.checkpoint:export_exchange",
         arrays=ArrayBridge(("jax", "jaxlib"), "polyrl.backends.jax_pjit.bridge"),
     ),
 }

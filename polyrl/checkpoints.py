@@ -62,7 +62,6 @@ SHAPE_KEYS = (
 
 # manifest field -> what to change so that a run matches its checkpoint.
 FIXES = {
-    "backend": "set polyrl.RunConfig.backend to the checkpoint's backend",
     "algorithm": "set polyrl.RunConfig.algorithm to the checkpoint's algorithm",
     "trained_roles": "use the algorithm (and algo_overrides) the run started with",
     "model": "set polyrl.RunConfig.model_path to the model the run started from",
@@ -109,6 +108,8 @@ def check_manifest(found: Mapping[str, Any], expected: Mapping[str, Any], where:
     diffs = []
     for key, want in expected.items():
         have = found.get(key)
+        if key == "backend":  # the other backend's checkpoint is converted (restore)
+            continue
         if key == "model" and isinstance(have, dict) and isinstance(want, dict):
             parts = [
                 f"{k} {have.get(k)!r} vs {want.get(k)!r}" for k in want if have.get(k) != want[k]
@@ -209,25 +210,53 @@ def save(
     return path
 
 
-def check_resumable(path: Path | None, manifest: Mapping[str, Any]) -> None:
+def check_resumable(path: Path | None, manifest: Mapping[str, Any]) -> str | None:
     """Refuse checkpoint ``path`` (None: nothing to check) unless it matches ``manifest``;
-    cheap, so ``--resume`` runs it before any worker starts."""
+    cheap, so ``--resume`` runs it before any worker starts. Returns the backend that
+    wrote it when that is not the run's (:func:`restore` converts it), else None."""
     if path is None:
-        return
+        return None
     found = path / MANIFEST
     if not found.is_file():
         raise CheckpointMismatch(
             f"checkpoint {path} has no {MANIFEST} (written by an older polyrl), so it cannot "
             "be checked against this run; start a new polyrl.RunConfig.run_dir"
         )
-    check_manifest(json.loads(found.read_text()), manifest, str(path))
+    written = json.loads(found.read_text())
+    check_manifest(written, manifest, str(path))
+    return written["backend"] if written["backend"] != manifest["backend"] else None
 
 
 def restore(
-    path: Path, parts: Mapping[str, Callable[[str], None]], manifest: Mapping[str, Any]
+    path: Path,
+    parts: Mapping[str, Callable[[str], None]],
+    manifest: Mapping[str, Any],
+    exchange: Any = None,
 ) -> dict[str, Any]:
-    """Check checkpoint ``path`` against ``manifest``, load each part, return the state."""
-    check_resumable(path, manifest)
-    for name, load in parts.items():
-        load(str(path / name))
+    """Check checkpoint ``path`` against ``manifest``, load each part, return the state.
+
+    A checkpoint of the other backend is converted part by part into the exchange format
+    (``polyrl.backends.exchange``) next to it, loaded from there, and the conversion removed; one
+    line names what does not carry over. ``exchange``: the ``polyrl.backends.exchange``
+    module (passed in: the backends import this module, so it cannot import them)."""
+    other = check_resumable(path, manifest)
+    if other is None:
+        for name, load in parts.items():
+            load(str(path / name))
+        return json.loads((path / STATE).read_text())
+    if exchange is None:
+        raise CheckpointMismatch(f"checkpoint {path} was written by {other}; pass exchange")
+    staging = path.with_name(path.name + ".exchange")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        for name, load in parts.items():
+            exchange.convert(other, path / name, staging / name)
+            load(str(staging / name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(
+        f"[resume] {path} was written by {other}; resuming on {manifest['backend']}: "
+        f"{exchange.NOT_CARRIED}",
+        flush=True,
+    )
     return json.loads((path / STATE).read_text())

@@ -338,6 +338,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from polyrl.diagnose import diagnose, format_diagnosis
+
+    try:
+        result = diagnose(args.run_dir, args.step)
+    except FileNotFoundError as e:
+        raise UserError(str(e)) from None
+    print(format_diagnosis(result))
+    return 0
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from polyrl.sweep import report, run_sweep
     from polyrl.validate import ConfigError
@@ -429,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_report)
+    p = sub.add_parser(
+        "diagnose",
+        help="three-way log-prob check of a step offline (vLLM / both backends) and one "
+        "update's loss and grad norm on both backends (docs/diagnosis.md)",
+    )
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, required=True, help="a step the shadow check saved")
+    p.set_defaults(func=cmd_diagnose)
 
     p = sub.add_parser(
         "validate-dataset",

@@ -410,6 +410,11 @@ class RunConfig:
       these. A task that waits for resources longer than a minute is reported.
     dump_every / dump_samples: every ``dump_every`` steps (0: never), write
       ``dump_samples`` decoded samples to ``<run_dir>/rollouts.jsonl`` (``polyrl.dumps``).
+    shadow_every / shadow_tolerance: at step 1 and every ``shadow_every`` steps after it
+      (0: never) the step's batch is scored again by the other backend with the actor's
+      weights and compared three ways with vLLM's and the trainer's log-probs
+      (``polyrl.shadow``; docs/diagnosis.md); a side whose mean gap to both others
+      exceeds ``shadow_tolerance`` (nats per token) while they agree is named in a warning.
     timeline: write each phase of each role as spans to ``<run_dir>/timeline.json``
       (Chrome/Perfetto trace, ``polyrl.timeline``).
     profile_steps: steps (1 = the first) during which every trainer role's worker (actor,
@@ -491,6 +496,8 @@ class RunConfig:
     user_cpus: float = 1.0
     dump_every: int = 10
     dump_samples: int = 4
+    shadow_every: int = 0
+    shadow_tolerance: float = 0.02
     timeline: bool = True
     profile_steps: tuple[int, ...] = ()
     episodes: object = None

@@ -25,6 +25,12 @@ Points and where they fire:
   loading the 3rd bucket of the weight push that brings it ``version``;
 * ``fail_write@run_dir=0`` / ``disk_full@run_dir=0``: the start-up probe of the run dir
   fails with ``ENOSPC`` / sees 0 bytes free;
+* ``temperature_scale@<backend>=<percent>``: every forward of that backend's engines
+  scores at ``percent``/100 x the asked temperature (a wrong temperature on one side of
+  the three-way check, ``polyrl.shadow``); ``temperature_scale@rollout=<percent>``: the
+  rollout servers sample (and report log-probs) at that temperature;
+* ``broken_mask@<backend>=1``: every forward of that backend's engines hides each row's
+  first real token from attention (its attention mask 0 there: an off-by-one mask);
 * ``fail_write@metrics=<N>`` / ``fail_write@checkpoint=<N>``: writing the metrics row
   / the checkpoint after ``N`` steps raises ``OSError(ENOSPC)``, as a full
   disk does.
@@ -36,7 +42,7 @@ import errno
 import os
 import signal
 
-__all__ = ["active", "kill_self", "raise_disk_full", "ENV"]
+__all__ = ["active", "values", "kill_self", "raise_disk_full", "ENV"]
 
 ENV = "POLYRL_FAULTS"
 
@@ -61,6 +67,12 @@ def active(point: str, at: int, key: str = "") -> bool:
     if not spec:
         return False
     return at in _parse(spec).get((point, key), ())
+
+
+def values(point: str, key: str = "") -> set[int] | None:
+    """The values fault ``point`` is asked for with (for ``key``); None when it is not."""
+    spec = os.environ.get(ENV)
+    return _parse(spec).get((point, key)) if spec else None
 
 
 def kill_self() -> None:

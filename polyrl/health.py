@@ -128,6 +128,7 @@ ADVICE = {
         "steps: the env rarely says done; raise max_turns or check the env's done "
         "condition (docs/agents.md 'Health warnings')"
     ),
+    "logprob_side": ("{detail} (docs/diagnosis.md)"),
     "phase_slow": (
         "{detail} is {value:.3g}x its median so far: look at the timeline (timeline.json) "
         "for the role that stalls"
@@ -186,6 +187,8 @@ class HealthMonitor:
         ev_floor: float = -1.0,
         slow_factor: float = 5.0,
         slow_min_s: float = 1.0,
+        shadow_tolerance: float = 0.02,
+        shadow_sides: dict[str, str] | None = None,
     ):
         self.echo, self.patience, self.majority = echo, patience, majority
         self.params = dict(
@@ -196,6 +199,7 @@ class HealthMonitor:
             patience=patience,
         )
         self.slow_factor, self.slow_min_s = slow_factor, slow_min_s
+        self.shadow_tolerance, self.shadow_sides = shadow_tolerance, shadow_sides or {}
         self.streak: dict[str, int] = {}
         self.history: dict[str, list[float]] = {}
         self.warned: set[str] = set()
@@ -253,6 +257,8 @@ class HealthMonitor:
             out |= self._episodes(m)
         if "critic/loss" in m:
             out |= self._critic(m)
+        if "shadow/gap_mean/train_shadow" in m:
+            out |= self._three_way(m)
         out |= self._phases(m)
         return {f"health/{k}": v for k, v in out.items()}
 
@@ -290,6 +296,27 @@ class HealthMonitor:
                 "value_ev_collapsed", ev < self.params["ev_floor"], ev, sustained=True
             )
         return out
+
+    def _three_way(self, m: dict[str, float]) -> dict[str, float]:
+        """The shadow check (``polyrl.shadow``): name the side whose log-probs disagree."""
+        from polyrl.shadow import PAIRS, odd_side
+
+        side = odd_side(m, self.shadow_tolerance)
+        gaps = ", ".join(f"{a}-{b} {m[f'shadow/gap_mean/{a}_{b}']:.3g}" for a, b in PAIRS)
+        stack = lambda s: f"{s} ({self.shadow_sides.get(s, s)})"  # noqa: E731
+        if side == "all":
+            detail = f"the three log-prob sides disagree with each other (mean gaps {gaps})"
+        else:
+            detail = (
+                (
+                    f"the {stack(side)} log-probs disagree with the two others, which agree "
+                    f"(mean gaps per token: {gaps}; tolerance {self.shadow_tolerance:g}); the "
+                    f"worst tokens are in <run_dir>/shadow/"
+                )
+                if side
+                else ""
+            )
+        return {"logprob_side": self._fire("logprob_side", side is not None, side, detail=detail)}
 
     def _phases(self, m: dict[str, float]) -> dict[str, float]:
         import numpy as np

@@ -106,6 +106,7 @@ def _parallel(cfg: RunConfig) -> dict[str, ParallelConfig]:
         "reference": cfg.ref_parallel,
         "critic": cfg.critic_parallel,
         "reward": cfg.reward_parallel,
+        "shadow": cfg.ref_parallel,  # a frozen scorer, laid out as the reference
     }
 
 
@@ -125,21 +126,39 @@ def role_names(cfg: RunConfig, spec: Any) -> list[str]:
         *(["reference"] if separate_reference else []),
         *(["critic"] if spec.needs_critic else []),
         *(["reward"] if cfg.reward_model_path and rl else []),
+        *(["shadow"] if cfg.shadow_every and rl else []),
     ]
+
+
+def role_pool(cfg: RunConfig, name: str) -> str:
+    """``RunConfig.role_pools[name]``; the shadow check's engine, unless mapped, runs in
+    the reference's pool (else the actor's)."""
+    if name == "shadow" and name not in cfg.role_pools:
+        return cfg.role_pools.get("reference") or cfg.role_pools.get("actor", "")
+    return cfg.role_pools.get(name, "")
+
+
+def other_backend(backend: str) -> str:
+    """The registered backend that is not ``backend`` (the shadow check's, polyrl.shadow)."""
+    from polyrl.backends.base import ENGINES
+
+    return next(name for name in ENGINES if name != backend)
 
 
 def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
     from polyrl.backends.base import get_backend
 
     parallel = _parallel(cfg)[name]
-    shape = pool_shape(cfg.pools.get(cfg.role_pools.get(name, ""), {}))
+    shape = pool_shape(cfg.pools.get(role_pool(cfg, name), {}))
     devices = parallel.world_size
     hosts = max(1, min(shape.nodes, devices))
-    process = get_backend(cfg.backend).process
+    # The shadow (RunConfig.shadow_every) scores as a frozen reference on the other backend.
+    backend = other_backend(cfg.backend) if name == "shadow" else cfg.backend
+    process = get_backend(backend).process
     path = cfg.reward_model_path if name == "reward" else cfg.model_path
     model = ModelConfig(
         path=str(path),
-        role=name,
+        role="reference" if name == "shadow" else name,
         dtype=cfg.model_dtype,
         gradient_checkpointing=cfg.gradient_checkpointing,
         checkpoint_policy=cfg.checkpoint_policy,
@@ -150,11 +169,11 @@ def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
     optim = {"actor": cfg.optim, "critic": cfg.critic_optim}.get(name)
     return RoleSpec(
         name=name,
-        pool=cfg.role_pools.get(name, ""),
+        pool=role_pool(cfg, name),
         num_workers=process.num_workers(devices, hosts),
         hosts=hosts,
         local_devices=process.devices_per_worker(devices, hosts),
-        backend=cfg.backend,
+        backend=backend,
         model=model,
         optim=optim,
         parallel=parallel,

@@ -79,7 +79,9 @@ class Loop(abc.ABC):
         self.timeline = Timeline(path, self.role_workers) if cfg.timeline else None
         if self.timeline is not None:
             self.timer.listeners.append(self.timeline.add)
-        self.health = HealthMonitor()
+        self.health = HealthMonitor(
+            shadow_tolerance=cfg.shadow_tolerance, shadow_sides=shadow_sides(cfg.backend)
+        )
         self.dumps = RolloutDumps(self.run_dir, self.tokenizer, cfg.dump_every, cfg.dump_samples)
         self.actor_loss = spec.make_actor_loss()
         self.actor = self._group("actor")
@@ -138,7 +140,7 @@ class Loop(abc.ABC):
     def shutdown(self) -> None:
         """End every worker (waiting until each is gone), then free the pools' placement
         groups, so a next run in the same Ray session finds its devices free."""
-        for group in (self.actor, self.reference, self.critic):
+        for group in (self.actor, self.reference, self.critic, getattr(self, "shadow", None)):
             if group is not None:
                 group.shutdown()
         self.placement.release()  # last: removing a group kills what still runs in it
@@ -147,6 +149,7 @@ class Loop(abc.ABC):
         """Every role worker as (role, rank, Ray actor): where the timeline's spans are."""
         groups = {"actor": self.actor, "reference": self.reference, "critic": self.critic}
         groups["reward_model"] = getattr(self, "reward_model", None)
+        groups["shadow"] = getattr(self, "shadow", None)
         out = [(r, i, w) for r, g in groups.items() if g for i, w in enumerate(g.workers)]
         out += [("rollout", i, s) for i, s in enumerate(self.pool.servers if self.pool else ())]
         rewards = getattr(self, "rewards", None)
@@ -155,7 +158,7 @@ class Loop(abc.ABC):
     def _group(self, role: str) -> WorkerGroup:
         """Start ``role`` from the run's role table (``polyrl.roles``)."""
         spec = self.roles[role]
-        if role in ("actor", "reference"):
+        if role in ("actor", "reference", "shadow"):
             model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
             spec = dataclasses.replace(spec, model=model)
         with self.startup.phase(f"{role} workers"):
@@ -319,9 +322,10 @@ class Loop(abc.ABC):
         if path is None:
             print(f"[resume] no checkpoint under {self.run_dir}/checkpoints: starting at step 0")
             return
-        state = checkpoints.restore(
-            path, self._engine_parts("load"), checkpoints.run_manifest(self.cfg, self.spec)
-        )
+        from polyrl.backends import exchange  # converts the other backend's checkpoint
+
+        manifest = checkpoints.run_manifest(self.cfg, self.spec)
+        state = checkpoints.restore(path, self._engine_parts("load"), manifest, exchange)
         self.start_step = state["step"]
         self.restore_extra(state, path)
         print(f"[resume] from {path} at step {self.start_step}", flush=True)
@@ -337,6 +341,7 @@ class RLTrainer(Loop):
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
         self.critic = self._group("critic") if "critic" in self.roles else None
         self.reward_model = self._group("reward") if "reward" in self.roles else None
+        self.shadow = self._group("shadow") if "shadow" in self.roles else None
         self.rewards = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
         self.episodes = None  # RunConfig.episodes: multi-turn episodes in env workers
         if cfg.episodes is not None:
@@ -416,6 +421,11 @@ class RLTrainer(Loop):
             metrics |= mismatch_metrics(batch)
             if self.spec.dynamic_sampling:
                 metrics["dynamic_sampling/kept_fraction"] = kept
+            # Steps 1, 1 + k * shadow_every: each right after a checkpoint when save_every
+            # is a multiple of shadow_every (polyrl diagnose replays it from there).
+            if self.shadow is not None and step % self.cfg.shadow_every == 0:
+                with phase("shadow"):
+                    metrics |= self.shadow_check(step, batch)
             with phase("update_actor"):
                 metrics |= self.update(
                     self.actor,
@@ -494,6 +504,36 @@ class RLTrainer(Loop):
         if "values" in outs:
             columns["values"] = outs["values"]["values"]
         return batch.with_columns(columns)
+
+    def shadow_check(self, step: int, batch: Batch) -> dict[str, float]:
+        """The three-way check (``polyrl.shadow``, ``RunConfig.shadow_every``): the
+        shadow engine (the other backend) gets the actor's weights and scores the batch;
+        its log-probs, vLLM's and the actor's are compared. Writes
+        ``<run_dir>/shadow/step_<N>.json`` (metrics, verdict, worst tokens) and the batch
+        with the three sides' columns (``step_<N>_batch.npz/.json``, for ``polyrl
+        diagnose``)."""
+        from polyrl import shadow
+        from polyrl.async_rollout import save_batch
+
+        with self.turns.resident(self.shadow):
+            self.shadow.load_weights_from(self.actor, self.bucket_bytes)
+            out = self.shadow.forward(batch, temperature=self.temperature, entropy=True)
+        batch = batch.with_columns(
+            {"shadow_log_probs": out["log_probs"], "shadow_entropy": out["entropy"]}
+        )
+        metrics, worst, verdict = shadow.compare(batch, self.tokenizer, self.cfg.shadow_tolerance)
+        where = self.run_dir / "shadow" / f"step_{step + 1}"
+        shadow.write_report(
+            where.with_suffix(".json"),
+            step + 1,
+            metrics,
+            worst,
+            shadow_sides(self.cfg.backend),
+            verdict,
+            sampling_vocab_size=self.vocab,
+        )
+        save_batch(batch, where.with_name(where.name + "_batch"))
+        return metrics
 
     def inspect(self, step: int, batch: Batch, metrics: dict[str, float]) -> dict[str, float]:
         """Health checks and the rollout dump of one step (docs/debugging.md)."""
@@ -751,6 +791,13 @@ class PreferenceTrainer(Loop):
         lengths = batch["response_mask"].sum(-1)
         metrics |= {"response/length_mean": float(lengths.mean())}
         return metrics | self.timer.metrics(COMPUTE_PHASES)
+
+
+def shadow_sides(backend: str) -> dict[str, str]:
+    """Which stack each side of the three-way check is (``polyrl.shadow``)."""
+    from polyrl.roles import other_backend
+
+    return {"rollout": "vLLM", "train": backend, "shadow": other_backend(backend)}
 
 
 def _progress(step: int, total: int, m: dict[str, float]) -> str:

@@ -117,6 +117,18 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"run (1 to RunConfig.total_steps={cfg.total_steps}); list steps in that range, e.g. "
             f"profile_steps = [{min(3, cfg.total_steps)}] (a step after the first compiles)"
         )
+    if not (isinstance(cfg.shadow_every, int) and cfg.shadow_every >= 0) or not (
+        cfg.shadow_tolerance > 0
+    ):
+        out.append(
+            f"RunConfig.shadow_every={cfg.shadow_every!r} must be an int >= 0 (0: no shadow "
+            f"check) and RunConfig.shadow_tolerance={cfg.shadow_tolerance!r} > 0 (nats per token)"
+        )
+    elif cfg.shadow_every and spec.objective != "rl":
+        out.append(
+            f"RunConfig.shadow_every={cfg.shadow_every}: algorithm {spec.name!r} samples no "
+            "rollouts, so there are no vLLM log-probs to compare; set shadow_every = 0"
+        )
     if cfg.epochs < 1 or cfg.total_steps < 1:
         out.append(
             f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1"
@@ -225,10 +237,10 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
                 f"RunConfig.weight_bucket_mb={cfg.weight_bucket_mb} must be > 0 (MiB per weight-sync "
                 f"bucket); leave it unbound (None) for the transport's default"
             )
-    from polyrl.roles import role_names
+    from polyrl.roles import role_names, role_pool
 
     for role in role_names(cfg, spec):
-        pool = cfg.role_pools.get(role)
+        pool = role_pool(cfg, role) or None
         if pool is None:
             out.append(
                 f"RunConfig.role_pools has no entry for role {role!r}; map it to one of "

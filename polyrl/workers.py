@@ -72,7 +72,29 @@ class EngineWorker(Traced):
     def forward(self, batch: Batch, kwargs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         self._fault("kill_in_forward", self.forwards)
         self.forwards += 1
+        batch, kwargs = self._planted(batch, dict(kwargs))
         return self.engine.forward(batch, **kwargs)
+
+    def _planted(self, batch: Batch, kwargs: dict[str, Any]) -> tuple[Batch, dict[str, Any]]:
+        """Test-only (``polyrl.faults``): a wrong temperature or a broken attention mask
+        in this backend's forwards (the faults the three-way check must name)."""
+        scale = faults.values("temperature_scale", self.backend)
+        if scale:
+            kwargs["temperature"] = kwargs.get("temperature", 1.0) * max(scale) / 100
+        if faults.values("broken_mask", self.backend):  # hide each row's first real token
+            mask = np.array(batch["attention_mask"], copy=True)
+            mask[np.arange(len(mask)), np.argmax(mask != 0, axis=1)] = 0
+            batch = batch.with_columns({"attention_mask": mask})
+        return batch, kwargs
+
+    def load_weights(self, payloads: list[Any]) -> None:
+        """Take another engine's weights (``host_buckets`` payloads: HF names, as exported
+        to the rollout servers) into this frozen engine (the shadow check's)."""
+        from polyrl.weight_sync import host_unpack
+
+        self.engine.set_weights(
+            {n: t.float().numpy() for bucket in payloads for n, t in host_unpack(*bucket)}
+        )
 
     @place("train_step")
     def train_step(self, batch: Batch, loss_fn: Any, kwargs: Mapping[str, Any]) -> dict[str, float]:
@@ -395,6 +417,13 @@ class WorkerGroup:
 
         payloads = ray.get([w.host_buckets.remote(bucket_bytes) for w in self.workers])[0]
         return [host_unpack(arrays, metas) for arrays, metas in payloads]
+
+    def load_weights_from(self, source: WorkerGroup, bucket_bytes: int) -> None:
+        """Give every worker of this (frozen) group ``source``'s current weights, moved
+        as the rollout re-sync moves them (``host_buckets`` through the object store)."""
+        refs = [w.host_buckets.remote(bucket_bytes) for w in source.workers]
+        source._get(refs)  # every source rank joins the gathers; rank 0 holds the payloads
+        self._get([w.load_weights.remote(refs[0]) for w in self.workers])
 
     def shutdown(self) -> None:
         from polyrl.ray_session import end_actors

@@ -19,8 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
-__all__ = ["save_state", "restore_state", "read_info", "abstract_like"]
+from polyrl.backends import exchange
+
+__all__ = [
+    "save_state",
+    "restore_state",
+    "read_info",
+    "abstract_like",
+    "export_exchange",
+    "opt_state_from_exchange",
+]
 
 
 def _ocp():
@@ -80,3 +90,53 @@ def read_info(path: str | os.PathLike) -> dict[str, Any]:
             "directory given to JaxPjitEngine.save"
         )
     return json.loads((root / "polyrl.json").read_text())
+
+
+def _adam_leaf(path: Any) -> tuple[str, str | None]:
+    """(field, parameter name) of an optax AdamW state leaf: ``("count", None)``,
+    ``("mu", name)`` or ``("nu", name)``, from its tree path (a NamedTuple's attribute or
+    orbax's restored dict key, then the parameter's dict key)."""
+    keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+    field = next(k for k in keys if k in ("count", "mu", "nu"))
+    return field, (keys[-1] if field != "count" else None)
+
+
+# optax's names of Adam's moments -> the exchange's (torch.optim.AdamW's).
+_MOMENTS = {"mu": "exp_avg", "nu": "exp_avg_sq"}
+
+
+def export_exchange(path: str | os.PathLike) -> exchange.Exchange:
+    """The checkpoint at ``path`` as full fp32 numpy arrays under HF names, read on one
+    CPU device (whatever mesh wrote it)."""
+    info = read_info(path)
+    root = Path(path).absolute() / "state"
+    ckptr = _ocp().StandardCheckpointer()
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu),
+        ckptr.metadata(root).item_metadata.tree,
+    )
+    state = ckptr.restore(root, target)
+    params = {k: np.asarray(v, np.float32) for k, v in state["params"].items()}
+    moments: dict[str, dict[str, np.ndarray]] = {}
+    adam_step = 0
+    for leaf_path, leaf in jax.tree_util.tree_flatten_with_path(state.get("opt_state"))[0]:
+        field, name = _adam_leaf(leaf_path)
+        if field == "count":
+            adam_step = int(leaf)
+        else:
+            moments.setdefault(_MOMENTS[field], {})[name] = np.asarray(leaf, np.float32)
+    out = {k: info[k] for k in ("step", "role", "model")}
+    return exchange.Exchange(params, moments, {**out, "adam_step": adam_step})
+
+
+def opt_state_from_exchange(opt_state: Any, state: exchange.Exchange) -> Any:
+    """``opt_state``'s tree (optax AdamW) with the exchange's moments and step count."""
+
+    def fill(leaf_path, leaf):
+        field, name = _adam_leaf(leaf_path)
+        if field == "count":
+            return np.asarray(state.adam_step, leaf.dtype)
+        return state.moments[_MOMENTS[field]][name]
+
+    return jax.tree_util.tree_map_with_path(fill, opt_state)

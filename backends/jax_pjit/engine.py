@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 
 from polyrl import checkpoints, faults, micro_batch
+from polyrl.backends import exchange
 from polyrl.backends.base import Bucket, LossContext, LossFn, check_temperature
 from polyrl.backends.jax_pjit import (
     attention,
@@ -511,6 +512,19 @@ class JaxPjitEngine:
         if jax.process_index() == 0:
             checkpoints.save_peft_adapters(path, arrays, self.model_cfg.lora, self.model_cfg.path)
 
+    def set_weights(self, named: dict[str, np.ndarray]) -> None:
+        """Replace every weight with full arrays under HF names (another engine's)."""
+        self._check_loaded()
+        missing = sorted(set(self.params) - set(named))
+        if missing:
+            raise ValueError(
+                f"no weights given for {len(missing)} parameter(s), e.g. {missing[:3]}"
+            )
+        self.params = {
+            k: jax.device_put(np.asarray(named[k]).astype(v.dtype), self.param_shardings[k])
+            for k, v in self.params.items()
+        }
+
     def _state(self) -> dict[str, Any]:
         state = {
             "params": self.params,
@@ -538,7 +552,21 @@ class JaxPjitEngine:
         }
 
     def load(self, path: str) -> None:
+        """Restore :meth:`save`'s checkpoint, or an exchange directory another backend's
+        checkpoint was converted into (``polyrl.backends.exchange``)."""
         self._check_loaded()
+        if exchange.is_exchange(path):
+            checkpoints.check_manifest(exchange.read_info(path), self._identity(), path)
+            state = exchange.read(path, set(self.params))
+            if self.opt_state is not None and not state.moments:
+                raise ValueError(f"exchange checkpoint {path} has no optimizer state to train from")
+            self.set_weights(state.params)
+            if self.opt_state is not None:
+                self.opt_state = jax.device_put(
+                    checkpoint.opt_state_from_exchange(self.opt_state, state), self._opt_shardings
+                )
+            self.step = state.step
+            return
         checkpoints.check_manifest(checkpoint.read_info(path), self._identity(), path)
         state, _ = checkpoint.restore_state(path, checkpoint.abstract_like(self._state()))
         self.params = state["params"]

@@ -31,12 +31,24 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_extra", "STATE_FILE"]
+from polyrl.backends import exchange
+
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "read_extra",
+    "export_exchange",
+    "load_exchange",
+    "set_full_params",
+    "STATE_FILE",
+]
 
 STATE_FILE = "polyrl_state.json"
 
@@ -188,3 +200,82 @@ def load_checkpoint(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return extra
+
+
+_OPTIM_STATE = "optim.state."
+
+
+def export_exchange(path: str) -> exchange.Exchange:
+    """The checkpoint at ``path`` as full fp32 arrays under HF names (one process, no
+    process group: DCP reads every shard). The DCP keys are ``model.<name>`` and
+    ``optim.state.<name>.<exp_avg|exp_avg_sq|step>``; byte items (param groups) are
+    never read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    extra = read_extra(path)
+    meta = _SafeReader(Path(path)).read_metadata()
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in meta.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    _dcp_load(state, Path(path))
+    params = {
+        k[len("model.") :]: v.float().numpy() for k, v in state.items() if k.startswith("model.")
+    }
+    moments: dict[str, dict] = {m: {} for m in exchange.MOMENTS}
+    adam_steps = set()
+    for key, value in state.items():
+        if not key.startswith(_OPTIM_STATE):
+            continue
+        name, _, field = key[len(_OPTIM_STATE) :].rpartition(".")
+        if field in moments:
+            moments[field][name] = value.float().numpy()
+        elif field == "step":
+            adam_steps.add(int(value.item()))
+    if len(adam_steps) > 1:  # one optimizer step for all parameters, so one count
+        raise ValueError(f"{path}: parameters have different Adam step counts {adam_steps}")
+    info = {k: extra[k] for k in ("step", "role", "model")}
+    info["adam_step"] = adam_steps.pop() if adam_steps else 0
+    return exchange.Exchange(params, moments if moments["exp_avg"] else {}, info)
+
+
+def set_full_params(model: nn.Module, params: dict[str, Any]) -> None:
+    """Set every parameter from full arrays under HF names (numpy, any float dtype); each
+    rank keeps its shard. A parameter missing from ``params`` raises naming it."""
+    missing = sorted({k for k, _ in model.named_parameters()} - set(params))
+    if missing:
+        raise ValueError(f"no weights given for {len(missing)} parameter(s), e.g. {missing[:3]}")
+    full = StateDictOptions(full_state_dict=True)
+    # Only the given names: a tied ``lm_head.weight`` alias left in the state dict would
+    # write the old embedding back over the new one.
+    model_sd = {
+        k: torch.as_tensor(params[k]).to(v.dtype)
+        for k, v in get_model_state_dict(model, options=full).items()
+        if k in params
+    }
+    set_model_state_dict(
+        model, model_sd, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+
+
+def load_exchange(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> exchange.Exchange:
+    """Load an exchange directory (``polyrl.backends.exchange``) into this rank's shards: full
+    tensors in, each rank keeps its part (``full_state_dict`` + DTensor distribution)."""
+    state = exchange.read(path, {k for k, _ in model.named_parameters()})
+    set_full_params(model, state.params)
+    full = StateDictOptions(full_state_dict=True)
+    if optimizer is not None:
+        if not state.moments:
+            raise ValueError(f"exchange checkpoint {path} has no optimizer state to train from")
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=full)
+        for name, entry in optim_sd["state"].items():
+            for moment in exchange.MOMENTS:
+                entry[moment] = torch.from_numpy(state.moments[moment][name]).to(
+                    entry[moment].dtype
+                )
+            entry["step"] = torch.full_like(entry["step"], state.adam_step)
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=full)
+    return state

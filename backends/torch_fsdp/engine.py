@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from polyrl import checkpoints, faults, micro_batch
+from polyrl.backends import exchange
 from polyrl.backends.base import (
     ENGINES,
     Bucket,
@@ -336,6 +337,11 @@ class TorchFSDPEngine:
         """LoRA's ``alpha / rank``: exports merge the adapters (None: no LoRA)."""
         return None if self.cfg.lora is None else self.cfg.lora.scale
 
+    def set_weights(self, named: dict[str, np.ndarray]) -> None:
+        """Replace every weight with full arrays under HF names (another engine's)."""
+        self._check_usable("set_weights")
+        checkpoint.set_full_params(self.model, named)
+
     def save_hf(self, path: str) -> None:
         """HF directory (safetensors + config + tokenizer) of the current weights, loadable
         by transformers and vLLM; critic/reward as ``*ForSequenceClassification``."""
@@ -389,7 +395,15 @@ class TorchFSDPEngine:
         )
 
     def load(self, path: str) -> None:
+        """Restore :meth:`save`'s checkpoint, or an exchange directory another backend's
+        checkpoint was converted into (``polyrl.backends.exchange``)."""
         self._check_usable("load")
+        if exchange.is_exchange(path):
+            extra = exchange.read_info(path)
+            checkpoints.check_manifest(extra, self._identity(), path)
+            checkpoint.load_exchange(path, self.model, self.optimizer)
+            self.step = int(extra["step"])
+            return
         extra = checkpoint.read_extra(path)
         checkpoints.check_manifest(extra, self._identity(), path)
         checkpoint.load_checkpoint(

@@ -132,11 +132,14 @@ def vllm_requests(
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": list(map(int, r[1]))} for r in requests]
+    scale = faults.values("temperature_scale", "rollout")  # test-only: a wrong temperature
     params = []
     for r in requests:
         kwargs = spec.vllm_kwargs(int(r[0]), allowed)
         if len(r) > 2:
             kwargs["max_tokens"] = min(kwargs["max_tokens"], int(r[2]))
+        if scale:
+            kwargs["temperature"] *= max(scale) / 100
         params.append(SamplingParams(**kwargs))
     return prompts, params
 

@@ -84,8 +84,7 @@ def test_mismatch_names_every_difference_and_the_fix(tmp_path):
     with pytest.raises(checkpoints.CheckpointMismatch) as err:
         checkpoints.restore(path, {"actor": _writer("x")}, run)
     msg = str(err.value)
-    assert "backend: checkpoint 'torch_fsdp', this run 'jax_pjit'" in msg
-    assert "polyrl.RunConfig.backend" in msg
+    assert "backend" not in msg  # the other backend's checkpoint is converted, not refused
     assert "hidden_size 32 vs 64" in msg and "polyrl.RunConfig.model_path" in msg
     assert "num_hidden_layers" not in msg  # only what differs is named
     assert not (path / "actor" / "x").exists()  # nothing was loaded

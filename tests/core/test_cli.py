@@ -19,7 +19,16 @@ POLYRL = shutil.which("polyrl") or str(Path(sys.executable).with_name("polyrl"))
 
 def test_entry_point_help_lists_subcommands():
     out = subprocess.run([POLYRL, "--help"], capture_output=True, text=True, check=True).stdout
-    for name in ("train", "sweep", "validate-config", "validate-dataset", "doctor", "report"):
+    names = (
+        "train",
+        "sweep",
+        "validate-config",
+        "validate-dataset",
+        "doctor",
+        "report",
+        "diagnose",
+    )
+    for name in names:
         assert name in out
 
 
@@ -82,6 +91,12 @@ def test_missing_gin_file_is_a_user_error(capsys):
 def test_report_needs_a_run_dir(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_diagnose_needs_a_saved_shadow_batch(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path), "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "no shadow batch of step 3" in err and "polyrl.RunConfig.shadow_every" in err
 
 
 def test_unknown_subcommand_is_a_usage_error():

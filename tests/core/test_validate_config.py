@@ -118,6 +118,10 @@ CASES = [
     ("profile-step-outside", GRPO, ["polyrl.RunConfig.profile_steps = [0, 3, 81]"],
      "RunConfig.profile_steps=[0, 3, 81]: [0, 81] are not steps of this run (1 to "
      "RunConfig.total_steps=80)"),
+    ("shadow-negative", GRPO, ["polyrl.RunConfig.shadow_every = -1"],
+     "RunConfig.shadow_every=-1 must be an int >= 0 (0: no shadow check)"),
+    ("shadow-without-rollouts", DPO, ["polyrl.RunConfig.shadow_every = 5"],
+     "RunConfig.shadow_every=5: algorithm 'dpo' samples no rollouts"),
     ("bucket-zero", GRPO, ["polyrl.RunConfig.weight_bucket_mb = 0"],
      "RunConfig.weight_bucket_mb=0 must be > 0 (MiB per weight-sync bucket); leave it unbound"),
     ("truncated-sampling", GRPO, ["polyrl.SamplingSpec.top_p = 0.9"],

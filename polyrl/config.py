@@ -308,6 +308,11 @@ class RunConfig:
     async_rollout: one-step off-policy: the rollout servers generate step k+1's batch
       while the actor trains on step k (``polyrl.async_rollout``; staleness <= 1, logged
       as ``rollout/staleness_mean``). Off: every batch is sampled by the current weights.
+    export_every / export_final: write the actor's weights as a Hugging Face directory
+      (safetensors + config + tokenizer, ``polyrl.backends.hf_dir``) every ``export_every``
+      steps to ``<run_dir>/exports/step_N`` (0: never) and, with ``export_final``, after
+      the last step to ``<run_dir>/hf`` (the directory another run's ``model_path``,
+      transformers or vLLM loads).
     max_nonfinite_steps: a step whose loss or gradients are not finite skips its update
       (weights and optimizer state unchanged); this many such steps in a row stop the run
       with a checkpoint (0: never stop). See docs/reliability.md.
@@ -388,6 +393,8 @@ class RunConfig:
     weight_bucket_mb: float | None = None
     save_every: int = 0
     keep_checkpoints: int = 2
+    export_every: int = 0
+    export_final: bool = True
     max_nonfinite_steps: int = 3
     seed: int = 0
     tensorboard: bool = True

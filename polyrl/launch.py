@@ -103,7 +103,7 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     import ray
     from transformers import AutoTokenizer
 
-    from polyrl.data.loader import PairSource, PromptSource
+    from polyrl.data.loader import source_for
     from polyrl.debug import DebugSession
     from polyrl.evaluation import validation_prompts
     from polyrl.placement import Placement, trial_placement
@@ -112,12 +112,14 @@ def _components(cfg: RunConfig, spec: Any) -> SimpleNamespace:
     from polyrl.rollout import RolloutPool
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    from polyrl.validate import row_limit
+
     kw = {
         "seed": cfg.seed,
-        "max_prompt_tokens": cfg.rollout.prompt_limit,
+        "max_prompt_tokens": row_limit(cfg, spec)[0],
         "overlong": cfg.rollout.overlong_prompt,
     }
-    source = PromptSource if spec.objective == "rl" else PairSource
+    source = source_for(spec.objective)
     prompts = (
         source.from_files(cfg.train_files, tokenizer, **kw)
         if cfg.train_files
@@ -168,7 +170,7 @@ def train(
     from polyrl.checkpoints import check_resumable, latest_checkpoint, run_manifest
     from polyrl.debug import for_debugging
     from polyrl.reliability import check_free_space, check_run_dir
-    from polyrl.trainer import PreferenceTrainer, RLTrainer
+    from polyrl.trainer import LOOPS
 
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
     check_run_dir(cfg.run_dir)  # before anything is written or started
@@ -181,7 +183,7 @@ def train(
     print(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
     )
-    loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
+    loop = LOOPS[spec.objective]
     from polyrl.health import watch_pending
 
     components = _components(cfg, spec)

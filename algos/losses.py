@@ -69,6 +69,7 @@ __all__ = [
     "kl_penalty",
     "entropy_from_logits",
     "dpo_loss",
+    "sft_loss",
 ]
 
 Array = Any
@@ -747,3 +748,21 @@ def dpo_loss(
         "rewards/accuracies": xp.sum(xp.astype(chosen > rejected, chosen.dtype)) / n,
     }
     return losses, metrics
+
+
+def sft_loss(
+    log_probs: Array, mask: Array, global_tokens: float | Array | None = None
+) -> tuple[Array, Metrics]:
+    """Supervised fine-tuning: token cross-entropy on the target tokens.
+
+    ``log_probs`` [B, T] are the policy's log-probabilities of the data's tokens and
+    ``mask`` [B, T] is 1 on the tokens to learn (the assistant turns of a chat; 0 on the
+    user/system turns in between and on padding). ``loss = -sum(log_probs * mask) /
+    global_tokens``: every target token of the optimizer step weighs the same, whichever
+    micro-batch or rank holds it (``aggregate``'s "token-mean"). Metric: ``nll``, the
+    loss with its gradient stopped (a summable contribution like the loss; ``exp`` of the
+    step's summed value is the perplexity of the target tokens).
+    """
+    check_same_shape("sft_loss", log_probs=log_probs, mask=mask)
+    loss = aggregate(-log_probs, mask, "token-mean", global_tokens)
+    return loss, {"nll": stop_gradient(loss)}

@@ -170,3 +170,12 @@ DPO = register_algorithm(
         label_smoothing=0.0,
     )
 )
+
+SFT = register_algorithm(
+    AlgorithmSpec(
+        name="sft",
+        paper="supervised fine-tuning on chat data (Ouyang et al. 2022, arXiv:2203.02155, step 1)",
+        objective="sft",
+        advantage=None,
+    )
+)

@@ -43,12 +43,20 @@ from polyrl.algos.losses import (
     dpo_loss,
     kl_penalty,
     masked_is_weight,
+    sft_loss,
     truncated_is_weight,
     value_loss,
 )
 from polyrl.tensor import masked_sum, namespace, stop_gradient
 
-__all__ = ["AlgorithmSpec", "RLActorLoss", "DPOActorLoss", "CriticLoss", "OBJECTIVES"]
+__all__ = [
+    "AlgorithmSpec",
+    "RLActorLoss",
+    "DPOActorLoss",
+    "SFTActorLoss",
+    "CriticLoss",
+    "OBJECTIVES",
+]
 
 Array = Any
 Metrics = dict[str, Array]
@@ -209,6 +217,18 @@ class DPOActorLoss:
 
 
 @dataclasses.dataclass(frozen=True)
+class SFTActorLoss:
+    """Supervised fine-tuning on a micro-batch of data rows (backend contract in the
+    module doc): ``losses.sft_loss(outputs["log_probs"], batch["response_mask"],
+    ctx.global_tokens)``. The response mask is 1 on the tokens to learn only (each
+    assistant turn of a chat, ``polyrl.data.chat``), so the loss is the token-mean
+    cross-entropy over every assistant token of the optimizer step."""
+
+    def __call__(self, outputs: Mapping[str, Array], batch: Mapping[str, Array], ctx: Any):
+        return sft_loss(outputs["log_probs"], batch["response_mask"], ctx.global_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class CriticLoss:
     """Critic loss: ``losses.value_loss(outputs["values"], batch["values"],
     batch["returns"], batch["response_mask"], clip, agg, global counts)``."""
@@ -251,8 +271,13 @@ def _dpo_actor_loss(spec: AlgorithmSpec) -> DPOActorLoss:
     return DPOActorLoss(beta=spec.beta, kind=spec.dpo_kind, label_smoothing=spec.label_smoothing)
 
 
-# objective -> actor-loss builder: "rl" trains on scored rollouts, "preference" on pairs.
-OBJECTIVES = {"rl": _rl_actor_loss, "preference": _dpo_actor_loss}
+def _sft_actor_loss(spec: AlgorithmSpec) -> SFTActorLoss:
+    return SFTActorLoss()
+
+
+# objective -> actor-loss builder: "rl" trains on scored rollouts, "preference" on pairs,
+# "sft" on the assistant tokens of chat data.
+OBJECTIVES = {"rl": _rl_actor_loss, "preference": _dpo_actor_loss, "sft": _sft_actor_loss}
 
 
 # --------------------------------------------------------------------------- the spec
@@ -269,9 +294,9 @@ def _check_choice(field: str, value: Any, valid: Any) -> None:
 class AlgorithmSpec:
     """One algorithm, as data. Field groups (defaults are per algorithm, see the registry):
 
-    identity: ``name``, ``paper``; ``objective`` ("rl" | "preference");
-    ``advantage`` (``ADVANTAGE_ESTIMATORS`` name, None for preference);
-    ``policy_loss`` (``POLICY_LOSSES`` name; unused for preference).
+    identity: ``name``, ``paper``; ``objective`` ("rl" | "preference" | "sft");
+    ``advantage`` (``ADVANTAGE_ESTIMATORS`` name, None for preference and sft);
+    ``policy_loss`` (``POLICY_LOSSES`` name; unused for preference and sft).
 
     policy loss: ``clip_low``, ``clip_high`` (``clip_high > clip_low`` = clip-higher),
     ``dual_clip`` (None = off; only the "ppo" loss), ``agg`` (``AGG_MODES``),
@@ -440,7 +465,7 @@ class AlgorithmSpec:
         estimator = ADVANTAGE_ESTIMATORS[spec.advantage]
         return estimator(dict(columns), **{h: getattr(spec, h) for h in estimator.hparams})
 
-    def make_actor_loss(self, **overrides: Any) -> RLActorLoss | DPOActorLoss:
+    def make_actor_loss(self, **overrides: Any) -> RLActorLoss | DPOActorLoss | SFTActorLoss:
         """The actor's ``loss_fn(outputs, batch, ctx)`` with this spec's hyper-parameters
         (``overrides`` replace spec fields)."""
         spec = self.replace(**overrides)

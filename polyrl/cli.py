@@ -1,6 +1,7 @@
 """The ``polyrl`` command.
 
-Subcommands: train, sweep, validate-config, validate-dataset, doctor, report, make-tiny.
+Subcommands: train, sweep, validate-config, validate-dataset, doctor, report, export,
+make-tiny.
 Each handler returns a process exit code; user errors print one clear line (no stack
 trace) and exit non-zero.
 """
@@ -232,18 +233,16 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
         for warning in e.warnings:
             print(f"  WARNING {warning}", file=sys.stderr)
         return 1
-    from polyrl.roles import reference_in_actor
+    from polyrl.roles import reference_in_actor, role_names
+    from polyrl.validate import rows_per_prompt
 
-    roles = [
-        "reference (the actor's base, LoRA adapters off)"
-        if role == "reference" and reference_in_actor(cfg, spec)
-        else role
-        for role in spec.roles
-    ]
+    roles = [*role_names(cfg, spec), *(["reward"] if spec.needs_reward else [])]
+    if reference_in_actor(cfg, spec):
+        roles.insert(roles.index("actor") + 1, "reference (the actor's base, LoRA adapters off)")
     print(
-        f"OK {what}: {spec.name} on {cfg.backend}; roles: actor, rollout, "
-        f"{', '.join(roles)}; {cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
-        f"n={cfg.sampling.n}; model {cfg.model_path}"
+        f"OK {what}: {spec.name} on {cfg.backend}; roles: {', '.join(dict.fromkeys(roles))}; "
+        f"{cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "
+        f"n={rows_per_prompt(cfg, spec)}; model {cfg.model_path}"
     )
     for line in arithmetic:
         print(f"  {line}")
@@ -292,6 +291,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "val/reward/mean",
             "actor/rewards/margins",
             "actor/rewards/accuracies",
+            "actor/nll",
         )
         if k in final
     ]
@@ -346,6 +346,27 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         raise UserError(str(e)) from None
     print(format_diagnosis(result))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from polyrl.checkpoints import CheckpointMismatch
+    from polyrl.hf_export import export_checkpoint
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {str(out)!r} exists and is not empty; pass a new directory")
+    t0 = time.perf_counter()
+    try:
+        path = export_checkpoint(args.run_dir, out, args.step)
+    except (FileNotFoundError, CheckpointMismatch) as e:
+        raise UserError(str(e)) from None
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(
+        f"[export] {path} -> {out} ({size / 2**20:.1f} MiB safetensors, config, tokenizer; "
+        f"{time.perf_counter() - t0:.1f} s): loads in transformers and vLLM, or as "
+        f"polyrl.RunConfig.model_path = {str(out)!r}"
+    )
     return 0
 
 
@@ -449,6 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, required=True, help="a step the shadow check saved")
     p.set_defaults(func=cmd_diagnose)
 
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p.add_argument("run_dir")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser(
         "validate-dataset",
         help="check a prompt dataset (.parquet/.jsonl file, shard directory, HF save_to_disk folder; polyrl or verl schema)",
@@ -459,10 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
     import_arg(p)
     p.add_argument(
         "--kind",
-        choices=("auto", "rl", "preference"),
+        choices=("auto", "rl", "preference", "sft"),
         default="auto",
-        help="schema: rl (prompt, ground_truth, data_source) or preference (prompt, chosen, "
-        "rejected); auto: preference when any row has chosen/rejected",
+        help="schema: rl (prompt, ground_truth, data_source), preference (prompt, chosen, "
+        "rejected) or sft (messages); auto: preference when any row has chosen/rejected, "
+        "sft when rows have messages and no prompt",
     )
     p.add_argument(
         "--overlong",

@@ -394,6 +394,11 @@ class RunConfig:
       Rows older than N (a checkpoint written with a larger N) are dropped with their
       group (``"drop"``) or kept for the off-policy correction (``"reweight"``).
       async_rollout: the former switch; True means max_staleness = 1.
+    export_every / export_final: write the actor's weights as a Hugging Face directory
+      (safetensors + config + tokenizer, ``polyrl.backends.hf_dir``) every ``export_every``
+      steps to ``<run_dir>/exports/step_N`` (0: never) and, with ``export_final``, after
+      the last step to ``<run_dir>/hf`` (the directory another run's ``model_path``,
+      transformers or vLLM loads).
     max_nonfinite_steps: a step whose loss or gradients are not finite skips its update
       (weights and optimizer state unchanged); this many such steps in a row stop the run
       with a checkpoint (0: never stop). See docs/reliability.md.
@@ -485,6 +490,8 @@ class RunConfig:
     weight_bucket_mb: float | None = None
     save_every: int = 0
     keep_checkpoints: int = 2
+    export_every: int = 0
+    export_final: bool = True
     max_nonfinite_steps: int = 3
     seed: int = 0
     tensorboard: bool = True

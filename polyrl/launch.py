@@ -113,7 +113,7 @@ def _components(
     import ray
     from transformers import AutoTokenizer
 
-    from polyrl.data.loader import PairSource, PromptSource
+    from polyrl.data.loader import source_for
     from polyrl.debug import DebugSession
     from polyrl.evaluation import validation_prompts
     from polyrl.metrics import StartupLog
@@ -125,12 +125,14 @@ def _components(
 
     startup = startup or StartupLog()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    from polyrl.validate import row_limit
+
     kw = {
         "seed": cfg.seed,
-        "max_prompt_tokens": cfg.rollout.prompt_limit,
+        "max_prompt_tokens": row_limit(cfg, spec)[0],
         "overlong": cfg.rollout.overlong_prompt,
     }
-    source = PromptSource if spec.objective == "rl" else PairSource
+    source = source_for(spec.objective)
     prompts = (
         source.from_files(cfg.train_files, tokenizer, **kw)
         if cfg.train_files
@@ -190,7 +192,7 @@ def train(
         check_run_dir,
         clear_run_outputs,
     )
-    from polyrl.trainer import PreferenceTrainer, RLTrainer
+    from polyrl.trainer import LOOPS
 
     startup = StartupLog()  # from here to the first step (docs/training.md "Output")
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
@@ -209,7 +211,7 @@ def train(
     print(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
     )
-    loop = RLTrainer if spec.objective == "rl" else PreferenceTrainer
+    loop = LOOPS[spec.objective]
     from polyrl.health import watch_pending
 
     components = _components(cfg, spec, reward_rows, startup)

@@ -176,6 +176,8 @@ def check_free_space(cfg: Any, spec: Any) -> None:
     need = RUN_DIR_SLACK
     if cfg.save_every:
         need += 3 * weights * roles * (cfg.keep_checkpoints + 1)
+    exports = cfg.total_steps // cfg.export_every if cfg.export_every else 0
+    need += weights * (exports + cfg.export_final)  # HF exports (RunConfig.export_every/final)
     free = shutil.disk_usage(cfg.run_dir).free
     if faults.active("disk_full", 0, "run_dir"):
         free = 0

@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,7 +49,7 @@ from polyrl.roles import reference_in_actor
 from polyrl.timeline import Timeline
 from polyrl.workers import WorkerGroup, gather
 
-__all__ = ["Loop", "RLTrainer", "PreferenceTrainer"]
+__all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "SFTTrainer", "LOOPS"]
 
 COMPUTE_PHASES = (
     "generate",
@@ -219,6 +220,10 @@ class Loop(abc.ABC):
                     )
                 if self.cfg.save_every and (step + 1) % self.cfg.save_every == 0:
                     self._save(step + 1)
+                if self.cfg.export_every and done % self.cfg.export_every == 0:
+                    self.export_hf(self.run_dir / "exports" / f"step_{done}", f"step {done}")
+            if self.cfg.export_final and total > self.start_step:
+                self.export_hf(self.run_dir / "hf", f"step {total} (final)")
         except Exception as e:
             if not reliability.is_fault(e):
                 raise
@@ -286,6 +291,18 @@ class Loop(abc.ABC):
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
         return {f"{role}/{k}": v / count for k, v in sums.items()}
+
+    def export_hf(self, out: Path, what: str) -> None:
+        """The actor's weights as a Hugging Face directory at ``out`` (RunConfig.export_every
+        / export_final), written under ``out.tmp`` and renamed when complete."""
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with reliability.writing(f"the {what} export"), self.turns.resident(self.actor):
+            self.actor.export_hf(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        print(f"[export] {what}: {out} (Hugging Face format)", flush=True)
 
     # ------------------------------------------------------------------ checkpoints
     def _engine_parts(self, method: str) -> dict[str, Callable[[str], None]]:
@@ -800,6 +817,28 @@ def shadow_sides(backend: str) -> dict[str, str]:
     return {"rollout": "vLLM", "train": backend, "shadow": other_backend(backend)}
 
 
+class SFTTrainer(Loop):
+    """Supervised fine-tuning on chat data: ``prompts_per_step`` conversations a step,
+    ``epochs`` passes of mini-batches of ``mini_batch_prompts`` conversations, the loss on
+    the assistant tokens (``polyrl.algos.spec.SFTActorLoss``). No rollout servers, no
+    reference, no reward."""
+
+    def step(self, step: int) -> dict[str, float]:
+        self.timer.start_step(step + 1)
+        with self.timer.phase("data"):
+            batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
+        with self.timer.phase("update_actor"):
+            metrics = self.update(
+                self.actor, self.actor_loss, batch, "actor", False, self.cfg.mini_batch_prompts
+            )
+        metrics["sft/target_tokens"] = float(batch["response_mask"].sum())
+        return metrics | self.timer.metrics(COMPUTE_PHASES)
+
+
+# Algorithm objective -> its loop.
+LOOPS = {"rl": RLTrainer, "preference": PreferenceTrainer, "sft": SFTTrainer}
+
+
 def _progress(step: int, total: int, m: dict[str, float]) -> str:
     done = int(20 * (step + 1) / total)
     bar = "#" * done + "." * (20 - done)
@@ -808,6 +847,7 @@ def _progress(step: int, total: int, m: dict[str, float]) -> str:
         ("reward/mean", "reward"),
         ("actor/rewards/margins", "margin"),
         ("actor/rewards/accuracies", "acc"),
+        ("actor/nll", "nll"),
         ("actor/kl_loss", "kl"),
         ("actor/entropy", "entropy"),
         ("response/length_mean", "len"),

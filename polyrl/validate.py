@@ -35,10 +35,18 @@ def _dp_fix(mini: int, n: int, dp: int) -> int:
     return -(-mini // step) * step
 
 
+def rows_per_prompt(cfg: RunConfig, spec: Any) -> int:
+    """Rows a step trains on per data row: n samples (RL), 2 (DPO: chosen and
+    rejected), 1 (SFT: the conversation)."""
+    return {"rl": cfg.sampling.n, "preference": 2, "sft": 1}[spec.objective]
+
+
 def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None) -> list[str]:
     """The batch arithmetic of one run, as lines of arithmetic (validate-config prints it)."""
-    n = cfg.sampling.n if spec.objective == "rl" else 2
-    unit = "samples" if spec.objective == "rl" else "rows (chosen + rejected)"
+    n = rows_per_prompt(cfg, spec)
+    unit = {"rl": "samples", "preference": "rows (chosen + rejected)", "sft": "conversations"}[
+        spec.objective
+    ]
     minis = cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1)
     par = cfg.actor_parallel
     per_rank = cfg.mini_batch_prompts * n // max(par.dp_size, 1)
@@ -61,8 +69,12 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
 
 def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
     out = []
-    # A preference step trains on 2 rows (chosen, rejected) per prompt.
-    n = cfg.sampling.n if spec.objective == "rl" else 2
+    if cfg.export_every < 0:
+        out.append(
+            f"RunConfig.export_every={cfg.export_every} must be >= 0 (N: a Hugging Face export "
+            f"every N steps, 0: none; RunConfig.export_final exports the last step)"
+        )
+    n = rows_per_prompt(cfg, spec)
     if cfg.prompts_per_step % cfg.mini_batch_prompts:
         out.append(
             f"RunConfig.prompts_per_step={cfg.prompts_per_step} is not a multiple of "
@@ -475,6 +487,16 @@ def device_problems(cfg: RunConfig) -> list[str]:
 LIMIT_BINDING = "RolloutConfig.max_prompt_len"  # the binding that holds the prompt limit
 
 
+def row_limit(cfg: RunConfig, spec: Any) -> tuple[int | None, str]:
+    """The longest row in tokens and the binding that holds it: the prompt limit, or for
+    SFT (whole conversations) ``RolloutConfig.max_model_len``."""
+    if cfg.rollout is None:
+        return None, LIMIT_BINDING
+    if spec.objective == "sft":
+        return cfg.rollout.max_model_len, "RolloutConfig.max_model_len"
+    return cfg.rollout.prompt_limit, LIMIT_BINDING
+
+
 def dataset_problems(
     cfg: RunConfig, spec: Any, tokenizer: Any, samples: dict | None = None
 ) -> tuple[list[str], list[str], int]:
@@ -485,11 +507,11 @@ def dataset_problems(
     scored later instead). Returns (problems, warnings, rows that train)."""
     from polyrl.data.schema import DatasetError, validate_rows
     from polyrl.data.schema import load_rows as load
-    from polyrl.data.tasks import TASKS, make_preference_rows, make_rows
+    from polyrl.data.tasks import MAKERS, TASKS
 
-    kind = "rl" if spec.objective == "rl" else "preference"
+    kind = spec.objective  # the row kind of polyrl.data.schema.KINDS
     overlong = cfg.rollout.overlong_prompt if cfg.rollout is not None else "error"
-    limit = cfg.rollout.prompt_limit if cfg.rollout is not None else None
+    limit, limit_name = row_limit(cfg, spec)
     problems, warnings, rows, dropped, longest = [], [], 0, 0, 0
     deferred, samples = samples is not None, {} if samples is None else samples
     files = {"RunConfig.train_files": tuple(cfg.train_files)}
@@ -500,7 +522,7 @@ def dataset_problems(
         return [f"RunConfig.task={cfg.task!r} is not a task; use one of {sorted(TASKS)}"], [], 0
     if not cfg.train_files:  # a built-in task: its rows are checked the same way
         files["RunConfig.task"] = (f"task {cfg.task} (train)",)
-    make = make_rows if kind == "rl" else make_preference_rows
+    make = MAKERS[kind]
     for binding, paths in files.items():
         for path in paths:
             try:
@@ -509,7 +531,7 @@ def dataset_problems(
                 else:
                     data, lines = load(path)
                 report = validate_rows(
-                    data, path, tokenizer, limit, kind, lines, overlong, LIMIT_BINDING
+                    data, path, tokenizer, limit, kind, lines, overlong, limit_name
                 )
             except DatasetError as e:
                 problems += [f"{binding}: {path}: {p}" for p in e.problems]

@@ -62,7 +62,7 @@ class EngineWorker(Traced):
         os.environ.update(env)
         from polyrl.backends.base import get_engine  # imports the framework here, lazily
 
-        self.rank, self.role = rank, model.role
+        self.rank, self.role, self.model_path = rank, model.role, model.path
         setup_worker(model.role, rank)
         self.engine = get_engine(self.backend)()
         self.engine.init(model, optim, parallel)
@@ -135,6 +135,15 @@ class EngineWorker(Traced):
 
         payloads = [host_payload(b) for b in self.engine.export_weights(bucket_bytes)]
         return payloads if self.rank == 0 else None
+
+    @place("export_hf")
+    def export_hf(self, out_dir: str) -> None:
+        """The engine's weights (``export_weights``) as an HF directory at ``out_dir``
+        (``polyrl.backends.hf_dir.write_hf``): rank 0 writes, the others join the gathers."""
+        from polyrl.backends.hf_dir import write_hf
+
+        buckets = self.engine.export_weights(1 << 30)
+        write_hf(buckets, self.model_path, out_dir, write=self.rank == 0)
 
     @place("call")
     def call(self, method: str, *args: Any) -> Any:
@@ -380,6 +389,10 @@ class WorkerGroup:
         import ray
 
         return ray.get([w.gpu_memory.remote() for w in self.workers])
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write the role's weights as an HF directory (``EngineWorker.export_hf``)."""
+        self._get([w.export_hf.remote(out_dir) for w in self.workers])
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
 

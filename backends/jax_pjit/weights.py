@@ -8,7 +8,8 @@ Loading reads safetensors with ``safetensors.numpy`` (no torch); export yields f
 unsharded arrays under the names ``save_pretrained`` writes, in weight buckets
 (``polyrl.weight_sync.to_torch`` then hands each array to torch through DLPack,
 zero-copy when both sit on the same device); each bucket packs itself for a transport's
-flat buffer (``bridge.pack_arrays``).
+flat buffer (``bridge.pack_arrays``); ``polyrl.backends.hf_dir.write_hf`` writes them as an
+HF directory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import functools
 import glob
 import json
 import os
-import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -38,7 +38,6 @@ __all__ = [
     "load_hf_params",
     "ExportBucket",
     "export_buckets",
-    "save_pretrained",
 ]
 
 # Value-head weight names used by HF (*ForTokenClassification / *ForSequenceClassification),
@@ -201,24 +200,3 @@ def _exporter(dtype: np.dtype | None, device: jax.Device):
         return [a.astype(dtype or a.dtype) for a in arrays]
 
     return jax.jit(export, out_shardings=jax.sharding.SingleDeviceSharding(device))
-
-
-def save_pretrained(
-    buckets: Iterable[list[tuple[str, Any]]], src_dir: str | os.PathLike, out_dir: str | os.PathLike
-) -> Path:
-    """Write exported buckets as ``model.safetensors`` next to ``src_dir``'s config and
-    tokenizer files, giving a directory transformers and vLLM load like the original."""
-    from safetensors.numpy import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: np.asarray(x) for bucket in buckets for name, x in bucket}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for f in Path(src_dir).iterdir():
-        if (
-            f.is_file()
-            and not f.name.endswith(".safetensors")
-            and f.name != "model.safetensors.index.json"
-        ):
-            shutil.copy2(f, out / f.name)
-    return out

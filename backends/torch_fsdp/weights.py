@@ -9,39 +9,25 @@ tied parameter once, under its first name (``model.embed_tokens.weight``; the ti
 ``lm_head.weight`` is left out, as HF does), plus persistent buffers (non-persistent
 ones such as rotary ``inv_freq`` are not checkpoint state).
 
-:func:`save_hf` writes those buckets as HF safetensors (sharded with an index past
-``max_shard_bytes``) with the config and the tokenizer files, loadable by transformers
-and vLLM.
+:func:`save_hf` writes those buckets with ``polyrl.backends.hf_dir.write_hf`` (the one HF
+writer of both backends), with the config of a value model where there is one.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from polyrl.backends.buckets import iter_buckets as group_buckets
+from polyrl.backends.hf_dir import write_hf
 from polyrl.backends.torch_fsdp import lora
 
-__all__ = ["hf_named_tensors", "full", "iter_buckets", "save_hf", "TOKENIZER_FILES"]
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
+__all__ = ["hf_named_tensors", "full", "iter_buckets", "save_hf"]
 
 
 def hf_named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -99,47 +85,6 @@ def _hf_config(hf_config, value_head: nn.Linear | None):
     return config
 
 
-def _write_shards(buckets, out: Path, max_shard_bytes: int, write: bool) -> None:
-    """Regroup buckets into safetensors shards of at most ``max_shard_bytes``; only
-    ``write`` ranks keep and write them, the others just take part in the gathers."""
-    from safetensors.torch import save_file
-
-    names: list[list[str]] = [[]]  # tensor names per shard, for the index
-    current: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        if write and current:
-            save_file(current, str(out / f".shard-{len(names) - 1}"), metadata={"format": "pt"})
-        current.clear()
-
-    for bucket in buckets:
-        for name, tensor in bucket:
-            nbytes = tensor.numel() * tensor.element_size()
-            if names[-1] and size + nbytes > max_shard_bytes:
-                flush()
-                names.append([])
-                size = 0
-            names[-1].append(name)
-            if write:
-                current[name] = tensor.detach().cpu().contiguous()
-            size += nbytes
-            total += nbytes
-    flush()
-    if not write:
-        return
-    if len(names) == 1:
-        (out / ".shard-0").rename(out / "model.safetensors")
-        return
-    weight_map = {}
-    for i, shard in enumerate(names):
-        fname = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
-        (out / f".shard-{i}").rename(out / fname)
-        weight_map.update({name: fname for name in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
 def save_hf(
     model: nn.Module,
     hf_config,
@@ -155,17 +100,15 @@ def save_hf(
 ) -> None:
     """Write ``model`` as an HF directory at ``out_dir`` (rank 0 writes; every rank must
     call it, the gather is collective): safetensors in ``dtype``, ``config.json`` and the
-    tokenizer/generation files copied from ``src_path``."""
-    out = Path(out_dir)
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-    buckets = iter_buckets(model, min(max_shard_bytes, 1 << 30), dtype, device, lora_scale)
-    _write_shards(buckets, out, max_shard_bytes, write=is_main)
-    if not is_main:
-        return
+    tokenizer/generation files copied from ``src_path`` (``polyrl.backends.hf_dir.write_hf``)."""
     config = _hf_config(hf_config, value_head)
     config.dtype = dtype  # what config.json records as the weights' dtype
-    config.save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (Path(src_path) / name).is_file():
-            shutil.copy2(Path(src_path) / name, out / name)
+    buckets = iter_buckets(model, min(max_shard_bytes, 1 << 30), dtype, device, lora_scale)
+    write_hf(
+        buckets,
+        src_path,
+        out_dir,
+        write=is_main,
+        config=json.loads(config.to_json_string()),
+        max_shard_bytes=max_shard_bytes,
+    )

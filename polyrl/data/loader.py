@@ -1,4 +1,5 @@
-"""PromptSource: the training prompts, validated once, served in deterministic batches.
+"""PromptSource: the training rows, validated once, served in deterministic batches
+(prompts for RL, pairs for DPO: PairSource, conversations for SFT: ChatSource).
 
 Batch ``k`` depends only on the seed and ``k`` (an epoch is a seeded permutation), so a
 resumed run sees exactly the prompts the uninterrupted run would have: the data
@@ -16,9 +17,9 @@ from polyrl.batch import Batch, from_token_lists
 from polyrl.data.formats import read_dataset
 from polyrl.data.prompts import encode_prompts
 from polyrl.data.schema import validate_rows
-from polyrl.data.tasks import make_preference_rows, make_rows
+from polyrl.data.tasks import MAKERS
 
-__all__ = ["PromptSource", "PairSource"]
+__all__ = ["PromptSource", "PairSource", "ChatSource", "source_for"]
 
 
 class PromptSource:
@@ -47,8 +48,12 @@ class PromptSource:
         )
         kept = self.report.kept
         self.rows = list(rows) if kept is None else [rows[i] for i in kept]
-        self.prompt_ids = encode_prompts(tokenizer, self.rows)
+        self.prompt_ids = self.encode(tokenizer)
         self.seed = seed
+
+    def encode(self, tokenizer: Any) -> list[list[int]]:
+        """The token ids each row is served with (the rendered prompt)."""
+        return encode_prompts(tokenizer, self.rows)
 
     @classmethod
     def from_files(cls, files: Sequence[str], tokenizer: Any, **kw: Any) -> PromptSource:
@@ -59,8 +64,7 @@ class PromptSource:
     def from_task(
         cls, task: str, n: int, tokenizer: Any, split: str = "train", **kw: Any
     ) -> PromptSource:
-        make = make_preference_rows if cls.kind == "preference" else make_rows
-        rows = make(task, n, seed=kw.get("seed", 0), split=split)
+        rows = MAKERS[cls.kind](task, n, seed=kw.get("seed", 0), split=split)
         return cls(rows, tokenizer, source=f"task {task} ({split})", **kw)
 
     def __len__(self) -> int:
@@ -122,3 +126,41 @@ class PairSource(PromptSource):
         responses = [resp for i in idx for resp in self.responses[i]]
         seq = from_token_lists(prompts, responses, self.pad_id)
         return seq.with_columns({"pair_index": np.repeat(idx, 2).astype(np.int64)})
+
+
+class ChatSource(PromptSource):
+    """SFT conversations (``messages``), tokenized once with a mask per assistant turn
+    (``polyrl.data.chat.encode_chat``).
+
+    ``batch(k, size)`` returns ``size`` rows in the sequence layout of ``polyrl.batch``:
+    the prompt is the conversation up to its first assistant turn, the response the rest,
+    and ``response_mask`` is 1 on assistant tokens only (0 on later user turns).
+    ``max_prompt_tokens`` limits whole conversations.
+    """
+
+    kind = "sft"
+
+    def __init__(self, rows: Sequence[dict[str, Any]], tokenizer: Any, **kw: Any):
+        super().__init__(rows, tokenizer, **kw)
+        self.pad_id = tokenizer.pad_token_id
+
+    def encode(self, tokenizer: Any) -> list[Any]:
+        from polyrl.data.chat import encode_chat
+
+        return [encode_chat(tokenizer, row["messages"]) for row in self.rows]
+
+    def take(self, idx: np.ndarray) -> Batch:
+        chats = [self.prompt_ids[i] for i in idx]
+        seq = from_token_lists([c.prompt for c in chats], [c.response for c in chats], self.pad_id)
+        mask = seq["response_mask"].copy()
+        for row, chat in enumerate(chats):
+            mask[row, : len(chat.mask)] = chat.mask
+        return seq.with_columns(
+            {"response_mask": mask, "prompt_index": np.asarray(idx, np.int64)},
+            {"messages": [self.rows[i]["messages"] for i in idx]},
+        )
+
+
+def source_for(objective: str) -> type[PromptSource]:
+    """The data source of an algorithm's objective ("rl", "preference", "sft")."""
+    return {"rl": PromptSource, "preference": PairSource, "sft": ChatSource}[objective]

@@ -1,4 +1,4 @@
-"""Validation of prompt datasets in the RL schema (see ``polyrl.data.tasks``).
+"""Validation of datasets: the RL, preference and SFT (chat) schemas (``polyrl.data.tasks``).
 
 Run before any worker starts (``polyrl validate-dataset``, and by the trainer when it
 loads data): every problem names the row, the field, the bad value and the fix, and
@@ -34,7 +34,9 @@ REQUIRED = ("prompt", "ground_truth", "data_source")
 ENV_SOURCES: set[str] = set()
 # Preference (DPO) rows: the prompt and two assistant responses, the first preferred.
 PREFERENCE_REQUIRED = ("prompt", "chosen", "rejected")
-KINDS = {"rl": REQUIRED, "preference": PREFERENCE_REQUIRED}
+# SFT rows: one conversation, learned on its assistant turns (polyrl.data.chat).
+SFT_REQUIRED = ("messages",)
+KINDS = {"rl": REQUIRED, "preference": PREFERENCE_REQUIRED, "sft": SFT_REQUIRED}
 OVERLONG = ("error", "truncate_left", "drop")
 
 
@@ -142,6 +144,39 @@ def _prompt_problems(at: str, prompt: Any) -> list[str]:
     return out
 
 
+def _messages_problems(at: str, messages: Any) -> list[str]:
+    """An SFT row's conversation: chat messages with at least one assistant turn, the
+    first of which follows a user/system turn."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        return [
+            f"{at}: field 'messages' must be a non-empty list of chat messages "
+            f"[{{'role': 'user', 'content': ...}}, {{'role': 'assistant', 'content': ...}}], "
+            f"got {messages!r:.80}"
+        ]
+    out, roles = [], []
+    for j, msg in enumerate(messages):
+        role = msg.get("role") if isinstance(msg, Mapping) else None
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        roles.append(role)
+        if role not in ROLES:
+            out.append(f"{at}: messages[{j}].role={role!r} is not one of {list(ROLES)}")
+        if not isinstance(content, str) or not content:
+            out.append(
+                f"{at}: messages[{j}].content must be a non-empty string, got {content!r:.80}"
+            )
+    if "assistant" not in roles:
+        out.append(
+            f"{at}: messages has no assistant message, so there is nothing to learn; add the "
+            f"assistant's reply (role 'assistant') or drop the row"
+        )
+    elif roles[0] == "assistant":
+        out.append(
+            f"{at}: messages[0] is an assistant message; the first assistant turn must answer "
+            f"a user (or system) message before it"
+        )
+    return out
+
+
 def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> list[str]:
     """Every problem of one row (``at`` names it); ``data_source`` must have a reward only
     when required."""
@@ -157,6 +192,8 @@ def _row_problems(at: str, row: Any, required: tuple[str, ...] = REQUIRED) -> li
     ]
     if "prompt" in row:
         problems += _prompt_problems(at, row["prompt"])
+    if "messages" in row:
+        problems += _messages_problems(at, row["messages"])
     for name in ("ground_truth", "data_source", "chosen", "rejected"):
         if name in row and not isinstance(row[name], str):
             problems.append(
@@ -208,8 +245,9 @@ def validate_rows(
 ) -> DatasetReport:
     """Check every row; raise :class:`DatasetError` listing all problems.
 
-    kind: "rl" (prompt, ground_truth, data_source) or "preference" (prompt, chosen,
-    rejected — both non-empty and different; data_source optional).
+    kind: "rl" (prompt, ground_truth, data_source), "preference" (prompt, chosen,
+    rejected — both non-empty and different; data_source optional) or "sft" (messages,
+    with at least one assistant turn; prompt lengths are then whole conversations).
     lines: the file line of each row (jsonl), named in every problem.
 
     With a ``tokenizer`` (transformers), prompts are rendered with its chat template and
@@ -239,7 +277,7 @@ def validate_rows(
     )
     longest_tokens, over, kept = None, [], None
     if tokenizer is not None and not problems:
-        lengths = [len(encode_prompt(tokenizer, row["prompt"])) for row in rows]
+        lengths = [_tokens(tokenizer, row, kind) for row in rows]
         longest_tokens = max(lengths)
         if max_prompt_tokens is not None:
             over = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
@@ -277,7 +315,10 @@ def validate_rows(
     return DatasetReport(
         n_rows=len(rows),
         data_sources=dict(collections.Counter(r.get("data_source", "<none>") for r in rows)),
-        max_prompt_chars=max(sum(len(m["content"]) for m in r["prompt"]) for r in rows),
+        max_prompt_chars=max(
+            sum(len(m["content"]) for m in r["messages" if kind == "sft" else "prompt"])
+            for r in rows
+        ),
         max_prompt_tokens=longest_tokens,
         kind=kind,
         over_limit=len(over),
@@ -285,6 +326,19 @@ def validate_rows(
         kept=kept,
         schema=row_schema(rows[0]),
     )
+
+
+def _tokens(tokenizer: Any, row: Mapping[str, Any], kind: str) -> int:
+    """The row's length in tokens: the rendered prompt, or a whole SFT conversation."""
+    if kind == "sft":
+        from polyrl.data.chat import TemplateError, encode_chat
+
+        try:
+            chat = encode_chat(tokenizer, row["messages"])
+        except TemplateError as e:
+            raise DatasetError("<chat template>", [str(e)], 1) from None
+        return len(chat.prompt) + len(chat.response)
+    return len(encode_prompt(tokenizer, row["prompt"]))
 
 
 def _jsonl_rows(path: Path) -> tuple[list[Any], list[int]]:
@@ -344,9 +398,12 @@ def load_rows(path: str | Path) -> tuple[list[Any], list[int] | None]:
 
 
 def detect_kind(rows: Sequence[Any]) -> str:
-    """ "preference" when any row carries ``chosen`` or ``rejected``, else "rl"."""
-    pairs = any(isinstance(r, Mapping) and ("chosen" in r or "rejected" in r) for r in rows)
-    return "preference" if pairs else "rl"
+    """ "preference" when any row carries ``chosen`` or ``rejected``, "sft" when any
+    carries ``messages`` (and no ``prompt``), else "rl"."""
+    rows = [r for r in rows if isinstance(r, Mapping)]
+    if any("chosen" in r or "rejected" in r for r in rows):
+        return "preference"
+    return "sft" if any("messages" in r and "prompt" not in r for r in rows) else "rl"
 
 
 def validate_file(
@@ -358,8 +415,8 @@ def validate_file(
     limit_name: str = "max_prompt_tokens",
 ) -> DatasetReport:
     """Read a dataset (a file, a shard directory or a Hugging Face folder; see
-    polyrl.data.formats) and :func:`validate_rows` it. ``kind`` None: "preference" if
-    any row has ``chosen``/``rejected``, else "rl"."""
+    polyrl.data.formats) and :func:`validate_rows` it. ``kind`` None:
+    :func:`detect_kind`."""
     rows, lines = load_rows(path)
     kind = kind or detect_kind(rows)
     return validate_rows(

@@ -28,6 +28,8 @@ __all__ = [
     "register_task",
     "make_rows",
     "make_preference_rows",
+    "make_chat_rows",
+    "MAKERS",
     "corpus",
 ]
 
@@ -116,3 +118,35 @@ def make_preference_rows(task: str, n: int, seed: int = 0, split: str = "train")
         bad = "".join(rng.choice([d for d in "0123456789" if d != c]) for c in good)
         row["chosen"], row["rejected"] = good, bad
     return rows
+
+
+def make_chat_rows(task: str, n: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """``n`` SFT conversations (``messages``) of ``task``, deterministic in ``seed``: the
+    user's task text and the assistant's answer (the ground truth); every third row is a
+    two-exchange conversation (a second task in the same chat), so the data has
+    multi-turn rows whose loss mask covers two assistant turns."""
+    rows = make_rows(task, 2 * n, seed, split)
+    out = []
+    for i in range(n):
+        first, second = rows[2 * i], rows[2 * i + 1]
+        messages = [
+            *first["prompt"],
+            {"role": "assistant", "content": first["ground_truth"]},
+        ]
+        if i % 3 == 2:
+            messages += [
+                *second["prompt"],
+                {"role": "assistant", "content": second["ground_truth"]},
+            ]
+        out.append(
+            {
+                "messages": messages,
+                "data_source": first["data_source"],
+                "extra_info": {"split": split, "index": i},
+            }
+        )
+    return out
+
+
+# Row kind (polyrl.data.schema.KINDS) -> the rows a built-in task makes of that kind.
+MAKERS = {"rl": make_rows, "preference": make_preference_rows, "sft": make_chat_rows}

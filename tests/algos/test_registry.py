@@ -16,15 +16,27 @@ from polyrl.algos.spec import AlgorithmSpec
 PARITY = dict(rtol=1e-12, atol=1e-12)  # float64, op-order differences only (test_losses)
 REBATCH = dict(rtol=1e-12, atol=1e-13)  # float64 reassociation of 8 partial sums
 
-NAMES = ["cispo", "dapo", "dpo", "dr_grpo", "grpo", "gspo", "ppo", "reinforce_pp", "remax", "rloo"]
-RL_NAMES = [n for n in NAMES if n != "dpo"]
+NAMES = [
+    "cispo",
+    "dapo",
+    "dpo",
+    "dr_grpo",
+    "grpo",
+    "gspo",
+    "ppo",
+    "reinforce_pp",
+    "remax",
+    "rloo",
+    "sft",
+]
+RL_NAMES = [n for n in NAMES if n not in ("dpo", "sft")]
 
 
 def test_names_and_unknown():
     assert algorithm_names() == NAMES
     assert all(get_algorithm(n).name == n for n in NAMES)
     with pytest.raises(
-        ValueError, match=r"unknown algorithm 'grpoo'; valid names: \['cispo', .*'rloo'\]"
+        ValueError, match=r"unknown algorithm 'grpoo'; valid names: \['cispo', .*'sft'\]"
     ):
         get_algorithm("grpoo")
 
@@ -42,6 +54,7 @@ def test_names_and_unknown():
         ("reinforce_pp", ("reference", "reward"), False, False),
         ("remax", ("reference", "reward"), False, True),
         ("dpo", ("reference",), False, False),
+        ("sft", (), False, False),
     ],
 )
 def test_roles(name, roles, groups, greedy):

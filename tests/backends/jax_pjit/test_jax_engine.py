@@ -13,8 +13,9 @@ jax = pytest.importorskip("jax")
 torch = pytest.importorskip("torch")
 
 from polyrl.algos.registry import get_algorithm  # noqa: E402
+from polyrl.backends.hf_dir import write_hf  # noqa: E402
 from polyrl.backends.jax_pjit.engine import JaxPjitEngine  # noqa: E402
-from polyrl.backends.jax_pjit.weights import export_buckets, save_pretrained  # noqa: E402
+from polyrl.backends.jax_pjit.weights import export_buckets  # noqa: E402
 from polyrl.batch import from_token_lists  # noqa: E402
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from polyrl.weight_sync import to_torch  # noqa: E402
@@ -136,7 +137,7 @@ def test_export_loads_in_transformers_with_the_same_log_probs(tiny_model_dir, tm
     with safe_open(str(tiny_model_dir / "model.safetensors"), "np") as f:
         hf_keys = set(f.keys())
     assert {k for b in buckets for k, _ in b} == hf_keys  # the keys save_pretrained writes
-    out = save_pretrained(buckets, tiny_model_dir, tmp_path / "exported")
+    out = write_hf(buckets, tiny_model_dir, tmp_path / "exported")
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     batch = _rl_batch(seed=5)
     with torch.no_grad():

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch_fsdp_helpers import actor, full_weights, join_group, nll_loss, random_batch
 
-from polyrl.backends.torch_fsdp.weights import TOKENIZER_FILES
+from polyrl.backends.hf_dir import TOKENIZER_FILES
 
 MESHES = {
     "tp2": {"tensor": 2},

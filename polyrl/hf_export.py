@@ -1,0 +1,99 @@
+"""``polyrl export``: a run's checkpoint of either backend as a Hugging Face directory.
+
+:func:`export_checkpoint` reads the checkpoint's manifest (which backend wrote it, the
+model shape) and the run's ``operative_config.gin`` (``model_path``), loads the actor's
+checkpoint into that backend's engine in this process and writes its ``export_weights``
+with ``polyrl.backends.hf_dir.write_hf``, the writer the runs' own exports
+(``RunConfig.export_every`` / ``export_final``, ``polyrl.workers.EngineWorker.export_hf``)
+and the torch engine's ``save_hf`` use. Framework imports are lazy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from polyrl.backends.hf_dir import write_hf
+
+__all__ = ["export_checkpoint", "read_run_config"]
+
+
+def read_run_config(run_dir: str | Path) -> Any:
+    """The RunConfig a run was started with (its ``operative_config.gin``)."""
+    from polyrl.launch import parse_config
+
+    gin_file = Path(run_dir, "operative_config.gin")
+    if not gin_file.is_file():
+        raise FileNotFoundError(
+            f"{gin_file} does not exist: is {run_dir} a polyrl run directory (polyrl train "
+            "writes it at the start of every run)?"
+        )
+    cfg, _ = parse_config([str(gin_file)])
+    return cfg
+
+
+def _one_device(backend: str) -> dict[str, Any]:
+    """Engine arguments for a world of one device (torch: a process is one rank already;
+    JAX would otherwise take every local device)."""
+    if backend != "jax_pjit":
+        return {}
+    import jax
+
+    return {"devices": jax.local_devices()[:1]}
+
+
+def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+    """``polyrl export``: load the actor of checkpoint ``step`` (default: the latest) of
+    ``run_dir`` into the backend that wrote it (read from the checkpoint's manifest) and
+    write its weights as an HF directory at ``out_dir``. Returns the checkpoint loaded.
+
+    The engine runs in this process on one device (the checkpoint's sharding is
+    resharded on load); the model's config and tokenizer come from the run's
+    ``RunConfig.model_path`` (None: the tiny model under ``run_dir/models``), checked
+    against the manifest's model shape.
+    """
+    from polyrl import checkpoints
+    from polyrl.backends.base import get_engine
+    from polyrl.config import ModelConfig, ParallelConfig
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
+    if step is None:
+        path = checkpoints.latest_checkpoint(run_dir)
+        if path is None:
+            raise FileNotFoundError(
+                f"{run_dir}/checkpoints has no complete checkpoint: the run saved none "
+                "(polyrl.RunConfig.save_every); its final weights are in "
+                f"{run_dir}/hf when it ran with polyrl.RunConfig.export_final"
+            )
+    else:
+        path = run_dir / "checkpoints" / f"step_{step}"
+        if not (path / checkpoints.STATE).is_file():
+            have = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+            raise FileNotFoundError(
+                f"--step {step}: {path} is not a complete checkpoint; the run has {have}"
+            )
+    manifest = json.loads((path / checkpoints.MANIFEST).read_text())
+    cfg = read_run_config(run_dir)
+    model_path = cfg.model_path
+    if model_path is None:  # the run trained the tiny model it built (polyrl.validate)
+        from polyrl.data.tiny import ensure_tiny_model
+
+        model_path = str(ensure_tiny_model(run_dir / "models"))
+    if not Path(model_path, "config.json").is_file():
+        raise FileNotFoundError(
+            f"the run's polyrl.RunConfig.model_path={cfg.model_path!r} (its config and "
+            "tokenizer) is not a local Hugging Face directory here"
+        )
+    checkpoints.check_manifest(manifest, {"model": checkpoints.model_shape(model_path)}, str(path))
+    engine = get_engine(manifest["backend"])(**_one_device(manifest["backend"]))
+    engine.init(
+        ModelConfig(path=model_path, role="actor", dtype=cfg.model_dtype),
+        cfg.optim,
+        ParallelConfig(),
+    )
+    engine.load(str(path / "actor"))
+    write_hf(engine.export_weights(1 << 30), model_path, out_dir)
+    return path

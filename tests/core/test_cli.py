@@ -133,10 +133,14 @@ def test_validate_dataset_one_line_per_distinct_problem(tmp_path, capsys):
     assert err[0] == f"INVALID {path} (40 rows): 2 problem(s)"
     assert err[1] == (
         "  ERROR 40 rows (row 0 (line 1), row 1 (line 2), row 2 (line 3), ...): "
-        "data_source='my/digits' has no reward function; registered sources: "
+        "data_source='my/digits' has no reward function or environment; registered "
+        "sources: "
         + str(sorted(__import__("polyrl.rewards").rewards.REWARDS))
-        + ". Register one with @polyrl.rewards.register_reward('my/digits') in a module and "
-        "pass --import MODULE (docs/rewards.md)"
+        + ", environments: "
+        + str(sorted(__import__("polyrl.envs").envs.ENVS))
+        + ". Register one with @polyrl.rewards.register_reward('my/digits') or "
+        "@polyrl.envs.register_env('my/digits') in a module and pass --import MODULE "
+        "(docs/rewards.md, docs/agents.md)"
     )
     assert err[2].startswith("  ERROR row 7 (line 8): field 'ground_truth' is empty")
     assert len(err) == 3

@@ -90,14 +90,15 @@ def test_sft_row_errors_are_named(tok):
     with pytest.raises(DatasetError) as info:
         validate_rows(rows, "mem", kind="sft")
     msg = str(info.value)
-    assert "row 0: messages has no assistant message, so there is nothing to learn" in msg
+    # rows with the same problem share one line (issue 34)
+    assert "2 rows (row 0, row 3): messages has no assistant message, so there is nothing" in msg
     assert "row 1: messages[0] is an assistant message" in msg
     assert "row 2: field 'messages' must be a non-empty list of chat messages" in msg
     assert "row 3: messages[1].role='bot' is not one of" in msg
     assert "row 3: messages[1].content must be a non-empty string" in msg
     assert "row 4: missing field 'messages' (required fields: ['messages'])" in msg
     assert "row 5" not in msg
-    assert len(info.value.problems) == 7  # row 3 also has no assistant message
+    assert len(info.value.problems) == 6  # row 3's missing assistant shares row 0's line
 
 
 def test_validate_file_detects_sft_and_limits_whole_conversations(tok, tmp_path):

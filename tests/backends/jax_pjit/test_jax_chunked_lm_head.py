@@ -40,7 +40,7 @@ def test_token_scores_equal_full_logits_with_gradients(engine, chunk):
     weights = jnp.asarray(rng.normal(size=(3, 7)), jnp.float32)
 
     def objective(params, hidden, scores):
-        lp, ent = scores(engine._module(params), hidden)
+        lp, ent = scores(engine._module(engine.frozen, params), hidden)
         return ((lp - 0.3 * ent) * weights).sum(), (lp, ent)
 
     def chunked(model, h):
@@ -61,7 +61,7 @@ def test_token_scores_equal_full_logits_with_gradients(engine, chunk):
 def test_entropy_off_returns_none_and_same_log_probs(engine):
     hidden = jnp.ones((2, 5, engine.config.hidden_size), jnp.float32)
     ids = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
-    model = engine._module(engine.params)
+    model = engine._module(engine.frozen, engine.params)
     lp, ent = model.token_scores(hidden, ids, 1.0, entropy=False, vocab=VOCAB, chunk_tokens=3)
     assert ent is None
     np.testing.assert_allclose(lp, _full(model, hidden, ids, 1.0)[0], atol=ATOL)
@@ -90,7 +90,7 @@ def test_bf16_head_gradients_run_bf16_gemms(tiny_model_dir):
     ids = jnp.zeros((2, 5), jnp.int32)
 
     def objective(params, hidden):
-        model = eng._module(params)
+        model = eng._module(eng.frozen, params)
         lp, ent = model.token_scores(hidden, ids, 1.0, entropy=True, vocab=VOCAB, chunk_tokens=4)
         return (lp + ent).sum()
 

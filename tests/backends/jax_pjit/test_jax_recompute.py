@@ -46,7 +46,7 @@ def _objective(engine):
     weights = jnp.asarray(rng.normal(size=(4, 32, engine.config.hidden_size)), jnp.float32)
 
     def f(params):
-        return (engine._module(params)(ids, segments, positions) * weights).sum()
+        return (engine._module(engine.frozen, params)(ids, segments, positions) * weights).sum()
 
     return f
 

@@ -181,9 +181,12 @@ class EpisodeRunner:
         self.tokenizer = tokenizer
         self.warned_drift = False
         self.started = 0  # episodes started so far: the next one's key
+        self.endpoint: Any = None  # the OpenAI endpoint of agents' episodes, on first use
 
     def shutdown(self) -> None:
         self.envs.shutdown()
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     # ------------------------------------------------------------------ the loop
     def generate(
@@ -193,7 +196,7 @@ class EpisodeRunner:
         ``ground_truth``, ``extra_info``) as one batch (module docstring). ``response_len``:
         the response width (default ``max_episode_tokens``)."""
         prompts.require("prompt", "data_source", who="EpisodeRunner.generate")
-        episodes = self._reset(prompts, spec.n)
+        episodes = self._reset(prompts, spec)
         for turn in range(self.config.max_turns):
             active = [e for e in episodes if e.finish is None]
             if not active:
@@ -206,8 +209,12 @@ class EpisodeRunner:
         width = self.config.max_episode_tokens if response_len is None else response_len
         return self._assemble(prompts.repeat(spec.n), episodes, spec, width)
 
-    def _reset(self, prompts: Batch, n: int) -> list[Episode]:
-        episodes = []
+    def _reset(self, prompts: Batch, spec: SamplingSpec) -> list[Episode]:
+        """The episodes of ``prompts``; those of OpenAI-client agents are played to their
+        end here (``polyrl.rollout.openai_endpoint``), the envs' are reset."""
+        from polyrl.envs.agents import AGENTS
+
+        episodes, n = [], spec.n
         for i in range(len(prompts)):
             row = {
                 k: prompts[k][i]
@@ -217,8 +224,12 @@ class EpisodeRunner:
             for j in range(n):  # (a batch may run while another does: async, validation)
                 episodes.append(Episode(i * n + j, self.started, {**row, "sample": j}))
                 self.started += 1
-        results = self.envs.reset([(e.key, e.row["data_source"], e.row) for e in episodes])
-        for e, r in zip(episodes, results):
+        played = [e for e in episodes if e.row["data_source"] in AGENTS]
+        if played:
+            self._play_agents(played, spec)
+        envs = [e for e in episodes if e.row["data_source"] not in AGENTS]
+        results = self.envs.reset([(e.key, e.row["data_source"], e.row) for e in envs])
+        for e, r in zip(envs, results):
             e.messages = list(r.get("messages") or [dict(m) for m in e.row["prompt"]])
             e.tools = r.get("tools")
             e.prompt_ids = self.chat.prompt(e.messages, e.tools)
@@ -227,6 +238,14 @@ class EpisodeRunner:
             elif e.length >= self.config.max_episode_tokens:
                 e.end("max_tokens", f"the prompt has {e.length} tokens")
         return episodes
+
+    def _play_agents(self, episodes: list[Episode], spec: SamplingSpec) -> None:
+        from polyrl.rollout.openai_endpoint import AgentEndpoint, run_agents
+
+        if self.endpoint is None:
+            self.endpoint = AgentEndpoint(self.pool, self.tokenizer, self.config, spec)
+        self.endpoint.spec = spec  # validation samples with its own spec
+        run_agents(self.endpoint, episodes)
 
     def _turn(self, active: list[Episode], turn: int, spec: SamplingSpec) -> None:
         """One turn of every active episode: sample, step the envs, append observations."""
@@ -362,6 +381,10 @@ class EpisodeRunner:
             "episode/tool_error_share": total("tool_errors") / calls if calls else 0.0,
             "episode/tool_latency_s": total("tool_seconds") / calls if calls else 0.0,
             "episode/tools_offered": float(any(e.tools for e in episodes)),
+            "episode/history_rewrite_share": sum(
+                bool(e.info.get("history_rewrites")) for e in episodes
+            )
+            / n,
         }
         for reason in FINISH_REASONS:
             out[f"episode/finish/{reason}"] = sum(e.finish == reason for e in episodes) / n

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
+import re
 
 import numpy as np
 import openai
 import pytest
 
 from polyrl.batch import Batch
-from polyrl.envs import EpisodeConfig, register_agent
+from polyrl.envs import AGENTS, EpisodeConfig, register_agent
 from polyrl.envs.workers import EnvPool
 from polyrl.rollout.episodes import EpisodeRunner
 from polyrl.rollout.openai_endpoint import AgentEndpoint
@@ -172,20 +174,27 @@ def test_agent_episodes(pool, tokenizer):
     runner = EpisodeRunner(pool, EnvPool(0, 10), tokenizer, config)
     spec = SamplingSpec(n=2, max_tokens=6, seed=1)
     sources = ["test/agent_three_calls", "test/agent_fails", "test/agent_fails"]
-    sources.append("test/agent_rewrites")
-    extras = [{}, {}, {"hang": True}, {}]
+    sources += ["test/agent_rewrites", "my/agent"]
+    extras = [{}, {}, {"hang": True}, {}, {}]
+    # docs/agents.md's example agent plays too (it registers "my/agent")
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    section = text.split("## Agents written against the OpenAI client\n", 1)[1]
+    (example,) = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
     try:
+        exec(compile(example, "docs/agents.md", "exec"), {})
         batch = runner.generate(_rows(sources, extras), spec)
     finally:
         runner.shutdown()
+        AGENTS.pop("my/agent", None)
     finish = list(batch["finish_reason"])
-    assert finish == ["done"] * 2 + ["agent_error"] * 2 + ["agent_timeout"] * 2 + ["done"] * 2
+    assert finish[:8] == ["done"] * 2 + ["agent_error"] * 2 + ["agent_timeout"] * 2 + ["done"] * 2
     assert "ValueError: the agent's own bug" in batch["turns"][2][-1]["error"]
-    assert list(batch["scores"]) == pytest.approx([0.5, 0.5, 0, 0, 0, 0, 1.0, 1.0])
-    assert list(batch["num_turns"]) == [3, 3, 1, 1, 1, 1, 1, 1]
+    assert list(batch["scores"][:8]) == pytest.approx([0.5, 0.5, 0, 0, 0, 0, 1.0, 1.0])
+    assert list(batch["num_turns"][:8]) == [3, 3, 1, 1, 1, 1, 1, 1]
+    assert finish[8:] == ["done"] * 2 and set(batch["num_turns"][8:]) <= {1, 2, 3}
     m = batch.info["episode_metrics"]
-    assert m["episode/history_rewrite_share"] == pytest.approx(2 / 8)
-    assert m["episode/finish/agent_timeout"] == pytest.approx(2 / 8)
+    assert m["episode/history_rewrite_share"] == pytest.approx(2 / 10)
+    assert m["episode/finish/agent_timeout"] == pytest.approx(2 / 10)
 
     mask = batch["response_mask"]
     for row in range(2):  # the three-call episodes

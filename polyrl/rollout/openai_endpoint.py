@@ -143,6 +143,8 @@ class EpisodeCalls:
     tools: Any = None
     raw: dict[tuple, str] = dataclasses.field(default_factory=dict)  # reply -> sampled text
     last_sampled: list[int] = dataclasses.field(default_factory=list)
+    # calls of one episode made at once (asyncio.gather) run one after the other
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
 class AgentEndpoint:
@@ -325,7 +327,14 @@ class AgentEndpoint:
         return list(e.prompt_ids)
 
     async def complete(self, key: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """One chat completion for episode ``key`` (the module docstring)."""
+        """One chat completion for episode ``key`` (the module docstring); calls of one
+        episode made at once are taken in turn (the second, not extending the first's
+        reply, starts a new trajectory)."""
+        s = self._state(key)
+        async with s.lock:
+            return await self._complete(key, s, body)
+
+    async def _complete(self, key: str, s: EpisodeCalls, body: Mapping[str, Any]) -> dict:
         spec, limit = self._spec(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -333,7 +342,6 @@ class AgentEndpoint:
         tools = body.get("tools") or None
         if body.get("tool_choice") == "none":
             tools = None
-        s = self._state(key)
         e = s.episode
         if e.finish is not None:
             raise RequestError(f"the episode has ended ({e.finish})", "messages", e.finish)
@@ -352,7 +360,11 @@ class AgentEndpoint:
         # the episode loop's seeding in a run; a request's own seed alone otherwise
         index = e.index * self.config.max_turns + turn if self.spec is not None else 0
         request = (index, prompt, min(budget, limit or budget))
-        r = await self._generate(request, spec)
+        try:
+            r = await self._generate(request, spec)
+        except Exception as err:  # the servers failed (the pool retried once): HTTP 500
+            e.end("agent_error", f"the rollout servers failed: {type(err).__name__}: {err}")
+            raise
         ids = [int(t) for t in r["token_ids"]]
         text = r["text"]
         if text is None:

@@ -313,7 +313,7 @@ class AgentEndpoint:
                 raise RequestError(
                     "the episode's token budget is used up", "messages", "max_tokens"
                 )
-            e.append("observation", len(s.calls) - 1, obs, np.zeros(len(obs)), -1)
+            e.append("observation", len(e.turns) - 1, obs, np.zeros(len(obs)), -1)
             e.turns[-1]["observation"] = [dict(m) for m in new]
             e.turns[-1]["observation_tokens"] = len(obs)
             s.view = view
@@ -369,7 +369,7 @@ class AgentEndpoint:
         text = r["text"]
         if text is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        e.append("sampled", turn, ids, r["log_probs"], int(r["version"]))
+        e.append("sampled", len(e.turns), ids, r["log_probs"], int(r["version"]))
         e.turns.append({"text": text, "tokens": len(ids), "finish_reason": r["finish_reason"]})
         reply, finish = self._reply(text, ids, str(r["finish_reason"]), spec, tools)
         if reply.get("tool_calls"):  # counted for EpisodeConfig.max_tool_calls and metrics

@@ -150,6 +150,20 @@ async def rewrites(row, client):
     return 1.0
 
 
+@register_agent("test/agent_too_many")
+async def too_many(row, client):
+    """Calls past max_turns (4): the fifth is refused, naming the limit."""
+    messages = list(row["prompt"])
+    try:
+        for _ in range(5):
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message, {"role": "user", "content": "+"}]
+    except openai.BadRequestError as e:
+        assert e.code == "max_turns", e
+        return 0.25
+    return 1.0
+
+
 def _rows(sources, extras=None):
     n = len(sources)
     return Batch(
@@ -174,8 +188,8 @@ def test_agent_episodes(pool, tokenizer):
     runner = EpisodeRunner(pool, EnvPool(0, 10), tokenizer, config)
     spec = SamplingSpec(n=2, max_tokens=6, seed=1)
     sources = ["test/agent_three_calls", "test/agent_fails", "test/agent_fails"]
-    sources += ["test/agent_rewrites", "my/agent"]
-    extras = [{}, {}, {"hang": True}, {}, {}]
+    sources += ["test/agent_rewrites", "my/agent", "test/agent_too_many"]
+    extras = [{}, {}, {"hang": True}, {}, {}, {}]
     # docs/agents.md's example agent plays too (it registers "my/agent")
     text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
     section = text.split("## Agents written against the OpenAI client\n", 1)[1]
@@ -191,10 +205,13 @@ def test_agent_episodes(pool, tokenizer):
     assert "ValueError: the agent's own bug" in batch["turns"][2][-1]["error"]
     assert list(batch["scores"][:8]) == pytest.approx([0.5, 0.5, 0, 0, 0, 0, 1.0, 1.0])
     assert list(batch["num_turns"][:8]) == [3, 3, 1, 1, 1, 1, 1, 1]
-    assert finish[8:] == ["done"] * 2 and set(batch["num_turns"][8:]) <= {1, 2, 3}
+    assert finish[8:10] == ["done"] * 2 and set(batch["num_turns"][8:10]) <= {1, 2, 3}
+    # the refused fifth call: the episode ends at the limit, with the agent's reward
+    assert finish[10:] == ["max_turns"] * 2 and list(batch["num_turns"][10:]) == [4, 4]
+    assert list(batch["scores"][10:]) == pytest.approx([0.25, 0.25])
     m = batch.info["episode_metrics"]
-    assert m["episode/history_rewrite_share"] == pytest.approx(2 / 10)
-    assert m["episode/finish/agent_timeout"] == pytest.approx(2 / 10)
+    assert m["episode/history_rewrite_share"] == pytest.approx(2 / 12)
+    assert m["episode/finish/agent_timeout"] == pytest.approx(2 / 12)
 
     mask = batch["response_mask"]
     for row in range(2):  # the three-call episodes

@@ -532,10 +532,7 @@ def run_agents(endpoint: AgentEndpoint, episodes: Sequence[Episode]) -> None:
 
     async def play_all() -> None:
         await asyncio.gather(
-            *(
-                _play(endpoint, e, f"e{e.key}", get_agent(e.row["data_source"]))
-                for e in episodes
-            )
+            *(_play(endpoint, e, f"e{e.key}", get_agent(e.row["data_source"])) for e in episodes)
         )
 
     for e in episodes:  # the prompt of an episode whose agent never calls the model

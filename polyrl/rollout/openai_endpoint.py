@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 
 from polyrl.envs.base import EpisodeConfig
-from polyrl.rollout.episodes import ChatTokens, Episode, TemplateError
 from polyrl.rollout.sampling import SamplingSpec
+from polyrl.rollout.trajectory import ChatTokens, Episode, TemplateError
 
 __all__ = ["AgentEndpoint", "RequestError", "run_agents"]
 

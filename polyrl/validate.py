@@ -614,19 +614,20 @@ def reward_problems(
 def source_problems(cfg: RunConfig, binding: str, path: str, sources: Any) -> list[str]:
     """A multi-turn run's rows need an environment for their data_source, a single-turn
     run's a reward function (docs/agents.md)."""
-    from polyrl.envs import ENVS
+    from polyrl.envs import AGENTS, ENVS
     from polyrl.rewards import REWARDS
 
+    played = {**ENVS, **AGENTS}  # an OpenAI-client agent plays its rows like an env
     need, fix = (
-        (ENVS, "register one with polyrl.envs.register_env or unset RunConfig.episodes")
+        (played, "register one with polyrl.envs.register_env or unset RunConfig.episodes")
         if cfg.episodes is not None
         else (REWARDS, "register a reward, or set RunConfig.episodes to play them as episodes")
     )
-    kind = "environment" if need is ENVS else "reward function"
+    kind = "environment" if need is played else "reward function"
     out = [
         f"{binding}: {path}: data_source {s!r} has no {kind} ({sorted(need)}); {fix}"
         for s in sorted(sources)
-        if s in ENVS or s in REWARDS
+        if s in played or s in REWARDS
         if s not in need
     ]
     if cfg.episodes is not None:  # each env's tools and parser

@@ -12,6 +12,10 @@ and the rest: polyrl's own bookkeeping in the driver (the chat template for each
 observation, the drift check, the batch). That rest, divided by the turns of the batch,
 is the overhead per turn. Compared with one single-turn ``RolloutPool.generate`` of the
 same prompts and turn length (``--max-tokens``).
+
+``--agent`` plays the same game as an agent written against the ``openai`` client
+(``polyrl.envs.register_agent``) through polyrl's OpenAI endpoint: the rest then holds the
+endpoint's HTTP round trips, chat template and recording, and the agent's own code.
 """
 
 from __future__ import annotations
@@ -38,6 +42,19 @@ def _timed(obj, name: str, spent: dict) -> None:
     setattr(obj, name, wrapper)
 
 
+async def guess_agent(row, client):
+    """The guessing game through the openai client: a hint after each wrong guess."""
+    messages, secret = list(row["prompt"]), str(row["ground_truth"])
+    for k in range(4):
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        text = (reply.choices[0].message.content or "").strip()
+        if text == secret:
+            return 1.0 - 0.25 * k
+        hint = ("+" if int(text) < int(secret) else "-") if text.isdigit() else "try"
+        messages += [reply.choices[0].message, {"role": "user", "content": hint}]
+    return 0.0
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF model directory (default: the tiny model)")
@@ -48,6 +65,7 @@ def main(argv=None) -> dict:
     p.add_argument("--episode-tokens", type=int, default=64)
     p.add_argument("--batches", type=int, default=5)
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--agent", action="store_true", help="play it as an OpenAI-client agent")
     args = p.parse_args(argv)
 
     import ray
@@ -55,11 +73,12 @@ def main(argv=None) -> dict:
 
     from polyrl.data.loader import PromptSource
     from polyrl.data.tiny import ensure_tiny_model
-    from polyrl.envs import EpisodeConfig
+    from polyrl.envs import EpisodeConfig, register_agent
     from polyrl.envs.workers import EnvPool
     from polyrl.rollout import RolloutConfig, RolloutPool, SamplingSpec
     from polyrl.rollout.episodes import EpisodeRunner
 
+    register_agent("bench/guess_agent")(guess_agent)
     model = args.model or str(ensure_tiny_model(Path(tempfile.gettempdir()) / "polyrl-bench"))
     tokenizer = AutoTokenizer.from_pretrained(model)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -89,6 +108,9 @@ def main(argv=None) -> dict:
         for k in range(args.batches + 1):
             spent.clear()
             prompts = source.batch(k, args.prompts)
+            if args.agent:
+                sources = ["bench/guess_agent"] * len(prompts)
+                prompts = prompts.with_columns(meta={"data_source": sources})
             t0 = time.perf_counter()
             batch = runner.generate(prompts, spec)
             wall = time.perf_counter() - t0
@@ -123,7 +145,10 @@ def main(argv=None) -> dict:
         "median": {k: statistics.median(r[k] for r in warm) for k in warm[0]},
     }
     med = out["median"]
-    print(f"{episodes_per_batch} guess episodes a batch, median of {len(warm)} warm batches:")
+    kind = "agent (openai client)" if args.agent else "env"
+    print(
+        f"{episodes_per_batch} guess episodes ({kind}) a batch, median of {len(warm)} warm batches:"
+    )
     print(f"  wall {med['wall_s']:.3f} s  = {med['episodes_per_s']:.1f} episodes/s")
     print(
         f"  rollout {med['rollout_s']:.3f} s, envs {med['env_s']:.3f} s, "

@@ -2,6 +2,7 @@
 
 - ``polyrl.envs.base``: the :class:`Env` interface, its registry and :class:`EpisodeConfig`.
 - ``polyrl.envs.workers``: the Ray env workers that run envs, many episodes each.
+- ``polyrl.envs.agents``: agents written against the ``openai`` client, registered by name.
 - ``polyrl.envs.tasks``: the built-in multi-turn tasks.
 - ``polyrl.envs.tools``: tools as JSON schemas, the registry, running a turn's calls with
   limits; the built-in ``calculator`` and ``python`` tools.
@@ -12,6 +13,7 @@ Importing this package imports no framework and no Ray.
 """
 
 from polyrl.envs import tasks as _tasks  # noqa: F401  (registers the built-in envs)
+from polyrl.envs.agents import AGENTS, register_agent
 from polyrl.envs.base import (
     ENVS,
     FINISH_REASONS,
@@ -26,6 +28,7 @@ from polyrl.envs.base import (
 )
 
 __all__ = [
+    "AGENTS",
     "ENVS",
     "FINISH_REASONS",
     "Env",
@@ -35,5 +38,6 @@ __all__ = [
     "Turn",
     "env_problems",
     "get_env",
+    "register_agent",
     "register_env",
 ]

@@ -55,6 +55,8 @@ FINISH_REASONS = (
     "env_timeout",  # reset or step ran past EpisodeConfig.env_timeout_s
     "env_worker_died",  # the env worker hosting the episode died
     "template_error",  # the chat template cannot append the observation to the episode
+    "agent_error",  # an OpenAI-client agent raised, returned no reward or never called
+    "agent_timeout",  # an OpenAI-client agent ran past EpisodeConfig.agent_timeout_s
 )
 
 
@@ -226,6 +228,8 @@ class EpisodeConfig:
       ``env_timeout`` (a synchronous step keeps its thread until it returns).
     check_drift: compare each episode's ids with a fresh application of the chat template
       to its whole conversation (docs/agents.md "Exact tokens"), as metrics and a warning.
+    agent_timeout_s: a whole episode of an OpenAI-client agent (``polyrl.envs.agents``);
+      one past it ends with ``agent_timeout``.
     """
 
     max_turns: int = 4
@@ -234,6 +238,7 @@ class EpisodeConfig:
     env_workers: int = 2
     env_timeout_s: float = 30.0
     check_drift: bool = True
+    agent_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for field in ("max_turns", "max_episode_tokens"):
@@ -244,5 +249,6 @@ class EpisodeConfig:
                 f"EpisodeConfig.max_tool_calls={self.max_tool_calls} and "
                 f"EpisodeConfig.env_workers={self.env_workers} must be >= 0"
             )
-        if self.env_timeout_s <= 0:
-            raise ValueError(f"EpisodeConfig.env_timeout_s={self.env_timeout_s} must be > 0")
+        for field in ("env_timeout_s", "agent_timeout_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"EpisodeConfig.{field}={getattr(self, field)} must be > 0")

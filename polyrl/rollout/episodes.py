@@ -40,9 +40,8 @@ response being every turn concatenated, and:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -51,125 +50,11 @@ from polyrl.batch import Batch, from_token_lists
 from polyrl.envs.base import FINISH_REASONS, EpisodeConfig, Turn
 from polyrl.rollout.pool import PROMPT_KEY
 from polyrl.rollout.sampling import SamplingSpec
+from polyrl.rollout.trajectory import ChatTokens, Episode, TemplateError, first_drift
 
 __all__ = ["ChatTokens", "Episode", "EpisodeRunner", "TemplateError", "first_drift"]
 
 logger = logging.getLogger(__name__)
-
-
-class TemplateError(ValueError):
-    """The chat template does not extend a conversation by appending text (e.g. it
-    rewrites earlier turns), so observation tokens cannot be computed as a difference."""
-
-
-class ChatTokens:
-    """A tokenizer's chat template as token deltas (module docstring)."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-        self.eos_id = tokenizer.eos_token_id
-        self.eos_text = tokenizer.decode([self.eos_id]) if self.eos_id is not None else ""
-
-    def render(self, messages: Sequence[Mapping], tools: Any, generation: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), tools=tools or None, add_generation_prompt=generation, tokenize=False
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def prompt(self, messages: Sequence[Mapping], tools: Any = None) -> list[int]:
-        """The first prompt: the template with the generation prompt (as
-        ``polyrl.data.prompts.encode_prompt`` when there are no tools)."""
-        return self.encode(self.render(messages, tools, True))
-
-    def observation(
-        self,
-        messages: Sequence[Mapping],
-        new: Sequence[Mapping],
-        tools: Any,
-        sampled: Sequence[int],
-    ) -> list[int]:
-        """The ids to append after the model's last turn (``messages[-1]``, sampled as
-        ``sampled``) for the ``new`` messages, up to the next generation prompt."""
-        before = self.render(messages[:-1], tools, True)
-        closed = self.render(messages, tools, False)
-        content = str(messages[-1]["content"])
-        if not closed.startswith(before + content):
-            raise TemplateError(
-                "the template does not render the assistant turn as the generation prompt "
-                "followed by its text"
-            )
-        tail = closed[len(before) + len(content) :]  # the template's end of the turn
-        if sampled and sampled[-1] == self.eos_id and tail.startswith(self.eos_text):
-            tail = tail[len(self.eos_text) :]  # the model sampled that part itself
-        full = self.render([*messages, *new], tools, True)
-        if not full.startswith(closed):
-            raise TemplateError(
-                "the template renders the conversation differently once messages are "
-                "appended (it rewrites earlier turns)"
-            )
-        return self.encode(tail + full[len(closed) :])
-
-
-@dataclasses.dataclass
-class Episode:
-    """One episode's state while it runs (driver side)."""
-
-    index: int  # in the batch: seeds its turns
-    key: int  # unique in the run: names its env in the env workers
-    row: dict[str, Any]
-    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    tools: Any = None
-    prompt_ids: list[int] = dataclasses.field(default_factory=list)
-    ids: list[int] = dataclasses.field(default_factory=list)  # the response: every turn
-    sampled: list[int] = dataclasses.field(default_factory=list)  # 1 where the model sampled
-    log_probs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (pos, r)
-    turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    segments: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
-    info: dict[str, float] = dataclasses.field(default_factory=dict)
-    finish: str | None = None
-    detail: str = ""
-    drift: dict[str, Any] | None = None
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.ids)
-
-    def append(self, kind: str, turn: int, ids: Sequence[int], log_probs: Any, version: int):
-        start = self.length
-        self.ids.extend(int(t) for t in ids)
-        self.sampled.extend([int(kind == "sampled")] * len(ids))
-        self.log_probs.extend(np.asarray(log_probs, np.float64).tolist())
-        self.versions.extend([version] * len(ids))
-        self.segments.append((kind, turn, start, self.length))
-
-    def end(self, reason: str, detail: str = "") -> None:
-        assert reason in FINISH_REASONS, reason
-        self.finish, self.detail = reason, detail
-
-
-def first_drift(
-    ids: Sequence[int], fresh: Sequence[int], segments: Sequence[tuple[str, int, int, int]]
-) -> dict[str, Any] | None:
-    """Where an episode's ids (prompt + response) first differ from ``fresh`` (the
-    template applied to its whole conversation), as ``{"position", "turn", "kind"}``
-    (kind: "prompt", "sampled" or "observation"), or None. ``fresh`` may go on past the
-    episode's ids (the template closes the last turn)."""
-    n = min(len(ids), len(fresh))
-    diff = np.flatnonzero(np.asarray(ids[:n]) != np.asarray(fresh[:n]))
-    if len(diff):
-        pos = int(diff[0])
-    elif len(fresh) < len(ids):
-        pos = len(fresh)
-    else:
-        return None
-    for kind, turn, start, end in segments:
-        if start <= pos < end:
-            return {"position": pos, "turn": turn, "kind": kind}
-    return {"position": pos, "turn": -1, "kind": "prompt"}
 
 
 class EpisodeRunner:
@@ -181,9 +66,12 @@ class EpisodeRunner:
         self.tokenizer = tokenizer
         self.warned_drift = False
         self.started = 0  # episodes started so far: the next one's key
+        self.endpoint: Any = None  # the OpenAI endpoint of agents' episodes, on first use
 
     def shutdown(self) -> None:
         self.envs.shutdown()
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     # ------------------------------------------------------------------ the loop
     def generate(
@@ -193,7 +81,7 @@ class EpisodeRunner:
         ``ground_truth``, ``extra_info``) as one batch (module docstring). ``response_len``:
         the response width (default ``max_episode_tokens``)."""
         prompts.require("prompt", "data_source", who="EpisodeRunner.generate")
-        episodes = self._reset(prompts, spec.n)
+        episodes = self._reset(prompts, spec)
         for turn in range(self.config.max_turns):
             active = [e for e in episodes if e.finish is None]
             if not active:
@@ -206,8 +94,12 @@ class EpisodeRunner:
         width = self.config.max_episode_tokens if response_len is None else response_len
         return self._assemble(prompts.repeat(spec.n), episodes, spec, width)
 
-    def _reset(self, prompts: Batch, n: int) -> list[Episode]:
-        episodes = []
+    def _reset(self, prompts: Batch, spec: SamplingSpec) -> list[Episode]:
+        """The episodes of ``prompts``; those of OpenAI-client agents are played to their
+        end here (``polyrl.rollout.openai_endpoint``), the envs' are reset."""
+        from polyrl.envs.agents import AGENTS
+
+        episodes, n = [], spec.n
         for i in range(len(prompts)):
             row = {
                 k: prompts[k][i]
@@ -217,8 +109,12 @@ class EpisodeRunner:
             for j in range(n):  # (a batch may run while another does: async, validation)
                 episodes.append(Episode(i * n + j, self.started, {**row, "sample": j}))
                 self.started += 1
-        results = self.envs.reset([(e.key, e.row["data_source"], e.row) for e in episodes])
-        for e, r in zip(episodes, results):
+        played = [e for e in episodes if e.row["data_source"] in AGENTS]
+        if played:
+            self._play_agents(played, spec)
+        envs = [e for e in episodes if e.row["data_source"] not in AGENTS]
+        results = self.envs.reset([(e.key, e.row["data_source"], e.row) for e in envs])
+        for e, r in zip(envs, results):
             e.messages = list(r.get("messages") or [dict(m) for m in e.row["prompt"]])
             e.tools = r.get("tools")
             e.prompt_ids = self.chat.prompt(e.messages, e.tools)
@@ -227,6 +123,14 @@ class EpisodeRunner:
             elif e.length >= self.config.max_episode_tokens:
                 e.end("max_tokens", f"the prompt has {e.length} tokens")
         return episodes
+
+    def _play_agents(self, episodes: list[Episode], spec: SamplingSpec) -> None:
+        from polyrl.rollout.openai_endpoint import AgentEndpoint, run_agents
+
+        if self.endpoint is None:
+            self.endpoint = AgentEndpoint(self.pool, self.tokenizer, self.config, spec)
+        self.endpoint.spec = spec  # validation samples with its own spec
+        run_agents(self.endpoint, episodes)
 
     def _turn(self, active: list[Episode], turn: int, spec: SamplingSpec) -> None:
         """One turn of every active episode: sample, step the envs, append observations."""
@@ -362,6 +266,10 @@ class EpisodeRunner:
             "episode/tool_error_share": total("tool_errors") / calls if calls else 0.0,
             "episode/tool_latency_s": total("tool_seconds") / calls if calls else 0.0,
             "episode/tools_offered": float(any(e.tools for e in episodes)),
+            "episode/history_rewrite_share": sum(
+                bool(e.info.get("history_rewrites")) for e in episodes
+            )
+            / n,
         }
         for reason in FINISH_REASONS:
             out[f"episode/finish/{reason}"] = sum(e.finish == reason for e in episodes) / n

@@ -1,0 +1,247 @@
+"""The OpenAI-compatible endpoint on real rollout servers (vLLM CPU), with the real
+``openai`` client, and agents' episodes through the episode loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import re
+
+import numpy as np
+import openai
+import pytest
+
+from polyrl.batch import Batch
+from polyrl.envs import AGENTS, EpisodeConfig, register_agent
+from polyrl.envs.workers import EnvPool
+from polyrl.rollout.episodes import EpisodeRunner
+from polyrl.rollout.openai_endpoint import AgentEndpoint
+from polyrl.rollout.sampling import SamplingSpec
+
+# The tiny template with a system turn listing the offered tools' names (the tiny
+# template itself ignores tools, as a template without a tools branch would).
+TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system:' }}{% for t in tools %}"
+    "{{ t['function']['name'] + ' ' }}{% endfor %}{{ '<|im_end|>' }}{% endif %}"
+)
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "arithmetic",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(padded_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(padded_model_dir)
+    tok.chat_template = TOOLS_TEMPLATE + tok.chat_template
+    return tok
+
+
+def _template_ids(tokenizer, messages, tools=None):
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_endpoint_serves_the_openai_client(pool, tokenizer):
+    """/v1/models and chat completions with and without tools; the recorded prompt is
+    the template's (with the tools), the recorded ids and log-probs are what the servers
+    sample for that prompt and seed, and the reply is their text."""
+    endpoint = AgentEndpoint(pool, tokenizer, EpisodeConfig(max_episode_tokens=96))
+    try:
+        client = openai.OpenAI(base_url=endpoint.base_url(), api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["polyrl"]
+        messages = [{"role": "user", "content": "secret"}]
+        for tools in (None, [CALC]):
+            extra = {"tools": tools} if tools else {}
+            reply = client.chat.completions.create(
+                model="polyrl", messages=messages, max_tokens=6, seed=5, logprobs=True, **extra
+            )
+            call = endpoint.calls()[-1]
+            assert call["prompt_ids"] == _template_ids(tokenizer, messages, tools)
+            # the same request straight to the pool: same seed -> the same sample
+            (direct,) = pool.generate_ids(
+                [(0, call["prompt_ids"], 6)], SamplingSpec(max_tokens=6, seed=5)
+            )
+            assert call["token_ids"] == direct["token_ids"].tolist()
+            np.testing.assert_allclose(call["log_probs"], direct["log_probs"], rtol=1e-6)
+            choice = reply.choices[0]
+            assert [t.logprob for t in choice.logprobs.content] == pytest.approx(call["log_probs"])
+            assert choice.message.content == direct["text"]
+            assert choice.finish_reason == (
+                "stop" if direct["finish_reason"] == "stop" else "length"
+            )
+            assert reply.usage.completion_tokens == len(call["token_ids"])
+        assert endpoint.calls()[0]["prompt_ids"] != endpoint.calls()[1]["prompt_ids"]
+        # a refused request names its field, as OpenAI does
+        with pytest.raises(openai.BadRequestError, match="n=2"):
+            client.chat.completions.create(model="polyrl", messages=messages, n=2)
+    finally:
+        endpoint.close()
+
+
+def test_tool_calls_in_the_reply_and_back():
+    """A turn with a hermes call becomes OpenAI tool_calls; the client's echo of that
+    reply (as the client's model object) and a tool result extend the episode."""
+    endpoint = AgentEndpoint(None, _Tok(), EpisodeConfig())
+    try:
+        text = 'ok<tool_call>\n{"name": "calc", "arguments": {"expression": "2*3"}}\n</tool_call>'
+        message, finish = endpoint._reply(text, [1, 2], "stop", SamplingSpec(), [CALC])
+        assert finish == "tool_calls" and message["content"] == "ok"
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "calc"
+        assert json.loads(call["function"]["arguments"]) == {"expression": "2*3"}
+        echoed = openai.types.chat.ChatCompletionMessage.model_validate(message).model_dump()
+        from polyrl.rollout.openai_endpoint import _normal
+
+        assert _normal(echoed) == _normal(message)
+        # without tools offered the same text is plain content
+        assert endpoint._reply(text, [1, 2], "stop", SamplingSpec(), None)[0] == {
+            "role": "assistant",
+            "content": text,
+        }
+    finally:
+        endpoint.close()
+
+
+class _Tok:
+    """The least a tokenizer needs for ChatTokens (eos) in the reply test."""
+
+    eos_token_id = None
+
+
+# ---------------------------------------------------------------- agents' episodes
+
+
+@register_agent("test/agent_three_calls")
+async def three_calls(row, client):
+    """Three calls, each on the previous reply (echoed as the client's object) + a hint."""
+    messages = list(row["prompt"])
+    for k in range(3):
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=5, temperature=0.3
+        )
+        messages += [reply.choices[0].message, {"role": "user", "content": "+" * (k + 1)}]
+    return 0.5
+
+
+@register_agent("test/agent_fails")
+async def fails(row, client):
+    await client.chat.completions.create(model="policy", messages=list(row["prompt"]))
+    if row["extra_info"].get("hang"):
+        await asyncio.sleep(600)
+    raise ValueError("the agent's own bug")
+
+
+@register_agent("test/agent_rewrites")
+async def rewrites(row, client):
+    """The second call drops the first exchange: a new trajectory."""
+    await client.chat.completions.create(model="policy", messages=list(row["prompt"]))
+    second = [{"role": "user", "content": "try"}]
+    await client.chat.completions.create(model="policy", messages=second, max_tokens=4)
+    return 1.0
+
+
+@register_agent("test/agent_too_many")
+async def too_many(row, client):
+    """Calls past max_turns (4): the fifth is refused, naming the limit."""
+    messages = list(row["prompt"])
+    try:
+        for _ in range(5):
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [reply.choices[0].message, {"role": "user", "content": "+"}]
+    except openai.BadRequestError as e:
+        assert e.code == "max_turns", e
+        return 0.25
+    return 1.0
+
+
+def _rows(sources, extras=None):
+    n = len(sources)
+    return Batch(
+        {"prompt_index": np.arange(n)},
+        {
+            "prompt": [[{"role": "user", "content": "secret"}]] * n,
+            "ground_truth": ["1"] * n,
+            "data_source": list(sources),
+            "extra_info": extras or [{}] * n,
+        },
+    )
+
+
+def test_agent_episodes(pool, tokenizer):
+    """Agents' episodes as the episode loop's rows: a three-call episode is one
+    trajectory whose mask covers exactly the sampled ids (which the servers give again
+    for the recorded prompt and seed), with the observations the template's; a raising
+    and a hanging agent end only their episodes; a rewritten history keeps the last
+    trajectory and is counted. (agent_timeout_s=15: the others' three calls must fit in
+    it on a loaded 2-core machine, where one generate call has taken ~2 s.)"""
+    config = EpisodeConfig(max_turns=4, max_episode_tokens=96, env_workers=0, agent_timeout_s=15)
+    runner = EpisodeRunner(pool, EnvPool(0, 10), tokenizer, config)
+    spec = SamplingSpec(n=2, max_tokens=6, seed=1)
+    sources = ["test/agent_three_calls", "test/agent_fails", "test/agent_fails"]
+    sources += ["test/agent_rewrites", "my/agent", "test/agent_too_many"]
+    extras = [{}, {}, {"hang": True}, {}, {}, {}]
+    # docs/agents.md's example agent plays too (it registers "my/agent")
+    text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    section = text.split("## Agents written against the OpenAI client\n", 1)[1]
+    (example,) = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
+    try:
+        exec(compile(example, "docs/agents.md", "exec"), {})
+        batch = runner.generate(_rows(sources, extras), spec)
+    finally:
+        runner.shutdown()
+        AGENTS.pop("my/agent", None)
+    finish = list(batch["finish_reason"])
+    assert finish[:8] == ["done"] * 2 + ["agent_error"] * 2 + ["agent_timeout"] * 2 + ["done"] * 2
+    assert "ValueError: the agent's own bug" in batch["turns"][2][-1]["error"]
+    assert list(batch["scores"][:8]) == pytest.approx([0.5, 0.5, 0, 0, 0, 0, 1.0, 1.0])
+    assert list(batch["num_turns"][:8]) == [3, 3, 1, 1, 1, 1, 1, 1]
+    assert finish[8:10] == ["done"] * 2 and set(batch["num_turns"][8:10]) <= {1, 2, 3}
+    # the refused fifth call: the episode ends at the limit, with the agent's reward
+    assert finish[10:] == ["max_turns"] * 2 and list(batch["num_turns"][10:]) == [4, 4]
+    assert list(batch["scores"][10:]) == pytest.approx([0.25, 0.25])
+    m = batch.info["episode_metrics"]
+    assert m["episode/history_rewrite_share"] == pytest.approx(2 / 12)
+    assert m["episode/finish/agent_timeout"] == pytest.approx(2 / 12)
+
+    mask = batch["response_mask"]
+    for row in range(2):  # the three-call episodes
+        prompt = list(batch["prompt_ids"][row])
+        response = list(batch["responses"][row, : batch["response_lengths"][row]])
+        expected_mask, pos = [], 0
+        for k, turn in enumerate(batch["turns"][row]):
+            sampled = response[pos : pos + turn["tokens"]]
+            # the servers sample the same ids for the prompt so far and this call's seed
+            (again,) = pool.generate_ids(
+                [(row * config.max_turns + k, prompt + response[:pos], 6)],
+                SamplingSpec(max_tokens=5, seed=1),
+            )
+            assert sampled == again["token_ids"].tolist()
+            np.testing.assert_allclose(
+                batch["rollout_log_probs"][row, pos : pos + len(sampled)],
+                again["log_probs"],
+                rtol=1e-5,
+            )
+            expected_mask += [1.0] * turn["tokens"] + [0.0] * turn.get("observation_tokens", 0)
+            pos += turn["tokens"] + turn.get("observation_tokens", 0)
+            if "observation" in turn:
+                assert turn["observation"] == [{"role": "user", "content": "+" * (k + 1)}]
+        assert pos == len(response)
+        assert mask[row, : len(response)].tolist() == expected_mask
+        assert mask[row, len(response) :].sum() == 0
+        # the template applied afresh differs, if at all, only where the model sampled
+        assert batch["drift"][row] is None or batch["drift"][row]["kind"] == "sampled"
+    # the rewritten episodes train on the second call: its prompt is the new history's
+    for row in (6, 7):
+        assert list(batch["prompt_ids"][row]) == _template_ids(
+            tokenizer, [{"role": "user", "content": "try"}]
+        )

@@ -137,7 +137,7 @@ def test_validate_dataset_one_line_per_distinct_problem(tmp_path, capsys):
         "sources: "
         + str(sorted(__import__("polyrl.rewards").rewards.REWARDS))
         + ", environments: "
-        + str(sorted(__import__("polyrl.envs").envs.ENVS))
+        + str(sorted(__import__("polyrl.data.schema").data.schema.ENV_SOURCES))
         + ". Register one with @polyrl.rewards.register_reward('my/digits') or "
         "@polyrl.envs.register_env('my/digits') in a module and pass --import MODULE "
         "(docs/rewards.md, docs/agents.md)"

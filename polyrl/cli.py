@@ -358,10 +358,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(f"--out {str(out)!r} exists and is not empty; pass a new directory")
     t0 = time.perf_counter()
     try:
-        path = export_checkpoint(args.run_dir, out, args.step)
-    except (FileNotFoundError, CheckpointMismatch) as e:
+        path = export_checkpoint(args.run_dir, out, args.step, args.adapters_only)
+    except (FileNotFoundError, CheckpointMismatch, ValueError) as e:
         raise UserError(str(e)) from None
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    if args.adapters_only:
+        print(
+            f"[export] {path} -> {out} (LoRA adapters, {size / 2**20:.1f} MiB; "
+            f"{time.perf_counter() - t0:.1f} s): peft.PeftModel.from_pretrained(base, {str(out)!r})"
+        )
+        return 0
     print(
         f"[export] {path} -> {out} ({size / 2**20:.1f} MiB safetensors, config, tokenizer; "
         f"{time.perf_counter() - t0:.1f} s): loads in transformers and vLLM, or as "
@@ -474,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--out", required=True, help="output directory (new or empty)")
+    p.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="a LoRA run's adapters as a PEFT adapter directory (default: merged weights)",
+    )
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(

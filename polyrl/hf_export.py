@@ -43,10 +43,17 @@ def _one_device(backend: str) -> dict[str, Any]:
     return {"devices": jax.local_devices()[:1]}
 
 
-def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> Path:
+def export_checkpoint(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    step: int | None = None,
+    adapters_only: bool = False,
+) -> Path:
     """``polyrl export``: load the actor of checkpoint ``step`` (default: the latest) of
     ``run_dir`` into the backend that wrote it (read from the checkpoint's manifest) and
-    write its weights as an HF directory at ``out_dir``. Returns the checkpoint loaded.
+    write its weights as an HF directory at ``out_dir`` (a LoRA run's merged weights), or
+    with ``adapters_only`` a LoRA run's adapters as a PEFT adapter directory. Returns the
+    checkpoint loaded.
 
     The engine runs in this process on one device (the checkpoint's sharding is
     resharded on load); the model's config and tokenizer come from the run's
@@ -77,11 +84,16 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
             )
     manifest = json.loads((path / checkpoints.MANIFEST).read_text())
     cfg = read_run_config(run_dir)
+    if adapters_only and cfg.lora is None:
+        raise ValueError(
+            f"--adapters-only: the run {str(run_dir)!r} trained no LoRA adapters "
+            "(polyrl.RunConfig.lora is None); export its full weights without the flag"
+        )
     model_path = cfg.model_path
     if model_path is None:  # the run trained the tiny model it built (polyrl.validate)
         from polyrl.data.tiny import ensure_tiny_model
 
-        model_path = str(ensure_tiny_model(run_dir / "models"))
+        model_path = str(ensure_tiny_model(run_dir / "models", cfg.tiny_model))
     if not Path(model_path, "config.json").is_file():
         raise FileNotFoundError(
             f"the run's polyrl.RunConfig.model_path={cfg.model_path!r} (its config and "
@@ -90,10 +102,13 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: int | None
     checkpoints.check_manifest(manifest, {"model": checkpoints.model_shape(model_path)}, str(path))
     engine = get_engine(manifest["backend"])(**_one_device(manifest["backend"]))
     engine.init(
-        ModelConfig(path=model_path, role="actor", dtype=cfg.model_dtype),
+        ModelConfig(path=model_path, role="actor", dtype=cfg.model_dtype, lora=cfg.lora),
         cfg.optim,
         ParallelConfig(),
     )
     engine.load(str(path / "actor"))
-    write_hf(engine.export_weights(1 << 30), model_path, out_dir)
+    if adapters_only:
+        engine.save_adapters(str(out_dir))
+    else:
+        write_hf(engine.export_weights(1 << 30), model_path, out_dir)
     return path

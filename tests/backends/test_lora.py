@@ -247,3 +247,51 @@ def test_lora_composes_with_checkpointing_packing_and_compile(backend, tiny_mode
     for model_kw, parallel_kw in variants:
         # fp32; a different kernel order moves O(1) losses and norms by a few ulps.
         np.testing.assert_allclose(run(model_kw, parallel_kw), eager, rtol=1e-5, err_msg=model_kw)
+
+
+@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+def test_polyrl_export_of_a_lora_run(backend, tiny_model_dir, tmp_path, capsys):
+    """``polyrl export`` of a LoRA run's checkpoint: merged weights by default, equal to
+    the engine's own merged export (the weights the rollout servers get), and with
+    ``--adapters-only`` a PEFT directory that scores like the engine; a run without
+    LoRA refuses the flag, naming the binding."""
+    from safetensors.numpy import load_file
+
+    from polyrl import checkpoints
+    from polyrl.cli import main
+    from polyrl.hf_export import read_run_config
+
+    eng = _engine(backend, tiny_model_dir)
+    _steps(eng, _batch())
+    run = tmp_path / "run"
+    run.mkdir()
+    gin = (
+        f"include 'gin/base.gin'\ninclude 'gin/backends/{backend}.gin'\n"
+        "include 'gin/algos/grpo.gin'\n"
+        f'polyrl.RunConfig.model_path = "{tiny_model_dir}"\npolyrl.RunConfig.run_dir = "{run}"\n'
+    )
+    lora = (
+        "polyrl.RunConfig.lora = @polyrl.LoraConfig()\npolyrl.LoraConfig.rank = 4\n"
+        "polyrl.LoraConfig.alpha = 8.0\n"
+        'polyrl.LoraConfig.target_modules = ("q_proj", "v_proj", "o_proj", "down_proj")\n'
+    )
+    (run / "operative_config.gin").write_text(gin + lora)
+    manifest = checkpoints.run_manifest(read_run_config(run), get_algorithm("grpo"))
+    checkpoints.save(run, 2, {"actor": eng.save}, {}, manifest, keep=2)
+
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    files = sorted((tmp_path / "hf").glob("*.safetensors"))
+    exported = {k: v for f in files for k, v in load_file(f).items()}
+    own = {k: np.asarray(v) for b in eng.export_weights(1 << 30) for k, v in b}
+    assert exported.keys() == own.keys()
+    for name, value in own.items():  # the same merge, read back in fp32
+        np.testing.assert_allclose(exported[name], value, atol=TOL_MERGE, err_msg=name)
+
+    out = tmp_path / "adapters"
+    assert main(["export", str(run), "--adapters-only", "--out", str(out)]) == 0
+    assert "LoRA adapters" in capsys.readouterr().out
+    _check_peft_directory(eng, tiny_model_dir, out)
+
+    (run / "operative_config.gin").write_text(gin)
+    assert main(["export", str(run), "--adapters-only", "--out", str(tmp_path / "x")]) == 2
+    assert "polyrl.RunConfig.lora is None" in capsys.readouterr().err

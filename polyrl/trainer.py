@@ -297,7 +297,12 @@ class Loop(abc.ABC):
         / export_final), written under ``out.tmp`` and renamed when complete."""
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        with reliability.writing(f"the {what} export"), self.turns.resident(self.actor):
+        # a phase of its own: the timeline shows the export and the actor's span inside it
+        with (
+            self.timer.phase("export"),
+            reliability.writing(f"the {what} export"),
+            self.turns.resident(self.actor),
+        ):
             self.actor.export_hf(str(tmp))
         if out.exists():
             shutil.rmtree(out)

@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
-pytest.importorskip("peft")
+import peft  # noqa: E402, F401 (pinned in requirements/cpu.lock: missing must fail, not skip)
 
 from polyrl.algos.registry import get_algorithm  # noqa: E402
 from polyrl.backends import get_engine  # noqa: E402

@@ -18,7 +18,7 @@ JAX = "gin/backends/jax_pjit.gin"
 # (random) digits ~0.24, so a mean above 0.25 over the last steps needs some copying.
 RANDOM_PLAY = 0.042
 
-pytest.importorskip("peft")
+import peft  # noqa: E402, F401 (pinned in requirements/cpu.lock: missing must fail, not skip)
 
 
 def _params(run_dir: Path, *extra: str) -> list[str]:

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_scoring
+from chat_eval import greedy_exact_match  # noqa: E402
 from hf_scoring import transformers_logprobs, vllm_logprobs  # noqa: E402
 
 from polyrl import checkpoints  # noqa: E402
@@ -33,7 +34,6 @@ from polyrl.backends import get_engine  # noqa: E402
 from polyrl.batch import from_token_lists  # noqa: E402
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
 from polyrl.data.loader import ChatSource  # noqa: E402
-from polyrl.data.prompts import encode_prompt  # noqa: E402
 from polyrl.data.tasks import make_chat_rows  # noqa: E402
 from polyrl.hf_export import export_checkpoint  # noqa: E402
 
@@ -91,27 +91,6 @@ def test_sft_steps_equal_between_backends(tiny_model_dir, chats):
     assert got["torch_fsdp"][0]["global_tokens"] == batch["response_mask"].sum()
 
 
-def _greedy_exact_match(model_dir, tok, rows):
-    """Share of rows whose first assistant answer transformers' greedy decoding gives."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hits = 0
-    for row in rows:
-        prompt = encode_prompt(tok, row["messages"][:1])
-        with torch.no_grad():
-            out = model.generate(
-                torch.as_tensor([prompt]),
-                max_new_tokens=6,
-                do_sample=False,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            )
-        answer = tok.decode(out[0, len(prompt) :], skip_special_tokens=True)
-        hits += answer == row["messages"][1]["content"]
-    return hits / len(rows)
-
-
 @pytest.mark.slow  # 60 steps: ~10 s on an idle machine, minutes on a loaded one
 def test_sft_learns_the_chat_set(tiny_model_dir, chats, tmp_path):
     tok, source = chats
@@ -121,8 +100,8 @@ def test_sft_learns_the_chat_set(tiny_model_dir, chats, tmp_path):
 
     write_hf(engine.export_weights(1 << 30), tiny_model_dir, tmp_path / "hf")
     probe = source.rows[:24]
-    before = _greedy_exact_match(tiny_model_dir, tok, probe)
-    after = _greedy_exact_match(tmp_path / "hf", tok, probe)
+    before = greedy_exact_match(tiny_model_dir, probe, tok)
+    after = greedy_exact_match(tmp_path / "hf", probe, tok)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; exact match {before:.2f} -> {after:.2f}")
     # a random model spreads its mass over the 58 tokens (ln 58 = 4.06 nats a token); the
     # copy answers are learnable to near 0 (measured: 4.10 -> 0.006 in 60 steps, exact

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from chat_eval import greedy_exact_match
 from safetensors.numpy import load_file
 
 from polyrl.cli import main
@@ -24,32 +25,11 @@ def _params(run_dir, *extra: str) -> list[str]:
 
 
 def _exact_match(model_dir, n: int = 32) -> float:
-    """Greedy answers (transformers generate) equal to the copy task's on the first
-    ``n`` training conversations' first exchange."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from polyrl.data.prompts import encode_prompt
+    """Greedy answers equal to the copy task's on the first ``n`` training
+    conversations' first exchange."""
     from polyrl.data.tasks import make_chat_rows
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    rows = make_chat_rows("copy", n)
-    hits = 0
-    for row in rows:
-        ids = encode_prompt(tok, row["messages"][:1])
-        with torch.no_grad():
-            out = model.generate(
-                torch.as_tensor([ids]),
-                max_new_tokens=6,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
-        hits += (
-            tok.decode(out[0, len(ids) :], skip_special_tokens=True)
-            == row["messages"][1]["content"]
-        )
-    return hits / n
+    return greedy_exact_match(model_dir, make_chat_rows("copy", n))
 
 
 @pytest.fixture(scope="module")

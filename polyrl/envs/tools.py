@@ -445,30 +445,34 @@ _BINARY: dict[type, Callable[[Any, Any], Any]] = {
 _UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_CHARS = 1000
 _MAX_BITS = 4096  # integers past this are refused before they are computed (9**9**9 would hang)
+_MAX_DEPTH = 100  # our own bound: Python's recursion limit differs between processes
 _SYMBOLS = "numbers, + - * / // % ** and parentheses"
 
 
 def calculate(expression: str) -> int | float:
     """Evaluate an arithmetic expression over the ``ast`` (numbers, ``+ - * / // % **``,
     unary ``+``/``-``, parentheses). Anything else -- names, calls, attributes,
-    strings -- is refused with ValueError; so are integers over 4096 bits."""
+    strings -- is refused with ValueError; so are integers over 4096 bits and expressions
+    nested over 100 deep."""
     if len(expression) > _MAX_CHARS:
         raise ValueError(f"expression longer than {_MAX_CHARS} characters")
     try:
-        return _eval(ast.parse(expression.strip(), mode="eval").body)
+        return _eval(ast.parse(expression.strip(), mode="eval").body, 0)
     except SyntaxError as e:
         raise ValueError(f"not an arithmetic expression ({e.msg}); use {_SYMBOLS}") from None
     except (RecursionError, MemoryError):
         raise ValueError("expression nested too deeply") from None
 
 
-def _eval(node: ast.AST) -> int | float:
+def _eval(node: ast.AST, depth: int) -> int | float:
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"expression nested too deeply (over {_MAX_DEPTH} levels)")
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
+        return _UNARY[type(node.op)](_eval(node.operand, depth + 1))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        a, b = _eval(node.left), _eval(node.right)
+        a, b = _eval(node.left, depth + 1), _eval(node.right, depth + 1)
         _check_size(node.op, a, b)
         try:
             value = _BINARY[type(node.op)](a, b)

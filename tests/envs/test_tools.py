@@ -58,6 +58,7 @@ def call(name, **arguments):
         ("0.1 + 0.2", "0.3"),  # 12 significant digits hide the binary rounding
         ("1.5e3 + 2", "1502"),
         ("123456789 * 987654321", "121932631112635269"),
+        ("-" * 100 + "1", "1"),  # 100 levels deep is the most it takes
     ],
 )
 def test_calculator_values(expression, expected):
@@ -86,6 +87,7 @@ def test_calculator_values(expression, expected):
         ("10.0 ** 400", "result too large"),
         ("1e308 * 10", "result too large"),  # inf, not a number to report
         ("(-8) ** 0.5", "complex number"),
+        ("-" * 101 + "1", "nested too deeply"),  # our bound, whatever the recursion limit
         ("-" * 999 + "1", "nested too deeply"),
     ],
 )

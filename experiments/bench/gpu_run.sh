@@ -51,7 +51,8 @@
 #   bucket size, default 1024: 3 buckets for the 3.1 GB), SYNC_TRANSPORTS (its
 #   --transports, default object_store,cuda_ipc), CKPT (0: the train_step and
 #   update_shape sections run without activation checkpointing; default 1), CKPT_POLICY (their
-#   --ckpt-policy: full, the default, or selective), ROLLOUT_ARGS (more rollout.py flags, e.g.
+#   --ckpt-policy: full, the default, or selective), MEMORY_BUDGET (train_step's
+#   --memory-budget for its +compile entries, e.g. CKPT=0 MEMORY_BUDGET=0.5), ROLLOUT_ARGS (more rollout.py flags, e.g.
 #   "--in-process-engine 0").
 # The GRPO sections also print the peak GPU memory that nvidia-smi saw on their GPUs (every
 # process: the trainer's engines and vLLM alike), sampled every 0.5 s.
@@ -152,6 +153,7 @@ for s in $sections; do
     timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp,torch_fsdp+compile,jax_pjit,hf_torch} \
       --hidden 1536 --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 \
       --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 $ckpt \
+      ${MEMORY_BUDGET:+--memory-budget $MEMORY_BUDGET} \
       --steps 4 --warmup 1 --json "$OUT/bench_train_step.json" --profile "$OUT/prof/train_step" \
       2> "$OUT/train_step.log" | tee -a "$OUT/summary.txt" ;;
   update_shape)

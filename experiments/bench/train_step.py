@@ -129,6 +129,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["full", "selective"],
         help="ModelConfig.checkpoint_policy: what --grad-ckpt keeps per layer",
     )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        help="torch with --compile: AOTAutograd's activation_memory_budget (0-1), the "
+        "partitioner's own selective recompute inside each compiled graph",
+    )
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--mesh", help='e.g. "data=1,fsdp=2" (default: fsdp = world size)')
     p.add_argument("--json", help="write the result here")
@@ -308,6 +314,8 @@ def run(args) -> dict:
     mesh = {"fsdp": world}
     if args.mesh:
         mesh = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
+    # AOTAutograd's partitioner acts on compiled torch graphs only
+    budget = args.memory_budget if args.backend == "torch_fsdp" and args.compile else None
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of WORLD_SIZE={world}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -320,6 +328,10 @@ def run(args) -> dict:
         if args.backend == "hf_torch":
             step = hf_torch_step(args, path, batch)
         else:
+            if budget is not None:
+                import torch._functorch.config
+
+                torch._functorch.config.activation_memory_budget = budget
             engine = get_engine(args.backend)()
             engine.init(
                 ModelConfig(
@@ -378,6 +390,7 @@ def run(args) -> dict:
         "attention_kernel": attention_kernel(args, engine),
         "pack_sequences": args.pack,
         "compile": args.compile,
+        "memory_budget": budget,
         "lora": None if not args.lora else {"rank": args.lora_rank, "targets": args.lora_targets},
         "trained_params": trained_params(engine),
         "ragged": args.ragged,

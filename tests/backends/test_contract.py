@@ -1,10 +1,13 @@
 """The TrainEngine contract (backends/base.py), run once per entry of ``ENGINES``.
 
-Every promise of the protocol is checked on each registered backend, in process, on the
-tiny model: init/frozen roles, temperature, padding, value heads, export, save/load,
-offload/reload and the non-finite skip. A new backend joins by adding its in-process
-constructor to ``BUILD`` (the first test fails until it does), so two backends cannot
-drift apart silently.
+Every promise of the protocol is checked on each registered backend, on the tiny model:
+init/frozen roles, temperature and entropy, padding, value heads, export, save/load,
+offload/reload, the non-finite skip, the speed-and-memory knobs that must not change the
+update (micro-batching, the mesh, sequence packing, recompute) and the process model. All
+in process, except torch's world size above one, which needs a process per rank. A new
+backend joins by adding its in-process constructor to ``BUILD``, its meshes to ``MESHES``
+and its process model to ``PROCESS`` (the first test fails until it does), so two backends
+cannot drift apart silently.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ jax = pytest.importorskip("jax")
 from polyrl import faults  # noqa: E402
 from polyrl.algos.registry import get_algorithm  # noqa: E402
 from polyrl.backends import get_engine  # noqa: E402
-from polyrl.backends.base import ENGINES, TrainEngine  # noqa: E402
+from polyrl.backends.base import ENGINES, GroupSlot, TrainEngine  # noqa: E402
 from polyrl.batch import from_token_lists  # noqa: E402
 from polyrl.checkpoints import CheckpointMismatch  # noqa: E402
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
@@ -46,9 +49,14 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
-def engine(backend, path, role="actor", optim=OPTIM, micro=4):
+def engine(backend, path, role="actor", optim=OPTIM, micro=4, model=None, **parallel):
+    """``model``: other ModelConfig fields; ``parallel``: other ParallelConfig fields."""
     eng = BUILD[backend](get_engine(backend))
-    eng.init(ModelConfig(str(path), role=role), optim, ParallelConfig(micro_batch_size=micro))
+    eng.init(
+        ModelConfig(str(path), role=role, **(model or {})),
+        optim,
+        ParallelConfig(micro_batch_size=micro, **parallel),
+    )
     return eng
 
 
@@ -91,6 +99,8 @@ def same(a: dict, b: dict) -> bool:
 
 def test_every_registered_backend_is_covered():
     assert set(BUILD) == set(ENGINES), "add the new backend's in-process constructor to BUILD"
+    assert set(MESHES) == set(ENGINES), "add the new backend's multi-device runs to MESHES"
+    assert set(PROCESS) == set(ENGINES), "add the new backend's process model to PROCESS"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,11 +124,14 @@ def test_init_roles_and_frozen_reference(backend, tiny_model_dir):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_temperature_divides_the_logits(backend, tiny_model_dir):
-    """log_probs(T) = log_softmax(logits / T) at the response tokens, as transformers gives."""
+def test_temperature_divides_the_logits_of_log_probs_and_entropy(backend, tiny_model_dir):
+    """log_probs(T) = log_softmax(logits / T) at the response tokens and entropy(T) =
+    -sum p log p of p = softmax(logits / T), from transformers' logits (written out here,
+    in float64, not the backends' helpers)."""
     from transformers import AutoModelForCausalLM
 
     batch = rl_batch()
+    mask = batch["response_mask"]
     eng = engine(backend, tiny_model_dir, role="reference", optim=None)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
@@ -129,10 +142,15 @@ def test_temperature_divides_the_logits(backend, tiny_model_dir):
         ).logits[:, 7:15, :VOCAB]  # position P-1+t predicts response token t (P = 8)
     resp = torch.as_tensor(batch["responses"]).long()[..., None]
     for temperature in (0.5, 1.0, 2.0):
-        ref = torch.log_softmax(logits / temperature, -1).gather(-1, resp)[..., 0].numpy()
-        got = eng.forward(batch, temperature=temperature)["log_probs"]
-        # fp32, two implementations of the same network: a few ulps per layer.
-        np.testing.assert_allclose(got, ref * batch["response_mask"], atol=2e-5)
+        logp = torch.log_softmax(logits.double() / temperature, -1)
+        ref_lp = logp.gather(-1, resp)[..., 0].numpy()
+        ref_ent = -(logp.exp() * logp).sum(-1).numpy()
+        got = eng.forward(batch, temperature=temperature, entropy=True)
+        # fp32, two implementations of the same network: a few ulps per layer, on values
+        # of O(1) (entropy <= log 58 = 4.1).
+        np.testing.assert_allclose(got["log_probs"], ref_lp * mask, atol=2e-5)
+        np.testing.assert_allclose(got["entropy"], ref_ent * mask, atol=2e-5)
+    assert "entropy" not in eng.forward(batch)  # only when asked for
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="temperature"):
             eng.forward(batch, temperature=bad)
@@ -248,3 +266,160 @@ def test_nonfinite_update_is_skipped_bit_identically(backend, fault, tiny_model_
     assert out["nonfinite_skipped"] == 0.0
     assert out["loss"] == clean_out["loss"] and out["grad_norm"] == clean_out["grad_norm"]
     assert same(weights(eng), weights(clean))
+
+
+def nll(outputs, batch, ctx):
+    """Token-mean NLL by the loss contract: this micro-batch's share of
+    ``-sum(log p * mask) / global_tokens``; ``tokens`` sums to the global count."""
+    mask = batch["response_mask"]
+    return -(outputs["log_probs"] * mask).sum() / ctx.global_tokens, {"tokens": mask.sum()}
+
+
+# Same fp32 math in another summation order (gradients accumulated over micro-batches or
+# all-reduced over ranks, other matmul shapes): loss and grad norm agree to ~1e-7
+# relative, weights after one Adam step (eps 1e-4, see OPTIM) to ~3e-7 absolute.
+RTOL, ATOL_W = 1e-5, 1e-6
+
+
+def assert_same_update(got: tuple[dict, dict], want: tuple[dict, dict], keys, what: str):
+    """(metrics, weights) of two engines after the same step agree (RTOL, ATOL_W)."""
+    for key in keys:
+        assert got[0][key] == pytest.approx(want[0][key], rel=RTOL), (what, key)
+    assert got[1].keys() == want[1].keys(), what
+    for name, w in want[1].items():
+        np.testing.assert_allclose(got[1][name], w, rtol=0, atol=ATOL_W, err_msg=f"{what} {name}")
+
+
+def step(eng, batch, loss_fn=ACTOR_LOSS, **kw) -> tuple[dict, dict]:
+    return eng.train_step(batch, loss_fn, **kw), weights(eng)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_micro_batch_size_does_not_change_the_update(backend, tiny_model_dir):
+    """6 rows as 6 x 1, 4 + 2 (uneven) and 1 x 6: the same loss, grad norm and weights,
+    and the loss is the token mean over the whole batch (each micro-batch divides by the
+    global count), not a mean of micro-batch means."""
+    batch = rl_batch()
+    mask = batch["response_mask"]
+    probe = engine(backend, tiny_model_dir, role="reference", optim=None)
+    token_mean = -float((probe.forward(batch)["log_probs"] * mask).sum() / mask.sum())
+    runs = {
+        micro: step(engine(backend, tiny_model_dir, micro=micro), batch, nll) for micro in (6, 4, 1)
+    }
+    for micro, (metrics, _) in runs.items():
+        # fp32 log-probs summed over ~30 tokens, in another order than numpy's
+        assert metrics["loss"] == pytest.approx(token_mean, rel=RTOL), micro
+        assert metrics["tokens"] == metrics["global_tokens"] == mask.sum(), micro
+        assert metrics["global_seqs"] == len(batch), micro
+    for micro in (4, 1):
+        assert_same_update(runs[micro], runs[6], ("loss", "grad_norm"), f"micro {micro}")
+
+
+def _torch_two_ranks(path, request):
+    """Two gloo ranks, each with its half of the batch (a rank per device); the run is
+    shared with tests/backends/torch_fsdp/test_distributed.py (conftest)."""
+    results, _ = request.getfixturevalue("torch_two_ranks")
+    return {
+        f"2 ranks, {name}": (r["metrics"], {k: t.numpy() for k, t in r["weights"].items()})
+        for name, r in results.items()
+    }
+
+
+def _jax_meshes(path, request):
+    """One process drives the host's devices (4 CPU devices, tests/conftest.py), each
+    mesh with the whole batch."""
+    runs = {}
+    for mesh in ({"fsdp": 2, "tensor": 2}, {"data": 2}):
+        parallel = ParallelConfig(mesh=mesh, micro_batch_size=2)
+        eng = get_engine("jax_pjit")(devices=jax.devices()[: parallel.world_size])
+        eng.init(ModelConfig(str(path)), OPTIM, parallel)
+        runs[str(mesh)] = step(eng, mesh_batch(), nll)
+    return runs
+
+
+# Runs of one step of ``nll`` on ``mesh_batch()`` on meshes of more than one device,
+# micro-batch 2 per data shard: {what: (metrics, weights)}.
+MESHES = {"torch_fsdp": _torch_two_ranks, "jax_pjit": _jax_meshes}
+
+
+def mesh_batch():
+    """The batch the torch ranks split (torch_fsdp_helpers.two_rank_worker; the conftest
+    puts tests/backends/torch_fsdp on the path)."""
+    from torch_fsdp_helpers import random_batch
+
+    return random_batch(8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mesh_and_world_size_do_not_change_the_update(backend, tiny_model_dir, request):
+    """fsdp / hsdp (torch: 2 ranks), fsdp x tensor and data (JAX: 4 and 2 devices) give the
+    single-device update; the global counts span all shards."""
+    want = step(engine(backend, tiny_model_dir, micro=4), mesh_batch(), nll)
+    runs = MESHES[backend](tiny_model_dir, request)
+    assert len(runs) == 2
+    for what, got in runs.items():
+        keys = ("loss", "grad_norm", "tokens", "global_tokens", "global_seqs")
+        assert_same_update(got, want, keys, what)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_sequences_give_the_padded_outputs_and_update(backend, tiny_model_dir):
+    """ParallelConfig.pack_sequences: each micro-batch as one row of its real tokens."""
+    batch = rl_batch()
+    padded, packed = (engine(backend, tiny_model_dir, pack_sequences=p) for p in (False, True))
+    out_a = padded.forward(batch, temperature=0.7, entropy=True)
+    out_b = packed.forward(batch, temperature=0.7, entropy=True)
+    for key in ("log_probs", "entropy"):
+        # fp32; packing changes matmul shapes and the attention mask's form only (~1e-7)
+        np.testing.assert_allclose(out_b[key], out_a[key], rtol=0, atol=1e-5, err_msg=key)
+    keys = ("loss", "grad_norm", "pg_loss", "kl_loss")
+    assert_same_update(step(packed, batch), step(padded, batch), keys, "packed")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_recompute_does_not_change_the_update(backend, tiny_model_dir):
+    """ModelConfig.gradient_checkpointing, both checkpoint policies: memory, not results
+    (what each policy keeps is backend-specific: the backends' test_recompute.py)."""
+    batch = rl_batch()
+    want = step(engine(backend, tiny_model_dir), batch)
+    for policy in ("full", "selective"):
+        model = {"gradient_checkpointing": True, "checkpoint_policy": policy}
+        got = step(engine(backend, tiny_model_dir, model=model), batch)
+        assert_same_update(got, want, ("loss", "grad_norm"), policy)
+
+
+# By hand, per backend: (devices, hosts) of a role's mesh -> (workers, devices per worker)
+# (torch runs a rank per device, JAX a process per host driving its devices), and the
+# environment with which rank 1 of 2 (node 1, alone there) joins its group.
+SLOT = GroupSlot(rank=1, world=2, node=1, local_rank=0, local_world=1, addr="10.0.0.1", port=29500)
+PROCESS = {
+    "torch_fsdp": (
+        {(1, 1): (1, 1), (4, 1): (4, 1), (8, 2): (8, 1), (16, 4): (16, 1)},
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29500",
+        },
+    ),
+    "jax_pjit": (
+        {(1, 1): (1, 1), (4, 1): (1, 4), (8, 2): (2, 4), (16, 4): (4, 4)},
+        {
+            "POLYRL_JAX_COORDINATOR": "10.0.0.1:29500",
+            "POLYRL_JAX_NUM_PROCESSES": "2",
+            "POLYRL_JAX_PROCESS_ID": "1",
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_process_model(backend):
+    process = ENGINES[backend].process
+    layouts, group_env = PROCESS[backend]
+    for (devices, hosts), want in layouts.items():
+        got = process.num_workers(devices, hosts), process.devices_per_worker(devices, hosts)
+        assert got == want, (devices, hosts)
+    assert process.group_env(SLOT) == group_env

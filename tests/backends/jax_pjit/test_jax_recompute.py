@@ -1,6 +1,6 @@
-"""ModelConfig.checkpoint_policy on the JAX backend: gradients equal without
-checkpointing, "full" and "selective", and what each policy saves for the backward pass
-(none > selective > full), read from JAX's own residual list."""
+"""ModelConfig.checkpoint_policy on the JAX backend: what each policy saves for the
+backward pass (none > selective > full), read from JAX's own residual list. (That every
+policy gives the same update: the contract suite, tests/backends/test_contract.py.)"""
 
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from polyrl.config import ModelConfig, ParallelConfig  # noqa: E402
 
 POLICIES = {"none": {}, "full": {"checkpoint_policy": "full"}}
 POLICIES["selective"] = {"checkpoint_policy": "selective"}
-# fp32 on CPU; rematerialisation only changes what XLA fuses (~1e-7 observed).
-ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +47,6 @@ def _objective(engine):
         return (engine._module(engine.frozen, params)(ids, segments, positions) * weights).sum()
 
     return f
-
-
-def test_gradients_equal_for_every_policy(engines):
-    grads = {n: jax.grad(_objective(e))(e.params) for n, e in engines.items()}
-    for name in ("full", "selective"):
-        for key, want in grads["none"].items():
-            np.testing.assert_allclose(grads[name][key], want, atol=ATOL, err_msg=f"{name} {key}")
 
 
 def test_selective_saves_less_than_none_more_than_full(engines):

@@ -1,5 +1,6 @@
-"""train_step(): parity with a plain transformers + torch.optim.AdamW step, micro-batch
-invariance, padding rows, schedules, and that training actually learns."""
+"""train_step(): parity with a plain transformers + torch.optim.AdamW step, schedules,
+CPU offload, and that training actually learns. (Micro-batch, padding, packing and
+recompute invariance: the contract suite, tests/backends/test_contract.py.)"""
 
 from __future__ import annotations
 
@@ -55,32 +56,6 @@ def test_step_matches_plain_transformers_adamw(tiny_model_dir):
     assert metrics["tokens"] == metrics["global_tokens"] == mask.sum().item()
     expected = {n: p.detach() for n, p in model.named_parameters()}
     _assert_weights_close(full_weights(engine), expected)
-
-
-def test_micro_batch_1x8_equals_8x1(tiny_model_dir):
-    batch = random_batch(8, seed=1)
-    runs = []
-    for mbs in (8, 1):
-        engine = actor(tiny_model_dir, micro_batch_size=mbs)
-        runs.append((engine.train_step(batch, nll_loss), full_weights(engine)))
-    (m8, w8), (m1, w1) = runs
-    for key in ("loss", "grad_norm", "nll", "tokens"):
-        assert m1[key] == pytest.approx(m8[key], rel=RTOL), key
-    _assert_weights_close(w1, w8)
-
-
-def test_pad_rows_contribute_nothing(tiny_model_dir):
-    """6 samples padded to 8 with Batch.pad_to_multiple (is_pad rows are copies of the
-    last row, so they would change the loss if counted) = the 6 samples alone."""
-    batch = random_batch(6, seed=2)
-    padded = batch.pad_to_multiple(4)
-    assert len(padded) == 8 and int(padded["is_pad"].sum()) == 2
-    m_pad, w_pad = (e := actor(tiny_model_dir, 3)).train_step(padded, nll_loss), full_weights(e)
-    m_raw, w_raw = (e := actor(tiny_model_dir, 3)).train_step(batch, nll_loss), full_weights(e)
-    assert m_pad["global_seqs"] == 6
-    for key in ("loss", "grad_norm", "tokens"):
-        assert m_pad[key] == pytest.approx(m_raw[key], rel=RTOL), key
-    _assert_weights_close(w_pad, w_raw)
 
 
 def test_lr_follows_warmup_cosine_schedule(tiny_model_dir):
@@ -153,32 +128,28 @@ def test_frozen_reference_cannot_train(tiny_model_dir):
         engine.train_step(random_batch(2), nll_loss)
 
 
-@pytest.mark.parametrize(
-    "knob", ["gradient_checkpointing", "selective_checkpointing", "cpu_offload"]
-)
-def test_memory_knobs_do_not_change_the_update(tiny_model_dir, knob):
-    """Activation checkpointing (recompute: every layer, or only its elementwise work)
-    and FSDP CPU offload trade speed for memory and must leave loss, grad norm and
-    weights as they were. (On a CPU world offload moves nothing; this proves the
-    CPUOffloadPolicy path runs and changes no result. test_recompute shows what each
-    checkpoint policy keeps.)"""
+def test_cpu_offload_does_not_change_the_update(tiny_model_dir):
+    """FSDP CPU offload trades speed for memory and must leave loss, grad norm and weights
+    as they were. (On a CPU world it moves nothing; this proves the CPUOffloadPolicy path
+    runs and changes no result. Recompute's update is the contract suite's,
+    tests/backends/test_contract.py; what each checkpoint policy keeps, test_recompute.)"""
     batch = random_batch(8, seed=4)
     runs = []
-    for on in (False, True):
-        engine = get_engine("torch_fsdp")()
-        engine.init(
-            ModelConfig(
-                str(tiny_model_dir),
-                gradient_checkpointing=on and knob.endswith("checkpointing"),
-                checkpoint_policy="selective" if knob == "selective_checkpointing" else "full",
-            ),
-            OptimConfig(lr=1e-3, eps=PARITY_EPS),
-            ParallelConfig(micro_batch_size=4, cpu_offload=on and knob == "cpu_offload"),
-        )
-        if on and knob == "gradient_checkpointing":  # the switch really reached HF
-            assert any(getattr(m, "gradient_checkpointing", False) for m in engine.model.modules())
+    for offload in (False, True):
+        engine = actor(tiny_model_dir, micro_batch_size=4, parallel={"cpu_offload": offload})
         runs.append((engine.train_step(batch, nll_loss), full_weights(engine)))
     (m_off, w_off), (m_on, w_on) = runs
     for key in ("loss", "grad_norm"):
         assert m_on[key] == pytest.approx(m_off[key], rel=RTOL), key
     _assert_weights_close(w_on, w_off)
+
+
+def test_gradient_checkpointing_reaches_the_model(tiny_model_dir):
+    """The switch reaches transformers' layers (that it changes no update: the contract)."""
+    for on in (False, True):
+        engine = get_engine("torch_fsdp")()
+        model = ModelConfig(str(tiny_model_dir), gradient_checkpointing=on)
+        engine.init(model, OptimConfig(lr=1e-3), ParallelConfig())
+        assert (
+            any(getattr(m, "gradient_checkpointing", False) for m in engine.model.modules()) == on
+        )

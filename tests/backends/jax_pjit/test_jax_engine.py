@@ -88,7 +88,7 @@ def test_mesh_and_micro_batch_invariance_all_meshes(tiny_model_dir):
 
 def test_resume_is_exact(tiny_model_dir, tmp_path):
     b1, b2, b3 = (_rl_batch(seed=s) for s in (1, 2, 3))
-    # the meshes and micro-batch sizes of the invariance test (compiled programs are cached)
+    # saved from a (1, 2, 2) mesh, resumed on one device: the checkpoint reshards
     run = _engine(tiny_model_dir, mesh={"fsdp": 2, "tensor": 2}, mbs=2)
     run.train_step(b1, LOSS, entropy=True)
     run.save(str(tmp_path / "ckpt"))

@@ -18,7 +18,8 @@ tensor-parallel GPUs), since Ray's fractional GPU accounting alone could put two
 of one role on the same GPU.
 
 On CPU the pool's per-node CPUs are split evenly over the workers placed on a node
-(fractional CPUs: Ray only counts them, they do not pin cores).
+(fractional CPUs: Ray only counts them, they do not pin cores). Reward and env workers
+are in no pool (:meth:`Placement.light_options`).
 
 A sweep trial's run reserves no group of its own: the trial's placement group
 (``reserved``), laid out by :func:`pool_bundles`, already holds every pool it uses.
@@ -223,6 +224,13 @@ class Placement:
                 }
             }
         return opts
+
+    @staticmethod
+    def light_options(rank: int = 0) -> dict[str, Any]:
+        """Ray options of a light worker (reward and env workers: user code with no device):
+        no CPU reserved, in no pool — their work is light, and the logical CPUs belong to
+        the roles and to user tasks."""
+        return {"num_cpus": 0}
 
     def release(self) -> None:
         """Give back the placement groups this placement reserved (after its workers

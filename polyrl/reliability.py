@@ -44,11 +44,18 @@ class RunStopped(RuntimeError):
 
 
 class WorkerDied(RuntimeError):
-    """A role's Ray worker died (killed, out of memory, crashed)."""
+    """A role's Ray worker died (killed, out of memory, crashed). ``where``: its node and
+    process, when known (``polyrl.groups.WorkerGroup.died``)."""
 
-    def __init__(self, role: str, rank: int, cause: str):
-        super().__init__(f"role {role!r} worker (rank {rank}) died: {cause}")
-        self.role, self.rank = role, rank
+    def __init__(self, role: str, rank: int, cause: str, where: str = ""):
+        at = f" on {where}" if where else ""
+        super().__init__(
+            f"role {role!r} worker (rank {rank}) died{at}: {cause}. Check its output for a "
+            f"traceback (worker-*-<pid>.err in the run's logs/ directory, or in Ray's session "
+            f"logs on that node, /tmp/ray/session_latest/logs) and the node's memory (Ray's "
+            f"OOM killer reports its kills in that node's raylet.out)"
+        )
+        self.role, self.rank, self.where = role, rank, where
 
 
 def stop_message(what: str, run_dir: str | Path, checkpoint: Path | None) -> str:

@@ -33,6 +33,7 @@ from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_bound
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
 from polyrl.dumps import RolloutDumps
+from polyrl.groups import gather
 from polyrl.health import HealthMonitor, explained_variance, response_stats
 from polyrl.metrics import (
     PhaseTimer,
@@ -47,7 +48,7 @@ from polyrl.residency import turn_roles
 from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.roles import reference_in_actor
 from polyrl.timeline import Timeline
-from polyrl.workers import WorkerGroup, gather
+from polyrl.workers import EngineGroup
 
 __all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "SFTTrainer", "LOOPS"]
 
@@ -93,7 +94,7 @@ class Loop(abc.ABC):
         self.start_step = 0
 
     @property
-    def ref_scorer(self) -> tuple[WorkerGroup, dict[str, Any]] | None:
+    def ref_scorer(self) -> tuple[EngineGroup, dict[str, Any]] | None:
         """Who scores reference log-probs, and with which forward arguments: the reference
         role, or with LoRA the actor's frozen base with its adapters off
         (``polyrl.roles.reference_in_actor``); None without a reference."""
@@ -156,14 +157,14 @@ class Loop(abc.ABC):
         rewards = getattr(self, "rewards", None)
         return out + [("reward", i, w) for i, w in enumerate(rewards.workers if rewards else ())]
 
-    def _group(self, role: str) -> WorkerGroup:
+    def _group(self, role: str) -> EngineGroup:
         """Start ``role`` from the run's role table (``polyrl.roles``)."""
         spec = self.roles[role]
         if role in ("actor", "reference", "shadow"):
             model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
             spec = dataclasses.replace(spec, model=model)
         with self.startup.phase(f"{role} workers"):
-            return WorkerGroup(spec, lambda rank: self.placement.options(role, rank))
+            return EngineGroup(spec, lambda rank: self.placement.options(role, rank))
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -267,7 +268,7 @@ class Loop(abc.ABC):
 
     def update(
         self,
-        group: WorkerGroup,
+        group: EngineGroup,
         loss_fn: Any,
         batch: Batch,
         role: str,
@@ -313,7 +314,7 @@ class Loop(abc.ABC):
     def _engine_parts(self, method: str) -> dict[str, Callable[[str], None]]:
         """Trained role -> a callable running its engines' ``save``/``load`` on a path."""
 
-        def run(group: WorkerGroup) -> Callable[[str], None]:
+        def run(group: EngineGroup) -> Callable[[str], None]:
             def call(path: str) -> None:
                 with self.turns.resident(group):
                     group.call_all(method, path)
@@ -364,13 +365,17 @@ class RLTrainer(Loop):
         self.critic = self._group("critic") if "critic" in self.roles else None
         self.reward_model = self._group("reward") if "reward" in self.roles else None
         self.shadow = self._group("shadow") if "shadow" in self.roles else None
-        self.rewards = RewardPool(cfg.reward_workers, cfg.reward_timeout_s)
+        self.rewards = RewardPool(
+            cfg.reward_workers, cfg.reward_timeout_s, self.placement.light_options
+        )
         self.episodes = None  # RunConfig.episodes: multi-turn episodes in env workers
         if cfg.episodes is not None:
             from polyrl.envs.workers import EnvPool
             from polyrl.rollout.episodes import EpisodeRunner
 
-            envs = EnvPool(cfg.episodes.env_workers, cfg.episodes.env_timeout_s)
+            envs = EnvPool(
+                cfg.episodes.env_workers, cfg.episodes.env_timeout_s, self.placement.light_options
+            )
             self.episodes = EpisodeRunner(self.pool, envs, self.tokenizer, cfg.episodes)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
         # GPU transports retain nothing: a restarted server is re-synced from the actor.
@@ -757,11 +762,11 @@ class Turns:
         self.roles, self.pool, self.sleeps = roles, pool, sleeps
         self.timer = timer or PhaseTimer(echo=False)
 
-    def takes_turns(self, group: WorkerGroup | None) -> bool:
+    def takes_turns(self, group: EngineGroup | None) -> bool:
         return group is not None and group.spec.name in self.roles
 
     @contextlib.contextmanager
-    def resident(self, group: WorkerGroup | None) -> Iterator[None]:
+    def resident(self, group: EngineGroup | None) -> Iterator[None]:
         if not self.takes_turns(group):
             yield
             return

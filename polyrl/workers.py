@@ -1,24 +1,25 @@
-"""WorkerGroup: the Ray actors that host one role's TrainEngine.
+"""The engine roles' workers: an :class:`EngineGroup` of :class:`EngineWorker` actors.
 
 How many actors a role starts, what each drives and how they form a collective group
 is the backend's process model (``polyrl.backends.base.ENGINES[...].process``, read
 through the role table ``polyrl.roles``): torch starts one actor per device (each a
 torch.distributed rank), JAX one actor per host driving every local device of the
 role's mesh (hosts joined by jax.distributed). Worker 0 reports its node's address and
-a free port, and every worker joins the group from there. Actors receive frozen config
-dataclasses resolved on the driver — never gin, whose bindings do not reach other
-processes.
+a free port (``WorkerGroup.rendezvous``), and every worker joins the group from there.
+Actors receive frozen config dataclasses resolved on the driver — never gin, whose
+bindings do not reach other processes.
 
-Dispatch: ``forward`` and ``train_step`` split a Batch into one equal shard per
-worker and gather the results (forward outputs concatenated in order; train_step
-metrics are already all-reduced by the engines, so worker 0's are returned).
+An EngineGroup is a ``polyrl.groups.WorkerGroup``: creation, placement, dispatch,
+dead-worker reports live there. Each EngineWorker method declares its dispatch:
+``forward`` and ``train_step`` split a Batch into one equal shard per worker (forward
+outputs concatenated in order; train_step metrics are already all-reduced by the
+engines, so worker 0's are returned); the rest run on every worker.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -27,32 +28,24 @@ from polyrl import faults
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 from polyrl.debug import place, setup_worker
-from polyrl.reliability import WorkerDied
+from polyrl.groups import Calls, Collect, Dispatch, WorkerGroup, register
 from polyrl.roles import RoleSpec
 from polyrl.timeline import Traced
 
-__all__ = ["WorkerGroup", "EngineWorker", "worker_options"]
+__all__ = ["EngineGroup", "EngineWorker", "engine_env"]
 
 
 class EngineWorker(Traced):
     """Hosts one TrainEngine inside a Ray actor (or in-process, for tests)."""
 
-    def __init__(self, backend: str):
-        self.backend, self.rank, self.engine = backend, 0, None
+    def __init__(self, backend: str, rank: int = 0):
+        self.backend, self.rank, self.engine = backend, rank, None
         self.forwards = 0  # forward calls so far (the ``kill_in_forward`` fault counts them)
         self.recording = None  # a running profiler (profile_start .. profile_stop)
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port on it: where the role's group meets."""
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
-
+    @register(Dispatch.EACH)
     def start(
         self,
-        rank: int,
         env: Mapping[str, str],
         model: ModelConfig,
         optim: OptimConfig | None,
@@ -62,17 +55,18 @@ class EngineWorker(Traced):
         os.environ.update(env)
         from polyrl.backends.base import get_engine  # imports the framework here, lazily
 
-        self.rank, self.role, self.model_path = rank, model.role, model.path
-        setup_worker(model.role, rank)
+        self.role, self.model_path = model.role, model.path
+        setup_worker(model.role, self.rank)
         self.engine = get_engine(self.backend)()
         self.engine.init(model, optim, parallel)
         return True
 
+    @register(Dispatch.SPLIT, Collect.CONCAT)
     @place("forward")
-    def forward(self, batch: Batch, kwargs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def forward(self, batch: Batch, **kwargs: Any) -> dict[str, np.ndarray]:
         self._fault("kill_in_forward", self.forwards)
         self.forwards += 1
-        batch, kwargs = self._planted(batch, dict(kwargs))
+        batch, kwargs = self._planted(batch, kwargs)
         return self.engine.forward(batch, **kwargs)
 
     def _planted(self, batch: Batch, kwargs: dict[str, Any]) -> tuple[Batch, dict[str, Any]]:
@@ -96,8 +90,9 @@ class EngineWorker(Traced):
             {n: t.float().numpy() for bucket in payloads for n, t in host_unpack(*bucket)}
         )
 
+    @register(Dispatch.SPLIT, Collect.FIRST)
     @place("train_step")
-    def train_step(self, batch: Batch, loss_fn: Any, kwargs: Mapping[str, Any]) -> dict[str, float]:
+    def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
         self._fault("kill_worker", self.engine.step)
         return self.engine.train_step(batch, loss_fn, **kwargs)
 
@@ -124,10 +119,12 @@ class EngineWorker(Traced):
             return None
         return syncer.push(buckets, version)
 
+    @register(Dispatch.ONE, Collect.FIRST)
     def init_weight_group(self, syncer: Any) -> int:
         """Join ``syncer``'s weight-broadcast group as its rank 0 (transport "nccl")."""
         return syncer.init_group()
 
+    @register(Dispatch.ALL, Collect.FIRST)
     def host_buckets(self, bucket_bytes: int) -> list[Any] | None:
         """The weights as object-store payloads (``weight_sync.host_payload``), from rank
         0; the other ranks take part in the gathers. Re-syncs a restarted rollout server."""
@@ -190,91 +187,19 @@ class EngineWorker(Traced):
             raise RuntimeError(f"{self.role} rank {self.rank}: profile_stop without profile_start")
         return recording.stop()
 
-    def where(self) -> dict[str, str]:
-        return where_this_runs()
 
-
-def where_this_runs() -> dict[str, str]:
-    """The Ray node this process runs on, the GPUs it sees (CUDA_VISIBLE_DEVICES) and the
-    JAX platform it is pinned to (JAX_PLATFORMS)."""
-    import ray
-
-    env = os.environ.get
-    return {
-        "node": ray.get_runtime_context().get_node_id(),
-        "gpus": env("CUDA_VISIBLE_DEVICES", ""),
-        "jax": env("JAX_PLATFORMS", ""),
-    }
-
-
-def worker_options(
-    spec: RoleSpec,
-    options: Callable[[int], dict[str, Any]],
-    env: Mapping[str, str] | None = None,
-) -> list[dict[str, Any]]:
-    """Ray actor options of each worker of ``spec``, in rank order: ``options(rank)``
-    (resources, scheduling strategy, maybe the worker's own GPUs in ``runtime_env``) and a
-    ``runtime_env`` holding the process model's host environment (e.g. ``JAX_PLATFORMS``
-    pinned to the worker's platform), ``env``, then the rank's own variables."""
+def engine_env(
+    spec: RoleSpec, options: Callable[[int], dict[str, Any]], env: Mapping[str, str] | None
+) -> dict[str, str]:
+    """Environment of every worker of ``spec``: the process model's host environment
+    (e.g. ``JAX_PLATFORMS`` pinned to the worker's platform), then ``env``."""
     on_gpu = bool(options(0).get("num_gpus"))
-    base_env = {**spec.process.host_env(spec.local_devices, on_gpu), **(env or {})}
-    if os.environ.get(faults.ENV):  # test-only fault hooks reach the workers too
-        base_env.setdefault(faults.ENV, os.environ[faults.ENV])
-    out = []
-    for rank in range(spec.num_workers):
-        opts = dict(options(rank))
-        runtime = opts.pop("runtime_env", {})
-        out.append(
-            {**opts, "runtime_env": {"env_vars": {**base_env, **runtime.get("env_vars", {})}}}
-        )
-    return out
+    return {**spec.process.host_env(spec.local_devices, on_gpu), **(env or {})}
 
 
-class Pending:
-    """One role's Ray calls in flight (``WorkerGroup.submit_forward``)."""
-
-    def __init__(self, group: WorkerGroup, refs: list[Any]):
-        self.group, self.refs = group, refs
-
-    def result(self) -> dict[str, np.ndarray]:
-        """Wait for every worker; outputs concatenated in rank order (a dead worker raises
-        :class:`WorkerDied`)."""
-        outs = self.group._get(self.refs)
-        return {k: np.concatenate([o[k] for o in outs]) for k in outs[0]}
-
-
-def gather(pending: Mapping[str, Pending]) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-    """``(name, result)`` of each pending call as it completes (first done, first out), so a
-    caller can time each of several calls that run at once. A call whose worker failed is
-    raised as soon as it fails (its other workers may wait forever in a collective)."""
-    import ray
-
-    left = dict(pending)
-    while left:
-        refs = [r for p in left.values() for r in p.refs]
-        ray.wait(refs, num_returns=1)
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
-        for name, p in list(left.items()):
-            done = [r for r in p.refs if r in ready]
-            if len(done) == len(p.refs) or _failed(done):
-                del left[name]
-                yield name, p.result()
-
-
-def _failed(refs: list[Any]) -> bool:
-    import ray
-
-    for ref in refs:
-        try:
-            ray.get(ref)
-        except Exception:
-            return True
-    return False
-
-
-class WorkerGroup:
-    """The Ray actors of one role (``spec`` from the role table). ``ray`` must be
-    initialised by the caller.
+class EngineGroup(WorkerGroup):
+    """The :class:`EngineWorker` actors of one role (``spec`` from the role table), joined
+    in one collective group. ``ray`` must be initialised by the caller.
 
     options: rank -> Ray actor options (resources, scheduling strategy, a
       ``runtime_env`` with the worker's devices), e.g. ``polyrl.placement.Placement.options``;
@@ -288,124 +213,57 @@ class WorkerGroup:
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 600.0,
     ):
-        import ray
-
         from polyrl.backends.base import GroupSlot
 
         self.spec = spec
         world, process = spec.num_workers, spec.process
         options = options or (lambda rank: {"num_cpus": 0.5})
-        remote = ray.remote(EngineWorker)
-        self.workers = [
-            remote.options(**opts).remote(spec.backend)
-            for opts in worker_options(spec, options, env)
-        ]
+        super().__init__(
+            spec.name,
+            EngineWorker,
+            (spec.backend,),
+            num_workers=world,
+            options=options,
+            env=engine_env(spec, options, env),
+            ready_timeout_s=ready_timeout_s,
+        )
         # The workers of a group initialise together (the group needs every member).
-        try:
-            addr, port = ray.get(self.workers[0].rendezvous.remote(), timeout=ready_timeout_s)
-            refs = []
-            for rank, worker in enumerate(self.workers):
-                slot = GroupSlot(rank, world, *spec.slot(rank), addr, port)
-                refs.append(
-                    worker.start.remote(
-                        rank, process.group_env(slot), spec.model, spec.optim, spec.parallel
-                    )
-                )
-            ray.get(refs, timeout=ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(
-                f"role {spec.name!r}: {world} {spec.backend} worker(s) did not start within "
-                f"{ready_timeout_s:.0f} s. Ray resources: {ray.available_resources()}; each "
-                f"worker asks for {options(0)}"
-            ) from None
-
-    def _get(self, refs: list[Any]) -> list[Any]:
-        """``ray.get(refs)`` (one ref per worker, in rank order), but a dead worker raises
-        :class:`WorkerDied` at once, naming the role and rank, even while the other ranks
-        wait forever in a collective it will never join."""
-        import ray
-
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(done[0])
-            except ray.exceptions.RayActorError as e:
-                raise WorkerDied(self.spec.name, refs.index(done[0]), type(e).__name__) from e
-            except ray.exceptions.RayTaskError:
-                self._name_the_dead(refs, pending)
-                raise
-        return ray.get(refs)
-
-    def _name_the_dead(self, refs: list[Any], pending: list[Any]) -> None:
-        """A rank's call failed. When a peer died, the live ranks' collective fails too
-        (gloo: connection reset), often before Ray reports the death: if another rank's
-        call ends with its worker dead within 30 s, raise :class:`WorkerDied` for it (the
-        cause) instead of the failed call's error (the symptom)."""
-        import time
-
-        import ray
-
-        deadline = time.monotonic() + 30.0
-        while pending and time.monotonic() < deadline:
-            done, pending = ray.wait(pending, num_returns=1, timeout=deadline - time.monotonic())
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    raise WorkerDied(self.spec.name, refs.index(ref), type(e).__name__) from e
-                except ray.exceptions.RayTaskError:
-                    pass  # another live rank's failed collective
-
-    @property
-    def num_workers(self) -> int:
-        """Ray workers of the role: the batch is split into one shard per worker."""
-        return len(self.workers)
-
-    def _shards(self, batch: Batch) -> list[Batch]:
-        return batch.split(self.num_workers) if self.num_workers > 1 else [batch]
+        addr, port = self.rendezvous()
+        envs = [
+            process.group_env(GroupSlot(rank, world, *spec.slot(rank), addr, port))
+            for rank in range(world)
+        ]
+        self.start("start", envs, spec.model, spec.optim, spec.parallel)
 
     def forward(self, batch: Batch, **kwargs: Any) -> dict[str, np.ndarray]:
         return self.submit_forward(batch, **kwargs).result()
 
-    def submit_forward(self, batch: Batch, **kwargs: Any) -> Pending:
+    def submit_forward(self, batch: Batch, **kwargs: Any) -> Calls:
         """Start :meth:`forward` without waiting: forwards of roles on different devices
-        run at once (``gather``)."""
-        refs = [w.forward.remote(s, kwargs) for w, s in zip(self.workers, self._shards(batch))]
-        return Pending(self, refs)
+        run at once (``polyrl.groups.gather``)."""
+        return self.submit("forward", batch, **kwargs)
 
     def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
-
-        outs = self._get(
-            [
-                w.train_step.remote(s, loss_fn, kwargs)
-                for w, s in zip(self.workers, self._shards(batch))
-            ]
-        )
-        return outs[0]
+        return self.call("train_step", batch, loss_fn, **kwargs)
 
     def gpu_memory(self) -> list[dict[str, Any] | None]:
         """Each worker's ``EngineWorker.gpu_memory``."""
-        import ray
-
-        return ray.get([w.gpu_memory.remote() for w in self.workers])
+        return self.call("gpu_memory")
 
     def export_hf(self, out_dir: str) -> None:
         """Write the role's weights as an HF directory (``EngineWorker.export_hf``)."""
-        self._get([w.export_hf.remote(out_dir) for w in self.workers])
+        self.call("export_hf", out_dir)
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
-
-        return self._get([w.call.remote(method, *args) for w in self.workers])
+        """``engine.<method>(*args)`` on every worker."""
+        return self.call("call", method, *args)
 
     def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
         """Push the role's weights to the rollout servers (see EngineWorker.sync_weights);
         the SyncStats of every pushing rank, merged."""
         from polyrl.weight_sync import SyncStats
 
-        parts = self._get(
-            [w.sync_weights.remote(syncer, bucket_bytes, version) for w in self.workers]
-        )
+        parts = self.call("sync_weights", syncer, bucket_bytes, version)
         stats = SyncStats.merge([p for p in parts if p is not None] or [SyncStats(version, "")])
         if stats.servers != len(syncer.servers):
             raise RuntimeError(
@@ -418,28 +276,18 @@ class WorkerGroup:
 
     def form_weight_group(self, syncer: Any) -> None:
         """Rank 0 joins ``syncer``'s broadcast group (``WeightSyncer.ensure_group``)."""
-        import ray
-
-        ray.get(self.workers[0].init_weight_group.remote(syncer))
+        self.call("init_weight_group", syncer)
 
     def host_buckets(self, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
         """The role's weights as buckets of host tensors, in this process."""
-        import ray
-
         from polyrl.weight_sync import host_unpack
 
-        payloads = ray.get([w.host_buckets.remote(bucket_bytes) for w in self.workers])[0]
+        payloads = self.call("host_buckets", bucket_bytes)
         return [host_unpack(arrays, metas) for arrays, metas in payloads]
 
-    def load_weights_from(self, source: WorkerGroup, bucket_bytes: int) -> None:
+    def load_weights_from(self, source: EngineGroup, bucket_bytes: int) -> None:
         """Give every worker of this (frozen) group ``source``'s current weights, moved
         as the rollout re-sync moves them (``host_buckets`` through the object store)."""
-        refs = [w.host_buckets.remote(bucket_bytes) for w in source.workers]
-        source._get(refs)  # every source rank joins the gathers; rank 0 holds the payloads
-        self._get([w.load_weights.remote(refs[0]) for w in self.workers])
-
-    def shutdown(self) -> None:
-        from polyrl.ray_session import end_actors
-
-        end_actors(self.workers)
-        self.workers = []
+        calls = source.submit("host_buckets", bucket_bytes)
+        calls.result()  # every source rank joins the gathers; rank 0 holds the payloads
+        self.call("load_weights", calls.refs[0])

@@ -1,7 +1,7 @@
 """Env workers: the environments of many episodes at once, in light Ray actors.
 
 :class:`EnvPool` starts ``EpisodeConfig.env_workers`` :class:`EnvWorker` actors
-(``polyrl.light_workers``), each holding the env registry (``polyrl.envs.ENVS``) as the
+(a ``polyrl.groups.WorkerGroup``), each holding the env registry (``polyrl.envs.ENVS``) as the
 driver had it (the classes travel by pickle, so an env registered by an ``--import``
 module or a test plays the same in the workers; each is unpickled when an episode first
 needs it, so one a worker cannot import fails only its episodes). Episode ``key`` lives on worker
@@ -28,7 +28,8 @@ from typing import Any
 
 from polyrl.debug import setup_worker
 from polyrl.envs.base import ENVS, Env, StepResult, Turn
-from polyrl.light_workers import LightWorkers
+from polyrl.groups import Collect, Dispatch, WorkerGroup, register
+from polyrl.placement import Placement
 
 __all__ = ["EnvPool", "EnvWorker"]
 
@@ -116,6 +117,7 @@ class EnvWorker:
             self.live.pop(key, None)
         return out
 
+    @register(Dispatch.BY_KEY, Collect.CONCAT)
     async def reset(self, items: Sequence[tuple[int, str, Mapping[str, Any]]]) -> list[dict]:
         """``(key, data_source, row)`` -> the first messages, tool schemas and parser."""
         return list(
@@ -124,6 +126,7 @@ class EnvWorker:
             )
         )
 
+    @register(Dispatch.BY_KEY, Collect.CONCAT)
     async def step(self, items: Sequence[tuple[int, Turn]]) -> list[dict]:
         """``(key, turn)`` -> observation, reward, done, info (or error, detail)."""
         return list(
@@ -132,17 +135,25 @@ class EnvWorker:
             )
         )
 
-    def close(self, keys: Sequence[int]) -> None:
+    @register(Dispatch.BY_KEY, Collect.ALL)
+    def close(self, keys: Sequence[tuple[int]]) -> None:
         """Drop the envs of episodes that ended for a reason of the driver's (a limit)."""
-        for key in keys:
+        for (key,) in keys:
             self.live.pop(key, None)
 
 
 class EnvPool:
     """``num_workers`` :class:`EnvWorker` actors (0: one worker object in the driver).
-    Each method takes a list of items and returns one result per item, in order."""
+    Each method takes a list of items and returns one result per item, in order.
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 30.0):
+    options: Ray actor options of each worker (default ``Placement.light_options``)."""
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 30.0,
+        options: Callable[[int], dict[str, Any]] = Placement.light_options,
+    ):
         self.timeout_s = timeout_s
         self.envs = dict(ENVS)
         # Each env class travels pickled on its own and is loaded when an episode needs
@@ -153,12 +164,19 @@ class EnvPool:
             import ray
 
             shipped = {name: ray.cloudpickle.dumps(cls) for name, cls in self.envs.items()}
-        self.pool = LightWorkers(EnvWorker, (shipped, timeout_s), num_workers, max_restarts=-1)
-        self.local = EnvWorker(self.envs, timeout_s) if num_workers == 0 else None
+        self.group = WorkerGroup(
+            "env",
+            EnvWorker,
+            (shipped, timeout_s),
+            num_workers=num_workers,
+            options=options,
+            max_restarts=-1,
+            timeout_s=timeout_s + GRACE_S,
+        )
 
     @property
     def workers(self) -> list[Any]:
-        return self.pool.workers
+        return self.group.workers
 
     def reset(self, items: Sequence[tuple[int, str, Mapping[str, Any]]]) -> list[dict]:
         return self._run("reset", items)
@@ -167,47 +185,22 @@ class EnvPool:
         return self._run("step", items)
 
     def close(self, keys: Sequence[int]) -> None:
-        if self.local is not None:
-            self.local.close(keys)
-            return
-        import ray
-
-        by_worker = self._by_worker([(k,) for k in keys])
-        refs = [
-            self.workers[w].close.remote([keys[i] for i in idx]) for w, idx in by_worker.items()
-        ]
-        ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)  # best effort
-
-    def _by_worker(self, items: Sequence[tuple]) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for i, item in enumerate(items):
-            out.setdefault(int(item[0]) % len(self.workers), []).append(i)
-        return out
+        """Best effort: a worker that does not answer in time keeps them until it ends."""
+        self.group.call("close", [(k,) for k in keys], on_error=lambda *_: None)
 
     def _run(self, method: str, items: Sequence[tuple]) -> list[dict]:
-        if self.local is not None:
-            return asyncio.run(getattr(self.local, method)(list(items)))
-        import ray
+        def failed(rank: int, index: list[int], error: BaseException) -> list[dict]:
+            import ray
 
-        out: list[dict | None] = [None] * len(items)
-        calls = {
-            w: getattr(self.workers[w], method).remote([items[i] for i in idx])
-            for w, idx in self._by_worker(items).items()
-        }
-        index = self._by_worker(items)
-        for w, ref in calls.items():
-            try:
-                results = ray.get(ref, timeout=self.timeout_s + GRACE_S)
-            except ray.exceptions.GetTimeoutError:
-                results = [_failure("env_timeout", f"env worker {w} did not answer")] * len(
-                    index[w]
-                )
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                why = f"env worker {w} died: {type(e).__name__}: {str(e).splitlines()[0]}"
-                results = [_failure("env_worker_died", why)] * len(index[w])
-            for i, r in zip(index[w], results):
-                out[i] = r
-        return out  # type: ignore[return-value]
+            if isinstance(error, TimeoutError):
+                return [_failure("env_timeout", f"env worker {rank} did not answer")] * len(index)
+            if not isinstance(error, ray.exceptions.RayActorError):
+                raise error
+            said = str(error).splitlines()[0] if str(error) else ""
+            why = f"env worker {rank} died: {type(error).__name__}: {said}"
+            return [_failure("env_worker_died", why)] * len(index)
+
+        return self.group.call(method, list(items), on_error=failed)
 
     def shutdown(self) -> None:
-        self.pool.shutdown()
+        self.group.shutdown()

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from polyrl.debug import place, setup_worker
-from polyrl.light_workers import LightWorkers
+from polyrl.groups import Collect, Dispatch, WorkerGroup, register
+from polyrl.placement import Placement
 from polyrl.rewards.registry import REWARDS, RewardFn
 from polyrl.timeline import Traced
 
@@ -126,34 +127,43 @@ class RewardWorker(Traced):
         setup_worker("reward", rank)
         self.fns, self.timeout_s = dict(fns), timeout_s
 
+    @register(Dispatch.SPLIT, Collect.CONCAT)
     @place("score")
     def score(self, items: Sequence[Item]) -> list[float]:
         return score_items(self.fns, items, self.timeout_s)
 
 
 class RewardPool:
-    """``num_workers`` reward actors (``polyrl.light_workers``; ``ray`` must be
+    """``num_workers`` reward actors (a ``polyrl.groups.WorkerGroup``; ``ray`` must be
     initialised). ``num_workers=0`` scores in the driver (no Ray), e.g. for a notebook or
     a unit test.
 
-    options: Ray actor options of each worker (default: no CPU reserved — rule rewards
-    are light, and the logical CPUs belong to the roles and to user tasks).
+    options: Ray actor options of each worker (default ``Placement.light_options``: no
+    CPU reserved — rule rewards are light, and the logical CPUs belong to the roles and
+    to user tasks).
     """
 
     def __init__(
         self,
         num_workers: int = 2,
         timeout_s: float | None = 60.0,
-        options: Callable[[int], dict[str, Any]] | None = None,
+        options: Callable[[int], dict[str, Any]] = Placement.light_options,
         env: Mapping[str, str] | None = None,
     ):
         self.timeout_s = timeout_s
         self.fns = dict(REWARDS)
-        self.pool = LightWorkers(RewardWorker, (self.fns, timeout_s), num_workers, options, env)
+        self.group = WorkerGroup(
+            "reward_workers",
+            RewardWorker,
+            (self.fns, timeout_s),
+            num_workers=num_workers,
+            options=options,
+            env=env,
+        )
 
     @property
     def workers(self) -> list[Any]:
-        return self.pool.workers
+        return self.group.workers
 
     def score(
         self,
@@ -166,22 +176,16 @@ class RewardPool:
         items: list[Item] = [
             (i, t, g, s, e) for i, (t, g, s, e) in enumerate(zip(texts, truths, sources, extras))
         ]
-        if not self.workers:
-            return np.asarray(score_items(self.fns, items, self.timeout_s), np.float32)
-        import ray
-
-        shards = self.pool.shards(len(items))
-        refs = [w.score.remote([items[j] for j in idx]) for w, idx in zip(self.workers, shards)]
+        if not items:
+            return np.zeros(0, np.float32)
         try:
-            parts = ray.get(refs)
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, RewardError):
-                raise RewardError(str(e.cause)) from None
+            scores = self.group.call("score", items)
+        except Exception as e:  # a worker's RewardError arrives wrapped by Ray
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, RewardError):
+                raise RewardError(str(cause)) from None
             raise
-        scores = [v for part in parts for v in part]
-        if len(scores) != len(items):
-            raise RewardError(f"reward workers returned {len(scores)} rewards for {len(items)}")
         return np.asarray(scores, np.float32)
 
     def shutdown(self) -> None:
-        self.pool.shutdown()
+        self.group.shutdown()

@@ -30,18 +30,18 @@ been waited for and re-synced from the retained object-store buckets of the last
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from polyrl.batch import Batch, from_token_lists
+from polyrl.groups import WorkerGroup
 from polyrl.rollout.sampling import OVERLONG_POLICIES, RolloutConfig, SamplingSpec
 from polyrl.rollout.server import RolloutServer, StaleWeightsError, server_env
 from polyrl.weight_sync import SyncStats, WeightSyncer
 
-__all__ = ["RolloutPool", "PROMPT_KEY", "apply_overlong_policy", "server_options"]
+__all__ = ["RolloutPool", "PROMPT_KEY", "apply_overlong_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +80,6 @@ def apply_overlong_policy(
     return kept, [list(map(int, prompts[i]))[-limit:] for i in kept]
 
 
-def server_options(config: RolloutConfig, placement: Mapping[str, Any]) -> dict[str, Any]:
-    """Ray actor options of one server: ``placement``'s resources and scheduling, and a
-    ``runtime_env`` with :func:`server_env` plus the placement's variables (the server's
-    own GPUs: ``CUDA_VISIBLE_DEVICES``)."""
-    opts = dict(placement)
-    env = {**server_env(config), **opts.pop("runtime_env", {}).get("env_vars", {})}
-    return {
-        **opts,
-        "max_restarts": config.max_restarts,
-        "max_task_retries": 0,
-        "runtime_env": {"env_vars": env},
-    }
-
-
 class RolloutPool:
     """``config.num_servers`` :class:`RolloutServer` actors; call after ``ray.init``.
 
@@ -123,12 +109,21 @@ class RolloutPool:
         # last push retained nothing (cuda_ipc, nccl); RLTrainer sets it to the actor's.
         self.resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None
         self._syncers: dict[tuple[str, bool], WeightSyncer] = {}  # update_weights' own
-        self.servers = self._start_servers()
-        self.infos = self._wait_ready()
+        self.group = self._start_servers()
+        self.infos = self.group.start(
+            "info",
+            fix="If resources are short, lower RolloutConfig.num_cpus/num_servers; otherwise "
+            "raise RolloutConfig.ready_timeout_s",
+        )
         first = self.infos[0]
         self.pad_token_id = int(first["pad_token_id"])
         self.eos_token_id = int(first["eos_token_id"])
         self.sampling_vocab_size = int(first["sampling_vocab_size"])
+
+    @property
+    def servers(self) -> list[Any]:
+        """The servers' Ray actor handles, in index order."""
+        return self.group.workers
 
     # -------------------------------------------------------------- start-up
     def _resources(self) -> dict[str, float]:
@@ -144,7 +139,7 @@ class RolloutPool:
         )
         return {"num_cpus": num_cpus, "num_gpus": num_gpus}
 
-    def _start_servers(self) -> list[Any]:
+    def _start_servers(self) -> WorkerGroup:
         import ray
 
         c = self.config
@@ -158,31 +153,17 @@ class RolloutPool:
                     f"the Ray cluster has {total.get(ray_key, 0)}; lower RolloutConfig.num_servers "
                     f"or RolloutConfig.{key}, or start Ray with more {ray_key}s"
                 )
-        actor = ray.remote(RolloutServer)
-        return [
-            actor.options(**server_options(c, self.placement(i) if self.placement else res)).remote(
-                c, i
-            )
-            for i in range(c.num_servers)
-        ]
-
-    def _wait_ready(self) -> list[dict[str, Any]]:
-        import ray
-
-        refs = [s.info.remote() for s in self.servers]
-        try:
-            return ray.get(refs, timeout=self.config.ready_timeout_s)
-        except ray.exceptions.GetTimeoutError as e:
-            self.shutdown()
-            raise TimeoutError(
-                f"RolloutPool: servers not ready after RolloutConfig.ready_timeout_s="
-                f"{self.config.ready_timeout_s:g} s. Each needs {self._resources()}; Ray has "
-                f"{ray.available_resources()} available. If resources are short, lower "
-                f"RolloutConfig.num_cpus/num_servers; otherwise raise ready_timeout_s"
-            ) from e
-        except ray.exceptions.RayActorError as e:
-            self.shutdown()
-            raise RuntimeError(f"RolloutPool: a rollout server failed to start: {e}") from e
+        return WorkerGroup(
+            "rollout",
+            RolloutServer,
+            (c,),
+            num_workers=c.num_servers,
+            options=self.placement or (lambda i: res),
+            env=server_env(c),
+            max_restarts=c.max_restarts,
+            timeout_s=c.request_timeout_s,
+            ready_timeout_s=c.ready_timeout_s,
+        )
 
     # -------------------------------------------------------------- generate
     def generate(
@@ -274,30 +255,17 @@ class RolloutPool:
     def _dispatch(self, method: str, items: list[Any], *args: Any) -> list[Any]:
         """Split ``items`` into contiguous shards, one per server, keep order; a failed
         shard is retried once on the next server after the failed one is re-synced."""
-        shards = [s for s in np.array_split(np.arange(len(items)), len(self.servers)) if len(s)]
-        calls = [
-            (
-                i,
-                idx,
-                getattr(self.servers[i], method).remote(
-                    [items[j] for j in idx], *args, expected_version=self.version
-                ),
-            )
-            for i, idx in enumerate(shards)
-        ]
-        out: list[Any] = [None] * len(items)
-        for i, idx, ref in calls:
-            try:
-                part = self._get(ref)
-            except Exception as e:  # classified by _is_recoverable; others re-raised
-                if not _is_recoverable(e):
-                    raise
-                part = self._retry(method, [items[j] for j in idx], args, failed=i, error=e)
-            for j, r in zip(idx, part):
-                out[j] = r
-        return out
 
-    def _retry(self, method: str, shard: list[Any], args: tuple, failed: int, error: Exception):
+        def retry(failed: int, index: list[int], error: BaseException) -> list[Any]:
+            if not _is_recoverable(error):
+                raise error
+            return self._retry(method, [items[j] for j in index], args, failed, error)
+
+        return self.group.call(method, items, *args, expected_version=self.version, on_error=retry)
+
+    def _retry(
+        self, method: str, shard: list[Any], args: tuple, failed: int, error: BaseException
+    ) -> list[Any]:
         logger.warning(
             "rollout server %d failed (%s: %s); re-syncing it and retrying its %d requests once",
             failed,
@@ -310,11 +278,7 @@ class RolloutPool:
         if target != failed:
             self._recover(target)  # cheap when healthy: one info() call
         try:
-            return self._get(
-                getattr(self.servers[target], method).remote(
-                    shard, *args, expected_version=self.version
-                )
-            )
+            return self.group.call_one(target, method, shard, *args, expected_version=self.version)
         except Exception as e:
             raise RuntimeError(
                 f"RolloutPool.{method}: {len(shard)} requests failed on server {failed} "
@@ -323,27 +287,7 @@ class RolloutPool:
 
     def _recover(self, i: int) -> None:
         """Wait until server ``i`` answers (Ray restarts it) and bring it to ``self.version``."""
-        import ray
-
-        deadline = time.monotonic() + self.config.ready_timeout_s
-        while True:
-            try:
-                info = ray.get(
-                    self.servers[i].info.remote(), timeout=max(1.0, deadline - time.monotonic())
-                )
-                break
-            except ray.exceptions.ActorUnavailableError:  # restarting: ask again shortly
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"rollout server {i} did not come back within RolloutConfig."
-                        f"ready_timeout_s={self.config.ready_timeout_s:g} s"
-                    ) from None
-                time.sleep(0.5)
-            except ray.exceptions.RayActorError as e:
-                raise RuntimeError(
-                    f"rollout server {i} is dead and Ray will not restart it (RolloutConfig."
-                    f"max_restarts={self.config.max_restarts} used up?): {e}"
-                ) from e
+        info = self.group.revive(i, "info", fix="RolloutConfig.max_restarts / ready_timeout_s")
         if info["version"] != self.version:
             logger.warning(
                 "rollout server %d is at weight version %d (boot %s), pool at %d: re-syncing",
@@ -368,11 +312,6 @@ class RolloutPool:
                 f"the pool has nothing to re-sync it from: push with transport='object_store' "
                 f"(retain=True) or set RolloutPool.resync_source"
             )
-
-    def _get(self, ref: Any) -> Any:
-        import ray
-
-        return ray.get(ref, timeout=self.config.request_timeout_s)
 
     # --------------------------------------------------------------- weights
     def weight_syncer(
@@ -419,27 +358,18 @@ class RolloutPool:
             self._recover(i)
 
     def weight_versions(self) -> list[int]:
-        import ray
-
-        return ray.get([s.weight_version.remote() for s in self.servers])
+        return self.group.call("weight_version")
 
     # ------------------------------------------------------------ colocation
     def sleep(self, level: int = 1) -> list[bool]:
         """Free the servers' GPU memory for colocated training (no-op on CPU)."""
-        import ray
-
-        return ray.get([s.sleep.remote(level) for s in self.servers])
+        return self.group.call("sleep", level)
 
     def wake_up(self) -> list[bool]:
-        import ray
-
-        return ray.get([s.wake_up.remote() for s in self.servers])
+        return self.group.call("wake_up")
 
     def shutdown(self) -> None:
-        from polyrl.ray_session import end_actors
-
-        end_actors(self.servers)
-        self.servers = []
+        self.group.shutdown()
 
 
 def _is_recoverable(error: Exception) -> bool:

@@ -1,7 +1,7 @@
 """RolloutServer: one vLLM engine in one Ray actor.
 
-:class:`RolloutPool` wraps this class with ``ray.remote`` and talks to it; it is a
-plain class so a benchmark or a debugger can also run it in-process. vLLM is imported
+:class:`RolloutPool` starts this class as a ``polyrl.groups.WorkerGroup`` and talks to
+it; it is a plain class so a benchmark or a debugger can also run it in-process. vLLM is imported
 when a server starts, never when this module is imported (the controller imports it).
 
 Weights: the server starts from ``RolloutConfig.model_path`` at weight version 0.
@@ -28,6 +28,7 @@ import numpy as np
 
 from polyrl import faults
 from polyrl.debug import place, setup_worker
+from polyrl.groups import Collect, Dispatch, register
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 from polyrl.timeline import Traced, record
 
@@ -46,8 +47,6 @@ def server_env(config: RolloutConfig) -> dict[str, str]:
     """Environment of a server process (Ray ``runtime_env``; also set before vLLM imports)."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process_engine else "1"}
     env.update(dict(config.env))
-    if os.environ.get(faults.ENV):  # test-only fault hooks reach the servers too
-        env.setdefault(faults.ENV, os.environ[faults.ENV])
     return env
 
 
@@ -218,6 +217,7 @@ class RolloutServer(Traced):
         return self.version
 
     # -------------------------------------------------------------- generate
+    @register(Dispatch.SPLIT, Collect.CONCAT)
     @place("generate")
     def generate(
         self,

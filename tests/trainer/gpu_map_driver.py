@@ -19,20 +19,17 @@ import sys
 class ServerStandIn:
     """Stands where a RolloutServer would (its vLLM would need the GPUs it only sees)."""
 
-    def where(self) -> dict[str, str]:
-        from polyrl.workers import where_this_runs
-
-        return where_this_runs()
+    def __init__(self, config, index: int) -> None:
+        pass
 
 
 def layout(run_dir: str, params: list[str]) -> dict[str, list[dict]]:
-    import ray
-
+    from polyrl.groups import WorkerGroup
     from polyrl.launch import parse_config, prepare
     from polyrl.placement import Placement
     from polyrl.roles import build_roles
-    from polyrl.rollout.pool import server_options
-    from polyrl.workers import EngineWorker, worker_options
+    from polyrl.rollout.server import server_env
+    from polyrl.workers import EngineWorker, engine_env
 
     cfg, _ = parse_config(
         ["gin/experiments/tiny_grpo.gin"], [f"polyrl.RunConfig.run_dir = {run_dir!r}", *params]
@@ -40,25 +37,29 @@ def layout(run_dir: str, params: list[str]) -> dict[str, list[dict]]:
     cfg, spec = prepare(cfg)
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles)
-    out, actors = {}, []
+    out, groups = {}, []
     try:
         for name, role in roles.items():
-            if name == "rollout":
-                cls, arg = ServerStandIn, ()
-                opts = [
-                    server_options(cfg.rollout, placement.options(name, i))
-                    for i in range(role.num_workers)
-                ]
-            else:
-                cls, arg = EngineWorker, (role.backend,)
-                opts = worker_options(role, lambda rank, n=name: placement.options(n, rank))
-            handles = [ray.remote(cls).options(**o).remote(*arg) for o in opts]
-            actors += handles
-            where = ray.get([h.where.remote() for h in handles], timeout=300)
-            out[name] = [{**w, "num_gpus": o.get("num_gpus", 0)} for w, o in zip(where, opts)]
+            options = lambda rank, n=name: placement.options(n, rank)  # noqa: E731
+            if name == "rollout":  # as RolloutPool starts them
+                cls, arg, env = ServerStandIn, (cfg.rollout,), server_env(cfg.rollout)
+            else:  # as EngineGroup starts them (engines not started)
+                cls, arg, env = EngineWorker, (role.backend,), engine_env(role, options, None)
+            group = WorkerGroup(
+                name, cls, arg, num_workers=role.num_workers, options=options, env=env
+            )
+            groups.append(group)
+            where = group.where()
+            out[name] = [
+                {
+                    **{k: w[k] for k in ("node", "gpus", "jax")},
+                    "num_gpus": options(i).get("num_gpus", 0),
+                }
+                for i, w in enumerate(where)
+            ]
     finally:
-        for a in actors:
-            ray.kill(a)
+        for group in groups:
+            group.shutdown()
         placement.release()
     return out
 

@@ -57,7 +57,7 @@ def main(backend: str, run_dir: str) -> None:
             for n in ray.nodes()
             if n["Alive"]
         }
-        where = ray.get([w.where.remote() for w in trainer.actor.workers])
+        where = trainer.actor.where()
         last = trainer.run()
         gcs = ray.get_runtime_context().gcs_address
     finally:
@@ -83,7 +83,7 @@ def hsdp(run_dir: str) -> None:
     from polyrl.data.tiny import ensure_tiny_model
     from polyrl.placement import Placement
     from polyrl.roles import RoleSpec
-    from polyrl.workers import WorkerGroup
+    from polyrl.workers import EngineGroup
 
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     model = ModelConfig(str(ensure_tiny_model(Path(run_dir) / "models")))
@@ -106,8 +106,8 @@ def hsdp(run_dir: str) -> None:
             ParallelConfig(mesh=mesh, micro_batch_size=2),
         )  # fmt: skip
         placement = Placement({name: pool}, {"actor": spec})
-        group = WorkerGroup(spec, lambda rank, p=placement: p.options("actor", rank))
-        where = ray.get([w.where.remote() for w in group.workers])
+        group = EngineGroup(spec, lambda rank, p=placement: p.options("actor", rank))
+        where = group.where()
         metrics = group.train_step(batch, nll)
         out[name] = {
             "nodes": [w["node"] for w in where],

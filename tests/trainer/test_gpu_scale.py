@@ -37,8 +37,6 @@ def gpu_ray():
 
 
 def _run(run_dir: Path, backend: str, mesh: dict) -> tuple[list[dict], dict]:
-    import ray
-
     from polyrl.trainer import RLTrainer
 
     cfg, _ = parse_config(
@@ -58,7 +56,7 @@ def _run(run_dir: Path, backend: str, mesh: dict) -> tuple[list[dict], dict]:
     cfg, spec = prepare(cfg)
     trainer = RLTrainer(cfg, spec, _components(cfg, spec))
     try:
-        where = ray.get([w.where.remote() for w in trainer.actor.workers])
+        where = trainer.actor.where()
         last = trainer.run()
     finally:
         trainer.shutdown()

@@ -420,6 +420,9 @@ class RunConfig:
       weights and compared three ways with vLLM's and the trainer's log-probs
       (``polyrl.shadow``; docs/diagnosis.md); a side whose mean gap to both others
       exceeds ``shadow_tolerance`` (nats per token) while they agree is named in a warning.
+    shadow_per_prompt: the check scores this many responses of each prompt (the first of
+      its group; None: every response): the ``n`` samples of a prompt share its context, so
+      more of them add little evidence and cost a forward each.
     timeline: write each phase of each role as spans to ``<run_dir>/timeline.json``
       (Chrome/Perfetto trace, ``polyrl.timeline``).
     profile_steps: steps (1 = the first) during which every trainer role's worker (actor,
@@ -505,6 +508,7 @@ class RunConfig:
     dump_samples: int = 4
     shadow_every: int = 0
     shadow_tolerance: float = 0.02
+    shadow_per_prompt: int | None = 1
     timeline: bool = True
     profile_steps: tuple[int, ...] = ()
     episodes: object = None

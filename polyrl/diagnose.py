@@ -8,7 +8,7 @@ host's devices, a world of one), and
 * recomputes the training backend's and the other backend's log-probs and entropy of the
   batch, next to vLLM's sampled ones saved in it: the same metrics and verdict as the
   online check (``polyrl.shadow``), printed beside the online ones;
-* runs one update of the run's actor loss on the whole batch on both backends and prints
+* runs one update of the run's actor loss on the saved batch on both backends and prints
   each one's loss and gradient norm (before clipping).
 
 Everything goes to ``<run_dir>/shadow/step_N_diagnose.json``.

@@ -28,6 +28,7 @@ __all__ = [
     "compare",
     "SIDE_CODES",
     "POSITION_BUCKETS",
+    "scored_rows",
 ]
 
 SIDES = ("rollout", "train", "shadow")
@@ -38,6 +39,21 @@ POSITION_BUCKETS = ((0, 4), (4, 16), (16, 64), (64, 256), (256, None))
 # A side is named only when the two other sides agree this much better than it does with
 # either of them (kernel noise alone gives three gaps of the same order).
 SEPARATION = 4.0
+
+
+def scored_rows(group_ids: np.ndarray, per_prompt: int, multiple: int = 1) -> np.ndarray:
+    """Indices of the rows the check scores (``RunConfig.shadow_per_prompt``): the first
+    ``per_prompt`` rows of each prompt's group (``group_ids``), topped up with the next
+    unchosen rows to a multiple of ``multiple`` (the shadow's workers split them evenly).
+    Sorted."""
+    rank = np.zeros(len(group_ids), np.int64)  # each row's place within its group
+    seen: dict[int, int] = {}
+    for i, g in enumerate(np.asarray(group_ids).tolist()):
+        rank[i], seen[g] = seen.get(g, 0), seen.get(g, 0) + 1
+    chosen = rank < per_prompt
+    short = -int(chosen.sum()) % multiple
+    chosen[np.flatnonzero(~chosen)[:short]] = True
+    return np.flatnonzero(chosen)
 
 
 def _pair(a: str, b: str) -> str:

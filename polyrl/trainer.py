@@ -535,15 +535,23 @@ class RLTrainer(Loop):
     def shadow_check(self, step: int, batch: Batch) -> dict[str, float]:
         """The three-way check (``polyrl.shadow``, ``RunConfig.shadow_every``): the
         shadow engine (the other backend) gets the actor's weights and scores the batch;
-        its log-probs, vLLM's and the actor's are compared. Writes
+        its log-probs, vLLM's and the actor's are compared on the first
+        ``shadow_per_prompt`` responses of each prompt. Writes
         ``<run_dir>/shadow/step_<N>.json`` (metrics, verdict, worst tokens) and the batch
         with the three sides' columns (``step_<N>_batch.npz/.json``, for ``polyrl
         diagnose``)."""
         from polyrl import shadow
         from polyrl.async_rollout import save_batch
 
+        if self.cfg.shadow_per_prompt is not None and "group_ids" in batch:
+            per, workers = self.cfg.shadow_per_prompt, self.shadow.num_workers
+            batch = batch.take(shadow.scored_rows(batch["group_ids"], per, workers))
+        # The servers' last push, when it holds these weights (version = updates so far)
+        # in full (with LoRA it holds the adapted projections only)
+        whole = self.pool.version == step and self.cfg.lora is None
+        pushed = self.pool.retained if whole else None
         with self.turns.resident(self.shadow):
-            self.shadow.load_weights_from(self.actor, self.bucket_bytes)
+            self.shadow.load_weights_from(self.actor, self.bucket_bytes, pushed)
             out = self.shadow.forward(batch, temperature=self.temperature, entropy=True)
         batch = batch.with_columns(
             {"shadow_log_probs": out["log_probs"], "shadow_entropy": out["entropy"]}

@@ -141,6 +141,12 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"RunConfig.shadow_every={cfg.shadow_every}: algorithm {spec.name!r} samples no "
             "rollouts, so there are no vLLM log-probs to compare; set shadow_every = 0"
         )
+    per = cfg.shadow_per_prompt
+    if per is not None and not (isinstance(per, int) and per >= 1):
+        out.append(
+            f"RunConfig.shadow_per_prompt={per!r} must be an int >= 1 (responses of each "
+            "prompt the shadow check scores) or None (all of them)"
+        )
     if cfg.epochs < 1 or cfg.total_steps < 1:
         out.append(
             f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1"

@@ -82,12 +82,18 @@ class EngineWorker(Traced):
         return batch, kwargs
 
     def load_weights(self, payloads: list[Any]) -> None:
-        """Take another engine's weights (``host_buckets`` payloads: HF names, as exported
-        to the rollout servers) into this frozen engine (the shadow check's)."""
+        """Take another engine's weights (``host_buckets`` payloads, or the object-store
+        refs of a rollout push's retained buckets: HF names, as exported to the rollout
+        servers) into this frozen engine (the shadow check's)."""
+        import ray
+
         from polyrl.weight_sync import host_unpack
 
+        def arrays(a: Any) -> Any:
+            return ray.get(a) if isinstance(a, ray.ObjectRef) else a
+
         self.engine.set_weights(
-            {n: t.float().numpy() for bucket in payloads for n, t in host_unpack(*bucket)}
+            {n: t.float().numpy() for a, m in payloads for n, t in host_unpack(arrays(a), m)}
         )
 
     @register(Dispatch.SPLIT, Collect.FIRST)
@@ -285,9 +291,17 @@ class EngineGroup(WorkerGroup):
         payloads = self.call("host_buckets", bucket_bytes)
         return [host_unpack(arrays, metas) for arrays, metas in payloads]
 
-    def load_weights_from(self, source: EngineGroup, bucket_bytes: int) -> None:
-        """Give every worker of this (frozen) group ``source``'s current weights, moved
-        as the rollout re-sync moves them (``host_buckets`` through the object store)."""
-        calls = source.submit("host_buckets", bucket_bytes)
-        calls.result()  # every source rank joins the gathers; rank 0 holds the payloads
-        self.call("load_weights", calls.refs[0])
+    def load_weights_from(
+        self, source: EngineGroup, bucket_bytes: int, pushed: list[Any] | None = None
+    ) -> None:
+        """Give every worker of this (frozen) group ``source``'s current weights: the
+        object-store buckets a rollout push of them retained (``pushed``: [(payload ref,
+        metas)], ``SyncStats.retained``), read in place, or else a fresh export moved as the
+        rollout re-sync moves it (``host_buckets`` through the object store)."""
+        if pushed is None:
+            calls = source.submit("host_buckets", bucket_bytes)
+            calls.result()  # every source rank joins the gathers; rank 0 holds the payloads
+            payloads: Any = calls.refs[0]
+        else:
+            payloads = list(pushed)
+        self.call("load_weights", payloads)

@@ -348,6 +348,12 @@ class RolloutPool:
         self.commit(stats)
         return stats
 
+    @property
+    def retained(self) -> list | None:
+        """The last push's object-store buckets, [(payload ref, metas)] (None: it kept
+        none: cuda_ipc, nccl, a snapshot push); they hold weight version ``version``."""
+        return self._retained
+
     def commit(self, stats: SyncStats) -> None:
         """Record a finished push (its version, and its retained buckets for re-syncs);
         servers that died during it are re-synced now, before they generate again."""

@@ -84,3 +84,14 @@ def test_health_warning_names_the_side_and_its_stack():
     assert said[0].startswith(
         "[health] WARNING logprob_side: the shadow (jax_pjit) log-probs disagree with the two"
     )
+
+
+def test_scored_rows_are_the_first_of_each_prompt_filled_to_the_workers():
+    groups = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3])
+    np.testing.assert_array_equal(shadow.scored_rows(groups, 1), [0, 3, 6, 9])
+    np.testing.assert_array_equal(shadow.scored_rows(groups, 2), [0, 1, 3, 4, 6, 7, 9, 10])
+    # 4 rows over 3 workers: two more, the first rows not chosen
+    np.testing.assert_array_equal(shadow.scored_rows(groups, 1, 3), [0, 1, 2, 3, 6, 9])
+    np.testing.assert_array_equal(shadow.scored_rows(groups, 5), np.arange(12))
+    # groups need not be contiguous (a refilled DAPO batch)
+    np.testing.assert_array_equal(shadow.scored_rows(np.array([4, 2, 4, 2]), 1), [0, 1])

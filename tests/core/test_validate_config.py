@@ -122,6 +122,8 @@ CASES = [
      "RunConfig.shadow_every=-1 must be an int >= 0 (0: no shadow check)"),
     ("shadow-without-rollouts", DPO, ["polyrl.RunConfig.shadow_every = 5"],
      "RunConfig.shadow_every=5: algorithm 'dpo' samples no rollouts"),
+    ("shadow-per-prompt-zero", GRPO, ["polyrl.RunConfig.shadow_per_prompt = 0"],
+     "RunConfig.shadow_per_prompt=0 must be an int >= 1"),
     ("bucket-zero", GRPO, ["polyrl.RunConfig.weight_bucket_mb = 0"],
      "RunConfig.weight_bucket_mb=0 must be > 0 (MiB per weight-sync bucket); leave it unbound"),
     ("truncated-sampling", GRPO, ["polyrl.SamplingSpec.top_p = 0.9"],

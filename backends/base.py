@@ -113,10 +113,12 @@ class TrainEngine(Protocol):
         weights and optimizer state stay bit-identical, ``nonfinite_skipped`` is 1.
         """
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int, trained_only: bool = False) -> Iterator[Bucket]:
         """Full tensors under HF names (with LoRA: the merged ``W + scale * B @ A`` under
         the base names) in buckets of about ``bucket_bytes``; never more
-        than one bucket of gathered weights alive at a time."""
+        than one bucket of gathered weights alive at a time. ``trained_only``: only the
+        tensors training can change (with LoRA the adapted modules' merged weights, the
+        rest is the frozen base; without LoRA every tensor)."""
 
     def save_adapters(self, path: str) -> None:
         """A LoRA actor's adapters as a PEFT adapter directory at ``path``

@@ -42,6 +42,10 @@ CHECKPOINT_POLICIES = ("full", "selective")
 # The projections LoRA can adapt: HF's module names inside a decoder layer of the
 # Llama/Qwen families, the same names on both backends (the JAX models use HF's names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections the rollout engine loads as one layer (vLLM's qkv_proj, gate_up_proj): a
+# layer given part of its tensors is rebuilt from that part alone, so a partial weight
+# sync sends all of a group (LoraConfig.changes).
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def closest(name: object, choices: object) -> str | None:
@@ -82,6 +86,15 @@ class LoraConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def changes(self, hf_name: str) -> bool:
+        """Whether tensor ``hf_name`` (an HF name, with or without the adapters' infixes)
+        is one a sync after training must send: it belongs to a target projection or to
+        one fused with a target (:data:`FUSED_PROJECTIONS`). The rest is the frozen base."""
+        parts = set(hf_name.split("."))
+        sent = set(self.target_modules)
+        sent.update(p for group in FUSED_PROJECTIONS if sent & set(group) for p in group)
+        return bool(parts & sent)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_modules", tuple(self.target_modules))

@@ -378,6 +378,8 @@ class RLTrainer(Loop):
             )
             self.episodes = EpisodeRunner(self.pool, envs, self.tokenizer, cfg.episodes)
         self.syncer = self.pool.weight_syncer(cfg.weight_transport)
+        # With LoRA the base is frozen: after one full push, only what training changes.
+        self.pushed_full = False
         # GPU transports retain nothing: a restarted server is re-synced from the actor.
         self.pool.resync_source = self._host_weights
         self.syncer.ensure_group(self.actor.form_weight_group)  # "nccl": the broadcast group
@@ -743,7 +745,9 @@ class RLTrainer(Loop):
 
     def sync_weights(self, version: int) -> dict[str, float]:
         self.syncer.ensure_group(self.actor.form_weight_group)  # again after a server restart
-        stats = self.actor.sync_weights(self.syncer, self.bucket_bytes, version)
+        partial = self.pushed_full and self.cfg.lora is not None  # LoraConfig.changes
+        stats = self.actor.sync_weights(self.syncer, self.bucket_bytes, version, partial)
+        self.pushed_full = True
         self.pool.commit(stats)
         return {"sync/seconds": float(stats.seconds), "sync/gb": stats.bytes / 1e9}
 

@@ -111,14 +111,17 @@ class EngineWorker(Traced):
             faults.kill_self()
 
     @place("sync_weights")
-    def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
+    def sync_weights(
+        self, syncer: Any, bucket_bytes: int, version: int, trained_only: bool = False
+    ) -> Any:
         """Export this worker's buckets and push them with ``syncer`` (a
         ``polyrl.weight_sync.WeightSyncer``): with CUDA IPC every worker to the servers on
         its own GPU, otherwise worker 0 to every server. A worker with no server to push to
-        takes part in the gathers and drops its copies. Returns this worker's SyncStats
+        takes part in the gathers and drops its copies. ``trained_only``: only the tensors
+        training changes (``TrainEngine.export_weights``). Returns this worker's SyncStats
         (None when it pushed nothing)."""
         syncer = syncer.for_rank(self.rank)
-        buckets = self.engine.export_weights(bucket_bytes)
+        buckets = self.engine.export_weights(bucket_bytes, trained_only=trained_only)
         if syncer is None or not syncer.servers:
             for _ in buckets:
                 pass
@@ -264,12 +267,14 @@ class EngineGroup(WorkerGroup):
         """``engine.<method>(*args)`` on every worker."""
         return self.call("call", method, *args)
 
-    def sync_weights(self, syncer: Any, bucket_bytes: int, version: int) -> Any:
+    def sync_weights(
+        self, syncer: Any, bucket_bytes: int, version: int, trained_only: bool = False
+    ) -> Any:
         """Push the role's weights to the rollout servers (see EngineWorker.sync_weights);
         the SyncStats of every pushing rank, merged."""
         from polyrl.weight_sync import SyncStats
 
-        parts = self.call("sync_weights", syncer, bucket_bytes, version)
+        parts = self.call("sync_weights", syncer, bucket_bytes, version, trained_only)
         stats = SyncStats.merge([p for p in parts if p is not None] or [SyncStats(version, "")])
         if stats.servers != len(syncer.servers):
             raise RuntimeError(

@@ -493,11 +493,13 @@ class JaxPjitEngine:
         return out
 
     # ---------------------------------------------------------- weights & state
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int, trained_only: bool = False) -> Iterator[Bucket]:
         self._check_loaded()
         if self.model_cfg.lora is None:
             return export_buckets(self.params, bucket_bytes, dtype=self.compute_dtype)
         weights = lora.merged({**self.frozen, **self.params}, self.model_cfg.lora.scale)
+        if trained_only:
+            weights = ((n, w) for n, w in weights if self.model_cfg.lora.changes(n))
         return export_buckets(weights, bucket_bytes, dtype=self.compute_dtype)
 
     def save_adapters(self, path: str) -> None:

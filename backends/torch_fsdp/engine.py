@@ -324,12 +324,17 @@ class TorchFSDPEngine:
     def export_dtype(self) -> torch.dtype:
         return sharding.TORCH_DTYPES[self.cfg.dtype]
 
-    def export_weights(self, bucket_bytes: int) -> Iterator[Bucket]:
+    def export_weights(self, bucket_bytes: int, trained_only: bool = False) -> Iterator[Bucket]:
         """Buckets of full tensors under HF names in ``ModelConfig.dtype`` on this rank's
         device; every rank must consume the iterator (each tensor is an all-gather)."""
         self._check_usable("export_weights")
         return weights.iter_buckets(
-            self.model, bucket_bytes, self.export_dtype, self.env.device, self._lora_scale
+            self.model,
+            bucket_bytes,
+            self.export_dtype,
+            self.env.device,
+            self._lora_scale,
+            keep=self.cfg.lora.changes if trained_only and self.cfg.lora else None,
         )
 
     @property

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -60,12 +60,17 @@ def iter_buckets(
     dtype: torch.dtype,
     device: torch.device,
     lora_scale: float | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Buckets ``[(hf_name, full tensor in dtype)]`` of at most ``bucket_bytes`` each (a
     single tensor larger than that gets a bucket of its own). Every rank must consume
     the whole iterator: each tensor is a collective. ``lora_scale``: the model carries
-    LoRA adapters, exported merged into the base weights (``lora.merged``)."""
-    pairs = ((name, full(shard.detach(), device)) for name, shard in hf_named_tensors(model))
+    LoRA adapters, exported merged into the base weights (``lora.merged``); ``keep``:
+    only the tensors it accepts (by name; the others are never gathered)."""
+    named = hf_named_tensors(model)
+    if keep is not None:
+        named = ((n, t) for n, t in named if keep(n))
+    pairs = ((name, full(shard.detach(), device)) for name, shard in named)
     if lora_scale is not None:
         pairs = lora.merged(pairs, lora_scale)
     cast = ((n, t.to(dtype) if t.is_floating_point() else t) for n, t in pairs)

@@ -132,7 +132,8 @@ def test_same_adapters_same_update_on_both_backends(tiny_model_dir):
 def test_only_adapters_train_and_export(backend, tiny_model_dir, tmp_path):
     """The optimizer holds exactly the adapters (count by hand from config.json); the
     exported weights are the HF names of the base, with W + scale * B @ A (numpy) for
-    every target and W itself elsewhere; save_adapters writes a PEFT adapter directory
+    every target and W itself elsewhere, and ``trained_only`` the targets' and their
+    fused siblings' alone; save_adapters writes a PEFT adapter directory
     on which peft.PeftModel (transformers base) scores as the engine does."""
     from safetensors.numpy import load_file
 
@@ -163,6 +164,17 @@ def test_only_adapters_train_and_export(backend, tiny_model_dir, tmp_path):
             assert np.abs(b).max() > 0  # a real merge, not W + 0
         np.testing.assert_allclose(exported[name], want, atol=TOL_MERGE, rtol=0, err_msg=name)
     assert merged == len(adapters) // 2
+    # After the first sync only what training changes: the targets (q, v, o, down) and
+    # k_proj, which vLLM loads with q and v as one layer (weights and biases).
+    delta = {
+        k: np.array(v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+        for bucket in eng.export_weights(1 << 20, trained_only=True)
+        for k, v in bucket
+    }
+    moved = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
+    assert set(delta) == {n for n in base if any(m in n for m in moved)}
+    for name, w in delta.items():
+        np.testing.assert_array_equal(w, exported[name], err_msg=name)
     _check_peft_directory(eng, tiny_model_dir, tmp_path / "adapters")
 
 

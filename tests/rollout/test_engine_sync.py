@@ -76,3 +76,49 @@ def engine_cls_export(engine_cls, path, par):
     engine = engine_cls()
     engine.init(ModelConfig(path=str(path), role="reference"), None, par)
     return list(engine.export_weights(bucket_bytes=1 << 20))
+
+
+@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+def test_lora_sync_after_the_first_moves_only_the_adapted_projections(
+    pool, padded_model_dir, backend
+):
+    """LoRA freezes the base: after one full push, ``export_weights(trained_only=True)``
+    sends the merged target projections and the ones vLLM loads with them in one layer
+    (q_proj targeted: k_proj and v_proj too, weights and biases; o_proj), nothing else;
+    the servers then sample with exactly the trainer's log-probs. Were k/v left out, vLLM's
+    fused qkv layer would be rebuilt from q alone and the log-probs would break."""
+    from safetensors.numpy import load_file
+
+    from polyrl.algos.registry import get_algorithm
+    from polyrl.config import LoraConfig, OptimConfig
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "o_proj"))
+    model = ModelConfig(
+        path=str(padded_model_dir), lora=lora, sampling_vocab_size=pool.sampling_vocab_size
+    )
+    engine = _engine(backend)()
+    engine.init(model, OptimConfig(lr=0.05), ParallelConfig())
+    full = pool.update_weights(engine.export_weights(bucket_bytes=96 * 1024))
+
+    sampling = SamplingSpec(n=2, temperature=0.7, max_tokens=8, seed=3)
+    out = pool.generate(prompts_batch([5, 33, 61], seed=4), sampling)
+    adv = np.where(np.arange(len(out)) % 2, 1.0, -1.0)[:, None] * out["response_mask"]
+    batch = out.with_columns(
+        {"old_log_probs": out["rollout_log_probs"], "advantages": adv.astype(np.float32)}
+    )
+    loss = get_algorithm("grpo").make_actor_loss(use_kl_loss=False, entropy_coef=0.0)
+    engine.train_step(batch, loss, temperature=0.7)  # B leaves zero: the targets move
+    second = pool.update_weights(engine.export_weights(96 * 1024, trained_only=True))
+
+    weights = load_file(str(padded_model_dir / "model.safetensors"))
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    sent = {n: w for n, w in weights.items() if any(p in n for p in projections)}
+    assert (full.tensors, full.bytes) == (len(weights), sum(w.nbytes for w in weights.values()))
+    assert (second.tensors, second.bytes) == (len(sent), sum(w.nbytes for w in sent.values()))
+    assert len(sent) == 2 * 7  # 2 layers x (q, k, v weight and bias, o weight)
+
+    out = pool.generate(prompts_batch([7, 40], seed=9), sampling)
+    ours = engine.forward(out, temperature=0.7)["log_probs"]
+    np.testing.assert_allclose(ours, out["rollout_log_probs"], atol=LOGPROB_ATOL, rtol=0)
+    base = hf_log_probs(load_hf(padded_model_dir), out, temperature=0.7, vocab=58)
+    assert np.abs(base - out["rollout_log_probs"]).max() > 10 * LOGPROB_ATOL  # it moved

@@ -60,3 +60,16 @@ def test_lora_run_resumes_with_the_same_metrics(ray_session, tmp_path):
             # allows for reduction-order noise in a restarted process.
             assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-7), (x["step"], key)
     assert a[-1]["actor/kl_loss"] > 0  # the adapters moved the policy off the reference
+    # The first push is the whole model, later ones (in the resumed run too) only the
+    # adapted projections, all seven here: per layer q (+bias), k and v (+bias, 2 of 4
+    # heads), o, gate, up, down, in fp32.
+    from polyrl.data.tiny import TinyModelSpec
+
+    spec = TinyModelSpec()
+    h, i = spec.hidden_size, spec.intermediate_size
+    kv = spec.num_key_value_heads * h // spec.num_attention_heads
+    per_layer = (h * h + h) + 2 * (kv * h + kv) + h * h + 3 * h * i
+    moved_gb = spec.num_hidden_layers * per_layer * 4 / 1e9
+    assert a[0]["sync/gb"] > moved_gb  # + the embedding and the norms
+    for row in a[1:] + b[2:]:
+        assert row["sync/gb"] == pytest.approx(moved_gb, rel=1e-12), row["step"]

@@ -97,7 +97,12 @@ def test_lora_sync_after_the_first_moves_only_the_adapted_projections(
         path=str(padded_model_dir), lora=lora, sampling_vocab_size=pool.sampling_vocab_size
     )
     engine = _engine(backend)()
-    engine.init(model, OptimConfig(lr=0.05), ParallelConfig())
+    # The JAX engine's mesh spans the process's 4 host devices.
+    engine.init(
+        model,
+        OptimConfig(lr=0.05),
+        ParallelConfig(mesh={"fsdp": 4 if backend == "jax_pjit" else 1}),
+    )
     full = pool.update_weights(engine.export_weights(bucket_bytes=96 * 1024))
 
     sampling = SamplingSpec(n=2, temperature=0.7, max_tokens=8, seed=3)

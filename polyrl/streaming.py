@@ -189,6 +189,7 @@ class Stream:
                     groups = [g for g, k in zip(groups, keep) if k]
                 self._discard(popped - len(groups))
                 kept += groups
+        informative = len(kept)
         if not kept and last is not None:  # nothing informative: the last groups, all-0
             kept, parts = last[0], [last[1]]  # advantages; trained after all
             self._discard(-len(kept))
@@ -196,7 +197,7 @@ class Stream:
         _, m = staleness_metrics(batch, step, self.limit, "reweight")
         m["rollout/stale_rows"], m["rollout/stale_dropped"] = float(stale_rows), float(dropped)
         if self.accept is not None:
-            m["dynamic_sampling/kept_fraction"] = len(kept) / max(seen, 1)
+            m["dynamic_sampling/kept_fraction"] = informative / max(seen, 1)
         return batch.with_columns(step=step), m | extra | multi_version_metrics(batch)
 
     def _merge(self, groups: list[_Group], parts: list[Batch]) -> Batch:

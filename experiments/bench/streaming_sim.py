@@ -189,6 +189,10 @@ def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
 
         return run
 
+    def snapshot(version: int):  # as RLTrainer.weights_snapshot
+        time.sleep(a.snapshot_s * scale)
+        return push(version)
+
     spec = lambda j: SamplingSpec(n=a.group, max_tokens=a.max_len, seed=j)  # noqa: E731
     stream = Stream(pool, source, spec, per_step, a.steps, n, chunk_tokens=chunk)
     ends, staleness, multi, train_real = [], [], [], []
@@ -201,7 +205,8 @@ def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
         tokens = float(batch["response_lengths"].sum())
         time.sleep((a.train_fixed_s + tokens * a.train_s_per_token) * scale)
         train_real.append(time.perf_counter() - t)
-        stream.sync(push(k + 1), k + 1, k + 1 == a.steps)
+        copy = (lambda v=k + 1: snapshot(v)) if n > 1 and not a.no_snapshot else None
+        stream.sync(push(k + 1), k + 1, k + 1 == a.steps, copy)
         ends.append(time.perf_counter() - t0)
     stream.discard()
     steps = np.diff([0.0, *ends])[a.skip :] / scale

@@ -394,7 +394,7 @@ class Stream:
                 if r is None:  # its server died: the group is lost
                     lost.add(id(s))
                     continue
-                s.ids += [int(t) for t in r["token_ids"]]
+                s.ids += np.asarray(r["token_ids"]).tolist()
                 s.log_probs.append(np.asarray(r["log_probs"], np.float32))
                 s.versions += [int(r["version"])] * len(r["token_ids"])
                 s.texts.append(r["text"])

@@ -59,6 +59,7 @@ __all__ = [
     "save_batch",
     "staleness_bound",
     "staleness_metrics",
+    "streaming_problems",
 ]
 
 PENDING = "pending_batch"  # file stem of a batch generated ahead, inside a checkpoint
@@ -418,6 +419,7 @@ def async_problems(cfg: Any, spec: Any) -> list[str]:
             "off-policy correction to re-weight, but none is on: set RunConfig.algo_overrides "
             "tis_cap (e.g. 2.0) or is_mask_low / is_mask_high, or stale_policy='drop'"
         )
+    problems += streaming_problems(cfg, spec)
     if problems or not staleness_bound(cfg):
         return problems
     setting = (
@@ -425,6 +427,7 @@ def async_problems(cfg: Any, spec: Any) -> list[str]:
         if cfg.max_staleness
         else "RunConfig.async_rollout=True"
     )
+    setting += " with RunConfig.streaming=True" if cfg.streaming else ""
     if spec.objective != "rl":
         return [
             f"{setting}: algorithm {spec.name!r} ({spec.objective}) has no rollouts to "
@@ -442,3 +445,44 @@ def async_problems(cfg: Any, spec: Any) -> list[str]:
             f"(e.g. rollout on GPU 1, actor on GPU 0) or set RunConfig.offload_colocated=False"
         ]
     return []
+
+
+def streaming_problems(cfg: Any, spec: Any) -> list[str]:
+    """Problems of ``RunConfig.streaming`` / ``partial_rollout_tokens`` (``polyrl.streaming``)."""
+    chunk = cfg.partial_rollout_tokens
+    if not isinstance(chunk, int) or chunk < 0:
+        return [
+            f"RunConfig.partial_rollout_tokens={chunk!r} must be an integer >= 0 (tokens a "
+            f"streaming request samples before it is resumed; 0: whole requests)"
+        ]
+    if not cfg.streaming:
+        if chunk:
+            return [
+                f"RunConfig.partial_rollout_tokens={chunk} needs RunConfig.streaming=True "
+                f"(partial rollouts are resumed by the stream); set both, or 0"
+            ]
+        return []
+    unsupported = (
+        (spec.objective != "rl", f"algorithm {spec.name!r} ({spec.objective}) has no rollouts"),
+        (
+            cfg.episodes is not None,
+            "multi-turn episodes (RunConfig.episodes) are run in turn-batched rounds of their own",
+        ),
+        (spec.needs_greedy_baseline, "ReMax's greedy baseline is sampled per batch"),
+    )
+    out = [
+        f"RunConfig.streaming=True is not supported here: {why}; set RunConfig.streaming="
+        f"False (RunConfig.max_staleness still generates ahead)"
+        for bad, why in unsupported
+        if bad
+    ]
+    actor, rollout = cfg.role_pools.get("actor"), cfg.role_pools.get("rollout")
+    on_gpus = all(float(cfg.pools.get(p, {}).get("GPU", 0)) > 0 for p in (actor, rollout))
+    if on_gpus and actor != rollout and cfg.weight_transport != "nccl":
+        out.append(
+            f"RunConfig.streaming=True with the actor (pool {actor!r}) and the rollout (pool "
+            f"{rollout!r}) on separate GPUs needs RunConfig.weight_transport='nccl' (got "
+            f"{cfg.weight_transport!r}): every push pauses the stream's rounds, and "
+            f"'object_store' carries the weights through host memory"
+        )
+    return out

@@ -407,6 +407,11 @@ class RunConfig:
       Rows older than N (a checkpoint written with a larger N) are dropped with their
       group (``"drop"``) or kept for the off-policy correction (``"reweight"``).
       async_rollout: the former switch; True means max_staleness = 1.
+    streaming: generate groups continuously and batch them as they finish, staleness
+      checked per sample (``polyrl.streaming``; docs/training.md "Streaming").
+      partial_rollout_tokens: with streaming, sample at most this many tokens a request and
+      resume a cut sample from its tokens, so weights change between chunks (0: whole
+      requests).
     export_every / export_final: write the actor's weights as a Hugging Face directory
       (safetensors + config + tokenizer, ``polyrl.backends.hf_dir``) every ``export_every``
       steps to ``<run_dir>/exports/step_N`` (0: never) and, with ``export_final``, after
@@ -503,6 +508,8 @@ class RunConfig:
     async_rollout: bool = False
     max_staleness: int = 0
     stale_policy: str = "drop"
+    streaming: bool = False
+    partial_rollout_tokens: int = 0
     weight_bucket_mb: float | None = None
     save_every: int = 0
     keep_checkpoints: int = 2

@@ -393,12 +393,44 @@ class RLTrainer(Loop):
                 cfg, components.val_prompts, self.tokenizer, generate, self.reward
             )
         # RunConfig.max_staleness: batches k+1..k+N are generated while the actor trains on k.
-        self.rollouts = Rollouts(
-            self.collect,
+        on_span = self.timeline.add if self.timeline is not None else None
+        self.rollouts = (
+            self._stream(on_span)
+            if cfg.streaming
+            else Rollouts(
+                self.collect,
+                cfg.total_steps,
+                staleness_bound(cfg),
+                cfg.stale_policy,
+                on_span,
+                self.timer.phase,
+            )
+        )
+
+    def _stream(self, on_span: Any) -> Any:
+        """RunConfig.streaming: groups generated continuously (``polyrl.streaming``)."""
+        from polyrl.algos.dapo import dynamic_sampling_mask
+        from polyrl.streaming import Stream
+
+        def accept(batch: Batch) -> tuple[Batch, np.ndarray]:
+            batch = self.reward(batch)
+            return batch, np.asarray(dynamic_sampling_mask(batch["scores"], batch["group_ids"]))
+
+        cfg = self.cfg
+        return Stream(
+            self.pool,
+            lambda index: self.prompts.batch(index, cfg.prompts_per_step),
+            self.sampling_for,
+            cfg.prompts_per_step,
             cfg.total_steps,
             staleness_bound(cfg),
             cfg.stale_policy,
-            self.timeline.add if self.timeline is not None else None,
+            cfg.partial_rollout_tokens,
+            cfg.sampling.max_tokens,
+            accept if self.spec.dynamic_sampling else None,
+            cfg.max_gen_batches,
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            on_span,
             self.timer.phase,
         )
 
@@ -439,7 +471,8 @@ class RLTrainer(Loop):
         batch, staleness = self.rollouts.take(step)  # (timed as "generate")
         with phase("reward"):
             batch = self.reward(batch)
-        if self.spec.dynamic_sampling:
+        dapo = self.spec.dynamic_sampling and not self.cfg.streaming  # (streaming: in take)
+        if dapo:
             with phase("dynamic_sampling"):
                 batch, kept = self.filter_groups(batch, step)
         turns.rollout_sleep()
@@ -448,7 +481,7 @@ class RLTrainer(Loop):
             with phase("advantages"):
                 batch, metrics = self.advantages(batch)
             metrics |= mismatch_metrics(batch)
-            if self.spec.dynamic_sampling:
+            if dapo:
                 metrics["dynamic_sampling/kept_fraction"] = kept
             # Steps 1, 1 + k * shadow_every: each right after a checkpoint when save_every
             # is a multiple of shadow_every (polyrl diagnose replays it from there).
@@ -589,12 +622,7 @@ class RLTrainer(Loop):
         greedy baseline for ReMax."""
         index = step if index is None else index
         prompts = self.prompts.batch(index, self.cfg.prompts_per_step)
-        sampling = self.cfg.sampling
-        if sampling.seed is not None:  # fresh, reproducible noise for every batch
-            sampling = dataclasses.replace(
-                sampling,
-                seed=int(np.random.SeedSequence([sampling.seed, index]).generate_state(1)[0] >> 1),
-            )
+        sampling = self.sampling_for(index)
         # A fixed response width: a jitted backend then compiles once per prompt bucket.
         width = sampling.max_tokens
         if self.episodes is not None:  # each row an episode (width: max_episode_tokens)
@@ -607,6 +635,14 @@ class RLTrainer(Loop):
             scores = base["token_rewards"].sum(-1)
             batch = batch.with_columns({"baseline_scores": scores[batch["group_ids"]]})
         return batch.with_columns(step=step)
+
+    def sampling_for(self, index: int) -> Any:
+        """The SamplingSpec of data batch ``index``: fresh, reproducible noise for each."""
+        sampling = self.cfg.sampling
+        if sampling.seed is None:
+            return sampling
+        seed = int(np.random.SeedSequence([sampling.seed, index]).generate_state(1)[0] >> 1)
+        return dataclasses.replace(sampling, seed=seed)
 
     def filter_groups(self, batch: Batch, step: int) -> tuple[Batch, float]:
         """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage),

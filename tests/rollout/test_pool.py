@@ -4,12 +4,14 @@ independent transformers computations (rollout_reference.py: references, toleran
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 from rollout_reference import LOGPROB_ATOL, hf_greedy, hf_log_probs, load_hf, prompts_batch, push
 
 from polyrl.rollout import SamplingSpec
+from polyrl.streaming import Stream
 from polyrl.weight_sync import iter_buckets
 
 
@@ -310,3 +312,67 @@ def test_engine_core_in_its_own_process_loads_pushed_weights(ray_session, padded
         )
     finally:
         pool.shutdown()
+
+
+# ------------------------------------------------------------------ the stream
+# polyrl.streaming on these servers: a partial rollout resumed from its tokens after a
+# real weight push carries both versions, each chunk's log-probs those of the weights
+# that sampled it (a dead server's lost groups: tests/core/test_streaming.py).
+
+N, PER_STEP, CHUNK, MAX_TOKENS = 2, 4, 4, 12
+
+
+def _stream(pool, spec, steps=2, bound=1, per_step=PER_STEP, chunk=CHUNK):
+    return Stream(
+        pool,
+        lambda b: prompts_batch([5 + (b + i) % 4 for i in range(per_step)], seed=b),
+        lambda b: spec,
+        per_step,
+        steps,
+        bound,
+        chunk_tokens=chunk,
+        response_len=spec.max_tokens,
+    )
+
+
+def test_partial_rollout_resumes_with_the_new_weights(pool, padded_model_dir):
+    """The first round samples 4 tokens of each response with version 0; a push of other
+    weights (version 1) lands before the second (the test holds the stream between the
+    two rounds); the last 8 tokens are sampled by version 1. The batch says so per token,
+    and each token's rollout log-prob is the one of the weights that sampled it
+    (transformers, fp32: LOGPROB_ATOL)."""
+    spec = SamplingSpec(n=N, temperature=1.0, max_tokens=MAX_TOKENS, seed=3, ignore_eos=True)
+    old, new = load_hf(padded_model_dir), load_hf(padded_model_dir, seed=99)
+    push(pool, old)  # (whatever an earlier test left: the model's own weights)
+    base = pool.version
+    s = _stream(pool, spec)
+    real, rounds = pool.generate_lossy, []
+
+    def first_round_then_push(calls):
+        out = real(calls)
+        rounds.append(len(calls))
+        if len(rounds) == 1:  # the push waits for this round, and the next waits for it
+            threading.Thread(target=lambda: s.sync(lambda: push(pool, new) or {}, base + 1)).start()
+            while not s._push_waiting:
+                time.sleep(0.001)
+        return out
+
+    pool.generate_lossy = first_round_then_push
+    try:
+        batch, metrics = s.take(base + 1)
+    finally:
+        s.discard()
+        del pool.generate_lossy
+    versions, mask = batch["rollout_token_versions"], batch["response_mask"] > 0
+    assert (batch["response_lengths"] == MAX_TOKENS).all()
+    assert (versions[:, :CHUNK] == base).all() and (versions[:, CHUNK:] == base + 1).all()
+    assert (batch["rollout_weight_version"] == base).all()  # a row's oldest token
+    assert metrics["rollout/multi_version_rows"] == len(batch) == N * PER_STEP
+    assert metrics["rollout/staleness_max"] == 1.0
+    lp = batch["rollout_log_probs"]
+    for model, where in ((old, versions == base), (new, versions == base + 1)):
+        ref = hf_log_probs(model, batch, temperature=1.0, vocab=pool.sampling_vocab_size)
+        np.testing.assert_allclose(lp[where & mask], ref[where & mask], atol=LOGPROB_ATOL)
+    # the two policies differ where it matters: the last chunks are not old's log-probs
+    ref_old = hf_log_probs(old, batch, temperature=1.0, vocab=pool.sampling_vocab_size)
+    assert np.abs(lp[:, CHUNK:] - ref_old[:, CHUNK:]).max() > 100 * LOGPROB_ATOL

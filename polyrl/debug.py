@@ -45,13 +45,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from polyrl.role_table import Role
 from polyrl.timeline import record
 
 __all__ = ["DebugConfig", "DebugSession", "for_debugging", "place", "setup_worker", "DEBUG_ENV"]
 
 DEBUG_ENV = "POLYRL_DEBUG"  # the DebugConfig as JSON, in every worker's environment
 KV_PREFIX = "polyrl:debug:"
-ROLES = ("actor", "critic", "reference", "reward", "rollout")  # and "task": any other worker
+ROLES = tuple(str(role) for role in Role)  # and "task": any other worker
 METHODS = ("forward", "train_step", "sync_weights", "call", "score", "generate")
 RESULT_ALIAS = {
     "score": "scores",

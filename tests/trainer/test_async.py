@@ -284,7 +284,9 @@ def test_invalid_async_configs_name_the_binding(tmp_path):
     assert "RunConfig.max_staleness=-1 must be an integer >= 0" in problem
     (problem,) = async_problems(RunConfig(run_dir="r", stale_policy="keep"), grpo)
     assert "RunConfig.stale_policy='keep'" in problem and "'reweight'" in problem
-    reweight = RunConfig(run_dir="r", max_staleness=2, stale_policy="reweight")
+    reweight = RunConfig(
+        run_dir="r", max_staleness=2, stale_policy="reweight", rollout=RolloutConfig(None)
+    )
     (problem,) = async_problems(reweight, grpo)
     assert "stale_policy='reweight'" in problem and "tis_cap" in problem
     assert async_problems(reweight, grpo.replace(is_mask_high=2.0)) == []

@@ -25,10 +25,11 @@ A paused process listens for a debugger (Debug Adapter Protocol, debugpy) on
 
 then waits, repeating ``nobody attached`` every ``report_every_s`` seconds. The paused
 frame's locals are the method's arguments (and ``step``, ``rank``, ``result``), at the
-method's own file and line. Roles: ``actor``, ``critic``, ``reference``, ``reward``
-(the reward-model role's engine workers share the ``reward`` name with the rule-reward
-workers), ``rollout``. Methods: ``forward``, ``train_step``, ``sync_weights``, ``call``
-(engine roles), ``score`` (reward workers), ``generate`` (rollout).
+method's own file and line. Roles: the names of ``polyrl.role_table.Role`` (``actor``,
+``critic``, ``reference``, ``reward_model``, ``shadow``: engine workers; ``reward``: the
+rule-reward workers; ``rollout``; ``env``). Methods: ``forward``, ``train_step``,
+``sync_weights``, ``call`` (engine roles), ``score`` (reward workers), ``generate``
+(rollout).
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ __all__ = [
     "pool_shape",
     "build_roles",
     "role_problems",
-    "role_pool",
 ]
 
 # Keys of a pool entry that are not Ray resources.
@@ -101,12 +100,6 @@ class RoleSpec:
         node, local = divmod(rank, self.per_node)
         local_world = min(self.per_node, self.num_workers - node * self.per_node)
         return node, local, local_world
-
-
-def role_pool(cfg: RunConfig, name: str) -> str:
-    """The ``RunConfig.pools`` entry ``name`` runs in (its RoleConfig's / RolloutConfig's
-    ``pool``; the shadow's, unless bound, the reference's)."""
-    return cfg.role_config(name).pool
 
 
 def other_backend(backend: str) -> str:

@@ -268,6 +268,16 @@ def test_a_former_binding_names_its_replacement(tmp_path, old, value, new):
     assert f"write {new}" in problem
 
 
+def test_the_former_reward_scope_points_to_reward_model(tmp_path):
+    from polyrl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path, "reward/polyrl.ParallelConfig.micro_batch_size = 4")
+    (problem,) = e.value.problems
+    assert "nothing builds polyrl.ParallelConfig in scope 'reward'" in problem
+    assert problem.endswith("did you mean scope 'reward_model'?")
+
+
 @pytest.mark.parametrize(
     ("role", "field", "value", "problem"),
     [

@@ -147,7 +147,8 @@ class Loop(abc.ABC):
     @property
     def groups(self) -> dict[Role, EngineGroup]:
         """The started engine roles' worker groups, by role."""
-        found = {role: getattr(self, role, None) for role in ENGINE_ROLES}  # named as the role
+        # In start-up order (actor first); each group is the attribute named as its role.
+        found = {r: getattr(self, r, None) for r in self.roles if ROLE_TABLE[r].kind == "engine"}
         return {role: group for role, group in found.items() if group is not None}
 
     def role_workers(self) -> list[tuple[str, int, Any]]:

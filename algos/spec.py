@@ -415,7 +415,7 @@ class AlgorithmSpec:
 
     @property
     def needs_reward(self) -> bool:
-        """Rollouts are scored by the reward role (every "rl" objective)."""
+        """Rollouts are scored by the reward workers (every "rl" objective)."""
         return self.objective == "rl"
 
     @property
@@ -432,16 +432,6 @@ class AlgorithmSpec:
     def needs_entropy(self) -> bool:
         """The actor's ``train_step`` must return per-token entropy."""
         return self.entropy_coef != 0.0
-
-    @property
-    def roles(self) -> tuple[str, ...]:
-        """Role names this algorithm needs, besides the actor and the rollout servers."""
-        wanted = {
-            "critic": self.needs_critic,
-            "reference": self.needs_reference,
-            "reward": self.needs_reward,
-        }
-        return tuple(role for role, needed in wanted.items() if needed)
 
     # ---- building blocks for a trainer
 

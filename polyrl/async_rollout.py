@@ -433,15 +433,13 @@ def async_problems(cfg: Any, spec: Any) -> list[str]:
             f"{setting}: algorithm {spec.name!r} ({spec.objective}) has no rollouts to "
             f"generate ahead; set RunConfig.max_staleness=0"
         ]
-    pool = cfg.role_pools.get("actor")
-    shares_gpu = pool == cfg.role_pools.get("rollout") and float(
-        cfg.pools.get(pool, {}).get("GPU", 0)
-    )
+    pool = cfg.actor.pool
+    shares_gpu = pool == cfg.rollout.pool and float(cfg.pools.get(pool, {}).get("GPU", 0))
     if cfg.offload_colocated or (cfg.offload_colocated is None and shares_gpu):
         return [
             f"{setting} generates while the actor trains, but the actor and rollout take "
             f"turns on the GPUs of pool {pool!r} (RunConfig.offload_colocated="
-            f"{cfg.offload_colocated}); give the rollout its own pool in RunConfig.role_pools "
+            f"{cfg.offload_colocated}); give the rollout its own pool (polyrl.RolloutConfig.pool) "
             f"(e.g. rollout on GPU 1, actor on GPU 0) or set RunConfig.offload_colocated=False"
         ]
     return []
@@ -476,7 +474,9 @@ def streaming_problems(cfg: Any, spec: Any) -> list[str]:
         for bad, why in unsupported
         if bad
     ]
-    actor, rollout = cfg.role_pools.get("actor"), cfg.role_pools.get("rollout")
+    if cfg.rollout is None:  # no rollout role (preference or SFT runs): reported above
+        return out
+    actor, rollout = cfg.actor.pool, cfg.rollout.pool
     on_gpus = all(float(cfg.pools.get(p, {}).get("GPU", 0)) > 0 for p in (actor, rollout))
     if on_gpus and actor != rollout and cfg.weight_transport != "nccl":
         out.append(

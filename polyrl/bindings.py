@@ -230,7 +230,13 @@ def _binding_problems(bindings: Sequence[_Binding]) -> list[str]:
             continue
         cls = found.wrapped
         params = _params(cls)
-        if b.param not in params:
+        moved = cls.moved(b.param, b.value) if hasattr(cls, "moved") else None
+        if b.param not in params and moved:
+            out.append(
+                f"{b.name} ({b.where}) is no longer a parameter: each role's settings are "
+                f'nested under the role (docs/training.md "Roles"); write {moved} instead'
+            )
+        elif b.param not in params:
             guess = closest(b.param, params)
             hint = f"did you mean {guess!r}?" if guess else f"valid: {params}"
             out.append(f"{b.name} ({b.where}): {b.selector} has no parameter {b.param!r}; {hint}")
@@ -315,6 +321,8 @@ def bind(
         found = _configurable(b.selector)
         if (b.scope, found.selector) in used or found.selector.endswith("SweepConfig"):
             continue
+        if not b.scope and any(sel == found.selector for _, sel in used):
+            continue  # an unscoped binding applies in every scope that builds it
         scopes = sorted({s for s, sel in used if sel == found.selector and s})
         guess = closest(b.scope, scopes) if b.scope else None
         fix = (

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl import faults
+from polyrl.role_table import trained_roles
 
 __all__ = [
     "CheckpointMismatch",
@@ -97,7 +98,7 @@ def run_manifest(cfg: Any, spec: Any) -> dict[str, Any]:
         "format": FORMAT,
         "backend": cfg.backend,
         "algorithm": spec.name,
-        "trained_roles": ["actor", "critic"] if spec.needs_critic else ["actor"],
+        "trained_roles": [str(role) for role in trained_roles(cfg, spec)],
         "model": model_shape(cfg.model_path),
     }
 

@@ -233,12 +233,16 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
         for warning in e.warnings:
             print(f"  WARNING {warning}", file=sys.stderr)
         return 1
-    from polyrl.roles import reference_in_actor, role_names
+    from polyrl.role_table import Role, reference_in_actor, role_names
     from polyrl.validate import rows_per_prompt
 
-    roles = [*role_names(cfg, spec), *(["reward"] if spec.needs_reward else [])]
+    roles = [
+        *role_names(cfg, spec),
+        *([Role.ENV] if cfg.episodes is not None else []),
+        *([Role.REWARD] if spec.needs_reward else []),
+    ]
     if reference_in_actor(cfg, spec):
-        roles.insert(roles.index("actor") + 1, "reference (the actor's base, LoRA adapters off)")
+        roles.insert(1, f"{Role.REFERENCE} (the actor's base, LoRA adapters off)")
     print(
         f"OK {what}: {spec.name} on {cfg.backend}; roles: {', '.join(dict.fromkeys(roles))}; "
         f"{cfg.total_steps} steps x {cfg.prompts_per_step} prompts x "

@@ -18,6 +18,7 @@ import subprocess
 from typing import Any
 
 from polyrl.errors import ConfigError
+from polyrl.role_table import ENGINE_ROLES, ROLE_TABLE
 
 __all__ = [
     "VERSIONED",
@@ -251,9 +252,11 @@ def _resource_problems(cfg: Any, nodes: list[dict[str, Any]]) -> list[str]:
             f"{per_node:g} GPUs and tensor-parallel groups must stay inside a node; set it <= "
             f"{per_node:g}"
         )
-    for role in ("actor", "reference", "critic", "reward"):
-        par = getattr(cfg, f"{'ref' if role == 'reference' else role}_parallel")
-        pool = cfg.pools.get(cfg.role_pools.get(role), {})
+    for role in ENGINE_ROLES:
+        own = getattr(cfg, ROLE_TABLE[role].config)
+        if own is None:  # laid out as another role (the shadow as the reference)
+            continue
+        par, pool = own.parallel, cfg.pools.get(own.pool, {})
         if float(pool.get("GPU", 0)) and par.mesh["tensor"] > per_node:
             out.append(
                 f"{role}/ParallelConfig.mesh tensor={par.mesh['tensor']} spans nodes (largest "

@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import ClassVar
+
+from polyrl.role_table import DEFAULT_POOL, ENGINE_ROLES, ROLE_TABLE, Role
 
 __all__ = [
     "MESH_AXES",
@@ -18,6 +21,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "RoleConfig",
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -36,7 +40,6 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("length", ()),
 )
 
-ROLES = ("actor", "critic", "reference", "reward")
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_POLICIES = ("full", "selective")
 # The projections LoRA can adapt: HF's module names inside a decoder layer of the
@@ -65,7 +68,8 @@ def did_you_mean(name: object, choices: object) -> str:
 def _choice(owner: str, field: str, value: object, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(
-            f"{owner}.{field}={value!r} is not one of {list(choices)}{did_you_mean(value, choices)}"
+            f"{owner}.{field}={value!r} is not one of {[str(c) for c in choices]}"
+            f"{did_you_mean(value, choices)}"
         )
 
 
@@ -147,9 +151,11 @@ class ModelConfig:
     """Which model a role trains or runs.
 
     path: local Hugging Face directory (config.json + safetensors + tokenizer).
-    role: "actor" and "reference" score tokens (the reference is frozen: no optimizer);
-      "critic" and "reward" add a scalar value head on the last hidden state.
-    value_head_path: for critic/reward, a checkpoint whose ``score``/``value_head``
+    role: an engine role of ``polyrl.role_table.ROLE_TABLE`` ("actor", "reference",
+      "critic", "reward_model", "shadow"); the table says whether it trains (an
+      optimizer) and whether it adds a scalar value head on the last hidden state
+      (critic, reward_model) instead of scoring tokens.
+    value_head_path: for a value-head role, a checkpoint whose ``score``/``value_head``
       weights initialise the head (e.g. a reward model); None -> zero-initialised head.
     dtype: parameter dtype ("float32" on CPU; "bfloat16" on GPU with fp32 reductions).
     gradient_checkpointing: activation checkpointing per decoder layer: activations
@@ -189,8 +195,8 @@ class ModelConfig:
     lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
-        _choice("ModelConfig", "role", self.role, ROLES)
-        if self.lora is not None and self.role != "actor":
+        _choice("ModelConfig", "role", self.role, ENGINE_ROLES)
+        if self.lora is not None and self.role != Role.ACTOR:
             raise ValueError(
                 f"ModelConfig.lora is set for role {self.role!r}; LoRA trains the actor only "
                 "(RunConfig.lora)"
@@ -204,11 +210,17 @@ class ModelConfig:
 
     @property
     def has_value_head(self) -> bool:
-        return self.role in ("critic", "reward")
+        return ROLE_TABLE[Role(self.role)].value_head
 
     @property
     def trainable(self) -> bool:
-        return self.role in ("actor", "critic")
+        return ROLE_TABLE[Role(self.role)].trained
+
+    @property
+    def scores(self) -> bool:
+        """The role also scores whole sequences: the reward model's value head read at
+        each sequence's last token (``scores``), besides the per-token ``values``."""
+        return self.role == Role.REWARD_MODEL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,6 +360,74 @@ class ParallelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RoleConfig:
+    """One engine role's own settings: ``RunConfig.actor``, ``.reference``, ``.critic``,
+    ``.reward_model`` and ``.shadow`` (gin/base.gin binds each as
+    ``@<role>/polyrl.RoleConfig()``, so ``actor/polyrl.ParallelConfig.micro_batch_size``
+    and ``actor/polyrl.OptimConfig.lr`` reach the actor's; docs/training.md "Roles").
+
+    parallel: the role's mesh and micro-batching.
+    optim: its optimizer; a trained role (actor, critic) needs one, a frozen role none.
+    pool: the ``RunConfig.pools`` entry its workers run in; roles in one pool are
+      colocated (take turns on its devices).
+    model_path: the reward model's own checkpoint (a sequence-classification model with
+      one score, same tokenizer as the policy); the reward_model role runs only when it
+      is set. Every other role loads ``RunConfig.model_path`` and leaves it None.
+    """
+
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    optim: OptimConfig | None = None
+    pool: str = DEFAULT_POOL
+    model_path: str | None = None
+
+    def problems(self, role: Role) -> list[str]:
+        """What is wrong with these settings for ``role`` (each naming the binding)."""
+        facts, at = ROLE_TABLE[role], f"{role}/polyrl.RoleConfig"
+        out = []
+        if facts.trained and self.optim is None:
+            out.append(f"{at}.optim is None but the {role} trains; bind @polyrl.OptimConfig()")
+        if not facts.trained and self.optim is not None:
+            out.append(f"{at}.optim is set but the {role} is frozen (no optimizer); unbind it")
+        if self.model_path is not None and not facts.own_model:
+            out.append(
+                f"{at}.model_path={self.model_path!r}: the {role} loads RunConfig.model_path; "
+                f"unbind it (only the reward_model role has a checkpoint of its own)"
+            )
+        return out
+
+
+def _moved(field: str, value: object) -> str | None:
+    """The binding(s) that replace the RunConfig ``field`` bound to ``value``, for the
+    per-role fields that moved under their role (see ``RunConfig.moved``)."""
+    nested = {
+        "optim": ("actor", "optim", "OptimConfig.lr"),
+        "critic_optim": ("critic", "optim", "OptimConfig.lr"),
+        "actor_parallel": ("actor", "parallel", "ParallelConfig.micro_batch_size"),
+        "ref_parallel": ("reference", "parallel", "ParallelConfig.micro_batch_size"),
+        "critic_parallel": ("critic", "parallel", "ParallelConfig.micro_batch_size"),
+        "reward_parallel": ("reward_model", "parallel", "ParallelConfig.micro_batch_size"),
+    }
+    if field in nested:
+        role, sub, example = nested[field]
+        return (
+            f"`{role}/polyrl.RoleConfig.{sub} = ...` (gin/base.gin binds it; set its fields "
+            f"in the role's scope, e.g. `{role}/polyrl.{example} = ...`)"
+        )
+    if field == "reward_model_path":
+        return f"`reward_model/polyrl.RoleConfig.model_path = {value!r}`"
+    if field == "role_pools":
+        pools = value if isinstance(value, Mapping) else {"<role>": "<pool>"}
+        lines = [
+            f"polyrl.RolloutConfig.pool = {pool!r}"
+            if role == Role.ROLLOUT
+            else f"{'reward_model' if role == 'reward' else role}/polyrl.RoleConfig.pool = {pool!r}"
+            for role, pool in pools.items()
+        ]
+        return "; ".join(f"`{line}`" for line in lines)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """One training run (``polyrl train``): resolved from gin on the driver, then frozen.
 
@@ -355,7 +435,7 @@ class RunConfig:
     ``prompts_per_step`` prompts x ``sampling.n`` responses; the actor takes
     ``prompts_per_step / mini_batch_prompts`` optimizer steps per epoch, each on
     ``mini_batch_prompts * n`` samples split over its data-parallel shards and then into
-    micro-batches of ``actor_parallel.micro_batch_size``.
+    micro-batches of ``actor.parallel.micro_batch_size``.
 
     run_dir: where the operative config, metrics, TensorBoard events, checkpoints and
       the plot go. model_path: local HF model for actor, reference (a separate frozen
@@ -374,10 +454,15 @@ class RunConfig:
       training rewards; ``val/...`` metrics go to every tracker.
     max_gen_batches: with DAPO's dynamic sampling, how many prompt batches a step may
       generate to find ``prompts_per_step`` groups whose rewards differ.
-    reward_model_path: a sequence-classification checkpoint (one score, e.g. saved by
-      ``AutoModelForSequenceClassification``; same tokenizer as the policy) run as the
-      frozen reward role; a response's reward is its rule reward + ``reward_model_coef``
-      x the model's score at the last token. None: rule rewards only.
+    actor / reference / critic / reward_model / shadow: each engine role's own
+      :class:`RoleConfig` (mesh and micro-batching, optimizer, pool; the reward model's
+      checkpoint); gin/base.gin binds ``@<role>/polyrl.RoleConfig()``. ``shadow`` None:
+      laid out as the reference. The rollout servers' are ``rollout`` (a RolloutConfig).
+    reward_model_coef: with ``reward_model.model_path`` set, the frozen reward_model
+      role scores each response (a sequence-classification checkpoint, one score, e.g.
+      saved by ``AutoModelForSequenceClassification``; same tokenizer as the policy);
+      its reward is its rule reward + ``reward_model_coef`` x the model's score at the
+      last token. Unset: rule rewards only.
     offload_colocated: colocated roles take turns: engines that share a GPU pool with
       another role stay in host memory except during their phases, and rollout servers
       that share it sleep while the trainer works (with RolloutConfig.enable_sleep_mode).
@@ -477,25 +562,14 @@ class RunConfig:
     max_gen_batches: int = 3
     sampling: object = None
     rollout: object = None
-    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    critic_optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-    actor_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    ref_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    critic_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    reward_model_path: str | None = None
+    actor: RoleConfig = dataclasses.field(default_factory=lambda: RoleConfig(optim=OptimConfig()))
+    reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    critic: RoleConfig = dataclasses.field(default_factory=lambda: RoleConfig(optim=OptimConfig()))
+    reward_model: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    shadow: RoleConfig | None = None
     reward_model_coef: float = 1.0
-    reward_parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     pools: Mapping[str, Mapping[str, float]] = dataclasses.field(
-        default_factory=lambda: {"shared": {"CPU": 2.0, "GPU": 0.0}}
-    )
-    role_pools: Mapping[str, str] = dataclasses.field(
-        default_factory=lambda: {
-            "actor": "shared",
-            "reference": "shared",
-            "critic": "shared",
-            "reward": "shared",
-            "rollout": "shared",
-        }
+        default_factory=lambda: {DEFAULT_POOL: {"CPU": 2.0, "GPU": 0.0}}
     )
     offload_colocated: bool | None = None
     model_dtype: str = "float32"
@@ -534,6 +608,19 @@ class RunConfig:
     episodes: object = None
     debug: object = None
     cache_dir: str | None = "~/.cache/polyrl"
+
+    # Former fields -> the bindings that replace them (polyrl.bindings names them).
+    moved: ClassVar = staticmethod(_moved)
+
+    def role_config(self, role: str) -> RoleConfig:
+        """``role``'s own settings (its RunConfig field, ``polyrl.role_table``): a
+        RoleConfig, the rollout's RolloutConfig; the shadow's, unless bound, are the
+        reference's."""
+        facts = ROLE_TABLE[Role(role)]
+        found = getattr(self, facts.config)
+        if found is None and facts.layout_of is not None:
+            return self.role_config(facts.layout_of)
+        return found
 
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")

@@ -25,10 +25,11 @@ A paused process listens for a debugger (Debug Adapter Protocol, debugpy) on
 
 then waits, repeating ``nobody attached`` every ``report_every_s`` seconds. The paused
 frame's locals are the method's arguments (and ``step``, ``rank``, ``result``), at the
-method's own file and line. Roles: ``actor``, ``critic``, ``reference``, ``reward``
-(the reward-model role's engine workers share the ``reward`` name with the rule-reward
-workers), ``rollout``. Methods: ``forward``, ``train_step``, ``sync_weights``, ``call``
-(engine roles), ``score`` (reward workers), ``generate`` (rollout).
+method's own file and line. Roles: the names of ``polyrl.role_table.Role`` (``actor``,
+``critic``, ``reference``, ``reward_model``, ``shadow``: engine workers; ``reward``: the
+rule-reward workers; ``rollout``; ``env``). Methods: ``forward``, ``train_step``,
+``sync_weights``, ``call`` (engine roles), ``score`` (reward workers), ``generate``
+(rollout).
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from polyrl.role_table import Role
 from polyrl.timeline import record
 
 __all__ = ["DebugConfig", "DebugSession", "for_debugging", "place", "setup_worker", "DEBUG_ENV"]
 
 DEBUG_ENV = "POLYRL_DEBUG"  # the DebugConfig as JSON, in every worker's environment
 KV_PREFIX = "polyrl:debug:"
-ROLES = ("actor", "critic", "reference", "reward", "rollout")  # and "task": any other worker
+ROLES = tuple(str(role) for role in Role)  # and "task": any other worker
 METHODS = ("forward", "train_step", "sync_weights", "call", "score", "generate")
 RESULT_ALIAS = {
     "score": "scores",

@@ -96,7 +96,12 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
     scores, updates = {}, {}
     for side, backend in sides.items():
         engine = _engine(
-            backend, model, parallel, cfg.optim, ckpt / "actor" if step > 1 else None, ckpt_backend
+            backend,
+            model,
+            parallel,
+            cfg.actor.optim,
+            ckpt / "actor" if step > 1 else None,
+            ckpt_backend,
         )
         scores[side] = engine.forward(batch, temperature=temperature, entropy=True)
         update = engine.train_step(batch, loss, temperature=temperature, entropy=spec.needs_entropy)

@@ -103,7 +103,7 @@ def export_checkpoint(
     engine = get_engine(manifest["backend"])(**_one_device(manifest["backend"]))
     engine.init(
         ModelConfig(path=model_path, role="actor", dtype=cfg.model_dtype, lora=cfg.lora),
-        cfg.optim,
+        cfg.actor.optim,
         ParallelConfig(),
     )
     engine.load(str(path / "actor"))

@@ -4,9 +4,10 @@ This module and polyrl/bindings.py (which names every binding problem) are the o
 that import gin (docs/design.md "Configuration"). The bound
 dataclasses — never gin — travel to the Ray workers.
 
-gin names (see gin/base.gin): ``RunConfig`` (the root), ``OptimConfig`` (scopes
-``actor/`` and ``critic/``), ``ParallelConfig`` (scopes ``actor/``, ``reference/``,
-``critic/``), ``LoraConfig``, ``SamplingSpec``, ``RolloutConfig``, ``TinyModelSpec``.
+gin names (see gin/base.gin): ``RunConfig`` (the root), ``RoleConfig`` (one per engine
+role, scopes ``actor/``, ``reference/``, ``critic/``, ``reward_model/``, ``shadow/``) with
+its ``ParallelConfig`` and ``OptimConfig`` (built in the role's scope), ``LoraConfig``,
+``SamplingSpec``, ``RolloutConfig``, ``TinyModelSpec``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from polyrl.config import LoraConfig, OptimConfig, ParallelConfig, RunConfig, SweepConfig
+from polyrl.config import (
+    LoraConfig,
+    OptimConfig,
+    ParallelConfig,
+    RoleConfig,
+    RunConfig,
+    SweepConfig,
+)
 from polyrl.user_code import import_modules
 
 __all__ = ["parse_config", "prepare", "train", "find_gin", "GIN_ROOT"]
@@ -47,6 +55,7 @@ def _register() -> Any:
         RunConfig,
         OptimConfig,
         ParallelConfig,
+        RoleConfig,
         LoraConfig,
         SamplingSpec,
         RolloutConfig,

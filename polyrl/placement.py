@@ -2,7 +2,7 @@
 
 A pool (``RunConfig.pools``, see ``polyrl.roles``) is a set of nodes, each giving the
 pool the same Ray resources (``CPU``, ``GPU``, custom ones). Roles mapped to the same
-pool (``RunConfig.role_pools``) are *colocated*: they take turns on the same devices,
+pool (``RoleConfig.pool``, ``RolloutConfig.pool``) are *colocated*: they take turns on the same devices,
 each worker asking for ``1/k`` of its devices when ``k`` roles share them (so Ray packs
 them together), and the trainer offloads/sleeps the idle ones. Roles in different pools
 get disjoint devices.

@@ -17,6 +17,7 @@ from typing import Any
 
 from polyrl import faults
 from polyrl.checkpoints import latest_checkpoint
+from polyrl.role_table import TRAINED_ROLES
 
 __all__ = [
     "RunStopped",
@@ -77,7 +78,7 @@ class NonFiniteGuard:
     or gradient (the engines skip it; ``<role>/nonfinite_skipped`` > 0 in the step's
     metrics) and reports each such step; ``limit`` in a row (0: never) ends the run."""
 
-    def __init__(self, limit: int, roles: tuple[str, ...] = ("actor", "critic")):
+    def __init__(self, limit: int, roles: tuple[str, ...] = TRAINED_ROLES):
         self.limit, self.roles, self.streak = limit, roles, 0
 
     def observe(self, step: int, metrics: dict[str, float]) -> bool:

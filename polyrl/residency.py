@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from polyrl.role_table import ROLE_TABLE, Role
+
 __all__ = ["HEADROOM", "TRAIN_STATE_FACTOR", "param_count", "fits_resident", "turn_roles"]
 
 # Share of each GPU kept free for activations when engines stay resident.
@@ -34,7 +36,6 @@ HEADROOM = 0.2
 # Gradients (1x) and Adam's two moments (2x), in the weights' dtype, beyond the weights.
 TRAIN_STATE_FACTOR = 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TRAINED = ("actor", "critic")
 
 
 def param_count(model_path: str | Path) -> int:
@@ -78,7 +79,7 @@ def turn_roles(
     role's ``polyrl.placement.RoleShare``, ``probe(role)`` one ``{"gpu", "used", "total"}``
     (or None) per worker of a started role (``WorkerGroup.gpu_memory``)."""
     shared = {r for r in roles if len(shares[r].colocated_with) > 1}  # rollout included
-    trainers = sorted(r for r in shared if r != "rollout")
+    trainers = sorted(r for r in shared if ROLE_TABLE[r].kind == "engine")
     if cfg.offload_colocated is False or not trainers:
         return frozenset(), False
     if cfg.offload_colocated is None:
@@ -86,7 +87,7 @@ def turn_roles(
             return frozenset(), False  # CPU pools: offloading would only copy host -> host
         if _all_fit(cfg, roles, trainers, probe):
             return frozenset(), False
-    sleeps = "rollout" in shared and bool(cfg.rollout.enable_sleep_mode)
+    sleeps = Role.ROLLOUT in shared and bool(cfg.rollout.enable_sleep_mode)
     return frozenset(trainers), sleeps
 
 
@@ -106,6 +107,6 @@ def _all_fit(
         world = roles[role].parallel.world_size if roles[role].parallel else 1
         for s in seen:
             gpus[s["gpu"]] = (s["used"], s["total"])
-            if role in TRAINED:  # each device holds 1/world of the weights (FSDP)
+            if ROLE_TABLE[role].trained:  # each device holds 1/world of the weights (FSDP)
                 need[s["gpu"]] = need.get(s["gpu"], 0.0) + TRAIN_STATE_FACTOR * weights / world
     return fits_resident(gpus, need)

@@ -1,13 +1,15 @@
-"""The run's role table: every role's engine, pool and process layout, built once.
+"""The run's roles: every role's engine, pool and process layout, built once.
 
 ``build_roles(cfg, spec)`` turns a RunConfig and an AlgorithmSpec into one
-:class:`RoleSpec` per role the algorithm runs (actor, rollout, reference, critic,
-reward). Validation (:func:`role_problems`), placement (``polyrl.placement``), the
+:class:`RoleSpec` per role the run starts (actor, rollout, reference, critic,
+reward_model, shadow), from the role vocabulary and its facts (``polyrl.role_table``:
+which roles train, carry a value head, where their settings live). Validation (:func:`role_problems`), placement (``polyrl.placement``), the
 workers (``polyrl.workers``) and the trainer all read this table, so none of them
 decides again which roles exist or how a backend lays its processes out: that comes
 from the backend's registry entry (``polyrl.backends.base.ENGINES[...].process``).
 
-Pools (``RunConfig.pools``): ``{"name": {"CPU": c, "GPU": g, "nodes": n, <custom>: x}}``.
+Pools (``RunConfig.pools``; a role's is its ``RoleConfig.pool``, the rollout's
+``RolloutConfig.pool``): ``{"name": {"CPU": c, "GPU": g, "nodes": n, <custom>: x}}``.
 ``CPU``, ``GPU`` and custom Ray resources (``ray start --resources``) are *per node*;
 ``nodes`` (default 1) is how many nodes the pool spans. A role spreads its workers
 evenly over ``min(nodes, workers)`` of them, node-major: ranks ``0..k-1`` on the first
@@ -22,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig, RunConfig
+from polyrl.role_table import ROLE_TABLE, Role, role_names
 
 __all__ = [
     "RoleSpec",
@@ -29,7 +32,6 @@ __all__ = [
     "pool_shape",
     "build_roles",
     "role_problems",
-    "reference_in_actor",
 ]
 
 # Keys of a pool entry that are not Ray resources.
@@ -100,44 +102,6 @@ class RoleSpec:
         return node, local, local_world
 
 
-def _parallel(cfg: RunConfig) -> dict[str, ParallelConfig]:
-    return {
-        "actor": cfg.actor_parallel,
-        "reference": cfg.ref_parallel,
-        "critic": cfg.critic_parallel,
-        "reward": cfg.reward_parallel,
-        "shadow": cfg.ref_parallel,  # a frozen scorer, laid out as the reference
-    }
-
-
-def reference_in_actor(cfg: RunConfig, spec: Any) -> bool:
-    """With LoRA (``RunConfig.lora``) the reference is the actor's own frozen base, scored
-    with the adapters off: no reference role, no second copy of the weights."""
-    return spec.needs_reference and cfg.lora is not None
-
-
-def role_names(cfg: RunConfig, spec: Any) -> list[str]:
-    """The roles this run starts, in start-up order."""
-    rl = spec.objective == "rl"
-    separate_reference = spec.needs_reference and not reference_in_actor(cfg, spec)
-    return [
-        "actor",
-        *(["rollout"] if rl else []),
-        *(["reference"] if separate_reference else []),
-        *(["critic"] if spec.needs_critic else []),
-        *(["reward"] if cfg.reward_model_path and rl else []),
-        *(["shadow"] if cfg.shadow_every and rl else []),
-    ]
-
-
-def role_pool(cfg: RunConfig, name: str) -> str:
-    """``RunConfig.role_pools[name]``; the shadow check's engine, unless mapped, runs in
-    the reference's pool (else the actor's)."""
-    if name == "shadow" and name not in cfg.role_pools:
-        return cfg.role_pools.get("reference") or cfg.role_pools.get("actor", "")
-    return cfg.role_pools.get(name, "")
-
-
 def other_backend(backend: str) -> str:
     """The registered backend that is not ``backend`` (the shadow check's, polyrl.shadow)."""
     from polyrl.backends.base import ENGINES
@@ -148,34 +112,32 @@ def other_backend(backend: str) -> str:
 def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
     from polyrl.backends.base import get_backend
 
-    parallel = _parallel(cfg)[name]
-    shape = pool_shape(cfg.pools.get(role_pool(cfg, name), {}))
+    own, facts = cfg.role_config(name), ROLE_TABLE[Role(name)]
+    parallel = own.parallel
+    shape = pool_shape(cfg.pools.get(own.pool, {}))
     devices = parallel.world_size
     hosts = max(1, min(shape.nodes, devices))
-    # The shadow (RunConfig.shadow_every) scores as a frozen reference on the other backend.
-    backend = other_backend(cfg.backend) if name == "shadow" else cfg.backend
+    backend = other_backend(cfg.backend) if facts.other_backend else cfg.backend
     process = get_backend(backend).process
-    path = cfg.reward_model_path if name == "reward" else cfg.model_path
     model = ModelConfig(
-        path=str(path),
-        role="reference" if name == "shadow" else name,
+        path=str(own.model_path if facts.own_model else cfg.model_path),
+        role=name,
         dtype=cfg.model_dtype,
         gradient_checkpointing=cfg.gradient_checkpointing,
         checkpoint_policy=cfg.checkpoint_policy,
         attn_implementation=cfg.attn_implementation,
         compile=cfg.compile,
-        lora=cfg.lora if name == "actor" else None,
+        lora=cfg.lora if name == Role.ACTOR else None,
     )
-    optim = {"actor": cfg.optim, "critic": cfg.critic_optim}.get(name)
     return RoleSpec(
         name=name,
-        pool=role_pool(cfg, name),
+        pool=own.pool,
         num_workers=process.num_workers(devices, hosts),
         hosts=hosts,
         local_devices=process.devices_per_worker(devices, hosts),
         backend=backend,
         model=model,
-        optim=optim,
+        optim=own.optim,
         parallel=parallel,
     )
 
@@ -184,12 +146,12 @@ def build_roles(cfg: RunConfig, spec: Any) -> dict[str, RoleSpec]:
     """The run's role table (see module docstring); ``cfg.backend`` must be registered."""
     roles = {}
     for name in role_names(cfg, spec):
-        if name == "rollout":
-            shape = pool_shape(cfg.pools.get(cfg.role_pools.get(name, ""), {}))
+        if ROLE_TABLE[name].kind == "rollout":
+            shape = pool_shape(cfg.pools.get(cfg.rollout.pool, {}))
             servers = cfg.rollout.num_servers
             roles[name] = RoleSpec(
                 name,
-                cfg.role_pools.get(name, ""),
+                cfg.rollout.pool,
                 num_workers=servers,
                 hosts=max(1, min(shape.nodes, servers)),
                 local_devices=cfg.rollout.tensor_parallel_size,
@@ -239,9 +201,9 @@ def role_problems(cfg: RunConfig, roles: Mapping[str, RoleSpec]) -> list[str]:
             return out
     for name, role in roles.items():
         if role.pool not in cfg.pools:
-            continue  # reported by validate's role_pools check
+            continue  # reported by validate's pool check
         shape = pool_shape(cfg.pools[role.pool])
-        where = f"{name}_parallel mesh {dict(role.parallel.mesh)}" if role.parallel else name
+        where = f"{name}/ParallelConfig.mesh {dict(role.parallel.mesh)}" if role.parallel else name
         if role.parallel is not None and role.parallel.mesh["tensor"] > 1:
             out += _tensor_problems(name, role, shape)
         if role.num_workers % role.hosts:

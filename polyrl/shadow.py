@@ -21,6 +21,7 @@ import numpy as np
 __all__ = [
     "SIDES",
     "PAIRS",
+    "sides",
     "gap_metrics",
     "odd_side",
     "worst_tokens",
@@ -33,6 +34,15 @@ __all__ = [
 
 SIDES = ("rollout", "train", "shadow")
 PAIRS = (("rollout", "train"), ("rollout", "shadow"), ("train", "shadow"))
+
+
+def sides(backend: str) -> dict[str, str]:
+    """Which stack each side of the three-way check is, for a run on ``backend``."""
+    from polyrl.roles import other_backend
+
+    return {"rollout": "vLLM", "train": backend, "shadow": other_backend(backend)}
+
+
 # Response positions [lo, hi): early tokens see short contexts, late ones long ones (a
 # position-dependent fault, e.g. in RoPE or the attention mask, grows with position).
 POSITION_BUCKETS = ((0, 4), (4, 16), (16, 64), (64, 256), (256, None))

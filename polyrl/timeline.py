@@ -31,28 +31,31 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from polyrl.role_table import Role
+
 __all__ = ["PHASE_ROLES", "Timeline", "Traced", "record"]
 
 # Which role's workers run a phase of the RL loop (the driver runs the rest).
 PHASE_ROLES = {
-    "generate": "rollout",
-    "generate_ahead": "rollout",  # RunConfig.max_staleness >= 1: the background generation
-    "reward": "reward",
-    "dynamic_sampling": "rollout",
-    "reference": "reference",
-    "old_log_probs": "actor",
-    "values": "critic",
-    "update_actor": "actor",
-    "update_critic": "critic",
-    "sync_weights": "actor",
-    "rollout_sleep": "rollout",
-    "rollout_wake": "rollout",
+    "generate": Role.ROLLOUT,
+    "generate_ahead": Role.ROLLOUT,  # RunConfig.max_staleness >= 1: the background generation
+    "reward": Role.REWARD,
+    "dynamic_sampling": Role.ROLLOUT,
+    "reference": Role.REFERENCE,
+    "old_log_probs": Role.ACTOR,
+    "values": Role.CRITIC,
+    "update_actor": Role.ACTOR,
+    "update_critic": Role.CRITIC,
+    "sync_weights": Role.ACTOR,
+    "rollout_sleep": Role.ROLLOUT,
+    "rollout_wake": Role.ROLLOUT,
     "data": "driver",
     "advantages": "driver",
 }
-TRACKS = ("rollout", "reward", "reference", "actor", "critic", "driver")
-# Worker processes in the trace: pid 1 + index (a role not listed goes last).
-WORKER_ROLES = ("rollout", "reward", "reward_model", "reference", "actor", "critic")
+# The driver's tracks: the roles that run a phase, in the role table's (data-flow) order.
+TRACKS = (*(role for role in Role if role in PHASE_ROLES.values()), "driver")
+# Worker processes in the trace: pid 1 + the role's index in the role table (others last).
+WORKER_ROLES = tuple(Role)
 
 # ---------------------------------------------------------------- in a worker process
 # (method, wall-clock start, seconds, step) of each role method call since the driver

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from polyrl import checkpoints, reliability
+from polyrl import checkpoints, reliability, shadow
 from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_bound
 from polyrl.batch import Batch
 from polyrl.config import RunConfig
@@ -46,7 +46,7 @@ from polyrl.metrics import (
 )
 from polyrl.residency import turn_roles
 from polyrl.rewards.workers import RewardError, RewardPool
-from polyrl.roles import reference_in_actor
+from polyrl.role_table import ENGINE_ROLES, ROLE_TABLE, Role, reference_in_actor
 from polyrl.timeline import Timeline
 from polyrl.workers import EngineGroup
 
@@ -60,8 +60,6 @@ COMPUTE_PHASES = (
     "update_actor",
     "update_critic",
 )
-# The roles whose workers host a TrainEngine (RunConfig.profile_steps records them).
-ENGINE_ROLES = ("actor", "reference", "critic", "reward_model")
 
 
 class Loop(abc.ABC):
@@ -82,12 +80,12 @@ class Loop(abc.ABC):
         if self.timeline is not None:
             self.timer.listeners.append(self.timeline.add)
         self.health = HealthMonitor(
-            shadow_tolerance=cfg.shadow_tolerance, shadow_sides=shadow_sides(cfg.backend)
+            shadow_tolerance=cfg.shadow_tolerance, shadow_sides=shadow.sides(cfg.backend)
         )
         self.dumps = RolloutDumps(self.run_dir, self.tokenizer, cfg.dump_every, cfg.dump_samples)
         self.actor_loss = spec.make_actor_loss()
-        self.actor = self._group("actor")
-        self.reference = self._group("reference") if "reference" in self.roles else None
+        self.actor = self._group(Role.ACTOR)
+        self.reference = self._group(Role.REFERENCE) if Role.REFERENCE in self.roles else None
         self.critic = None
         self.turns = Turns()  # RLTrainer: colocated roles take turns on shared GPUs
         self.evaluator = None  # RLTrainer with validation data: polyrl.evaluation
@@ -142,25 +140,29 @@ class Loop(abc.ABC):
     def shutdown(self) -> None:
         """End every worker (waiting until each is gone), then free the pools' placement
         groups, so a next run in the same Ray session finds its devices free."""
-        for group in (self.actor, self.reference, self.critic, getattr(self, "shadow", None)):
-            if group is not None:
-                group.shutdown()
+        for group in self.groups.values():
+            group.shutdown()
         self.placement.release()  # last: removing a group kills what still runs in it
+
+    @property
+    def groups(self) -> dict[Role, EngineGroup]:
+        """The started engine roles' worker groups, by role."""
+        # In start-up order (actor first); each group is the attribute named as its role.
+        found = {r: getattr(self, r, None) for r in self.roles if ROLE_TABLE[r].kind == "engine"}
+        return {role: group for role, group in found.items() if group is not None}
 
     def role_workers(self) -> list[tuple[str, int, Any]]:
         """Every role worker as (role, rank, Ray actor): where the timeline's spans are."""
-        groups = {"actor": self.actor, "reference": self.reference, "critic": self.critic}
-        groups["reward_model"] = getattr(self, "reward_model", None)
-        groups["shadow"] = getattr(self, "shadow", None)
-        out = [(r, i, w) for r, g in groups.items() if g for i, w in enumerate(g.workers)]
-        out += [("rollout", i, s) for i, s in enumerate(self.pool.servers if self.pool else ())]
+        out = [(r, i, w) for r, g in self.groups.items() for i, w in enumerate(g.workers)]
+        servers = self.pool.servers if self.pool else ()
+        out += [(Role.ROLLOUT, i, s) for i, s in enumerate(servers)]
         rewards = getattr(self, "rewards", None)
-        return out + [("reward", i, w) for i, w in enumerate(rewards.workers if rewards else ())]
+        return out + [(Role.REWARD, i, w) for i, w in enumerate(rewards.workers if rewards else ())]
 
     def _group(self, role: str) -> EngineGroup:
         """Start ``role`` from the run's role table (``polyrl.roles``)."""
         spec = self.roles[role]
-        if role in ("actor", "reference", "shadow"):
+        if not ROLE_TABLE[role].value_head:  # it scores tokens
             model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
             spec = dataclasses.replace(spec, model=model)
         with self.startup.phase(f"{role} workers"):
@@ -321,11 +323,7 @@ class Loop(abc.ABC):
 
             return call
 
-        return {
-            name: run(group)
-            for name, group in (("actor", self.actor), ("critic", self.critic))
-            if group is not None
-        }
+        return {name: run(g) for name, g in self.groups.items() if ROLE_TABLE[name].trained}
 
     def _save(self, step: int) -> None:
         with reliability.writing(f"the step-{step} checkpoint"):
@@ -362,9 +360,11 @@ class RLTrainer(Loop):
         self.critic_loss = spec.make_critic_loss() if spec.needs_critic else None
         self.kl_ctrl = spec.make_kl_controller() if spec.kl_in_reward else None
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
-        self.critic = self._group("critic") if "critic" in self.roles else None
-        self.reward_model = self._group("reward") if "reward" in self.roles else None
-        self.shadow = self._group("shadow") if "shadow" in self.roles else None
+        self.critic = self._group(Role.CRITIC) if Role.CRITIC in self.roles else None
+        self.reward_model = (
+            self._group(Role.REWARD_MODEL) if Role.REWARD_MODEL in self.roles else None
+        )
+        self.shadow = self._group(Role.SHADOW) if Role.SHADOW in self.roles else None
         self.rewards = RewardPool(
             cfg.reward_workers, cfg.reward_timeout_s, self.placement.light_options
         )
@@ -435,10 +435,7 @@ class RLTrainer(Loop):
         )
 
     def _gpu_memory(self, role: str) -> list[dict[str, Any] | None]:
-        group = {"actor": self.actor, "reference": self.reference, "critic": self.critic}.get(
-            role, self.reward_model
-        )
-        return group.gpu_memory()
+        return self.groups[role].gpu_memory()
 
     def extra_state(self) -> dict[str, Any]:
         return {"kl_state": dataclasses.asdict(self.kl_state) if self.kl_state else None}
@@ -457,8 +454,6 @@ class RLTrainer(Loop):
 
     def shutdown(self) -> None:
         self.rollouts.discard()
-        if self.reward_model is not None:
-            self.reward_model.shutdown()
         self.rewards.shutdown()
         if self.episodes is not None:
             self.episodes.shutdown()
@@ -575,7 +570,6 @@ class RLTrainer(Loop):
         ``<run_dir>/shadow/step_<N>.json`` (metrics, verdict, worst tokens) and the batch
         with the three sides' columns (``step_<N>_batch.npz/.json``, for ``polyrl
         diagnose``)."""
-        from polyrl import shadow
         from polyrl.async_rollout import save_batch
 
         if self.cfg.shadow_per_prompt is not None and "group_ids" in batch:
@@ -598,7 +592,7 @@ class RLTrainer(Loop):
             step + 1,
             metrics,
             worst,
-            shadow_sides(self.cfg.backend),
+            shadow.sides(self.cfg.backend),
             verdict,
             sampling_vocab_size=self.vocab,
         )
@@ -687,7 +681,7 @@ class RLTrainer(Loop):
                 rm_scores = self.reward_model.forward(batch)["scores"].astype(np.float32)
             if rm_scores.shape != scores.shape or not np.isfinite(rm_scores).all():
                 raise RewardError(
-                    f"reward model {self.cfg.reward_model_path} returned scores of shape "
+                    f"reward model {self.cfg.reward_model.model_path} returned scores of shape "
                     f"{rm_scores.shape} ({np.isfinite(rm_scores).sum()} finite) for "
                     f"{len(scores)} responses"
                 )
@@ -866,13 +860,6 @@ class PreferenceTrainer(Loop):
         lengths = batch["response_mask"].sum(-1)
         metrics |= {"response/length_mean": float(lengths.mean())}
         return metrics | self.timer.metrics(COMPUTE_PHASES)
-
-
-def shadow_sides(backend: str) -> dict[str, str]:
-    """Which stack each side of the three-way check is (``polyrl.shadow``)."""
-    from polyrl.roles import other_backend
-
-    return {"rollout": "vLLM", "train": backend, "shadow": other_backend(backend)}
 
 
 class SFTTrainer(Loop):

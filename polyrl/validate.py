@@ -48,7 +48,7 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
         spec.objective
     ]
     minis = cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1)
-    par = cfg.actor_parallel
+    par = cfg.actor.parallel
     per_rank = cfg.mini_batch_prompts * n // max(par.dp_size, 1)
     lines = [
         f"step: prompts_per_step {cfg.prompts_per_step} x n {n} = {cfg.prompts_per_step * n} {unit}",
@@ -89,9 +89,10 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"RunConfig.mini_batch_prompts={cfg.mini_batch_prompts} exceeds "
             f"RunConfig.prompts_per_step={cfg.prompts_per_step}; lower mini_batch_prompts"
         )
-    for role, par in (("actor", cfg.actor_parallel), ("critic", cfg.critic_parallel)):
-        if role == "critic" and not spec.needs_critic:
-            continue
+    from polyrl.role_table import trained_roles
+
+    for role in trained_roles(cfg, spec):
+        par = cfg.role_config(role).parallel
         samples = cfg.mini_batch_prompts * n
         if spec.objective == "preference" and par.micro_batch_size % 2:
             out.append(
@@ -102,7 +103,7 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             out.append(
                 f"RunConfig.mini_batch_prompts={cfg.mini_batch_prompts} x SamplingSpec.n={n} = "
                 f"{samples} samples per optimizer step do not split over the {role}'s "
-                f"{par.dp_size} data-parallel shards ({role}_parallel mesh {dict(par.mesh)}); "
+                f"{par.dp_size} data-parallel shards ({role}/ParallelConfig.mesh {dict(par.mesh)}); "
                 f"{samples} % {par.dp_size} = {samples % par.dp_size}: set "
                 f"RunConfig.mini_batch_prompts = {_dp_fix(cfg.mini_batch_prompts, n, par.dp_size)}"
             )
@@ -152,12 +153,13 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"RunConfig.epochs={cfg.epochs} and RunConfig.total_steps={cfg.total_steps} must be >= 1"
         )
     if (
-        cfg.optim.total_steps
+        cfg.actor.optim is not None
+        and cfg.actor.optim.total_steps
         < cfg.total_steps * cfg.epochs * (cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1))
-        and cfg.optim.schedule == "cosine"
+        and cfg.actor.optim.schedule == "cosine"
     ):
         out.append(
-            f"OptimConfig.total_steps={cfg.optim.total_steps} is fewer than the run's optimizer "
+            f"OptimConfig.total_steps={cfg.actor.optim.total_steps} is fewer than the run's optimizer "
             f"steps; the cosine schedule would sit at its floor — raise actor/OptimConfig.total_steps"
         )
     return out
@@ -244,8 +246,8 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
     if spec.objective == "rl":  # which transports this placement supports
         out += transport_problems(
             cfg.weight_transport,
-            cfg.role_pools.get("actor"),
-            cfg.role_pools.get("rollout"),
+            cfg.actor.pool,
+            cfg.rollout.pool,
             cfg.pools,
             cfg.rollout.tensor_parallel_size,
             cfg.rollout.in_process_engine,
@@ -255,18 +257,20 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
                 f"RunConfig.weight_bucket_mb={cfg.weight_bucket_mb} must be > 0 (MiB per weight-sync "
                 f"bucket); leave it unbound (None) for the transport's default"
             )
-    from polyrl.roles import role_names, role_pool
+    from polyrl.role_table import ROLE_TABLE, role_names
 
     for role in role_names(cfg, spec):
-        pool = role_pool(cfg, role) or None
-        if pool is None:
-            out.append(
-                f"RunConfig.role_pools has no entry for role {role!r}; map it to one of "
-                f"{sorted(cfg.pools)}"
+        own = cfg.role_config(role)
+        if ROLE_TABLE[role].kind == "engine":
+            out += own.problems(role)
+        if own.pool not in cfg.pools:
+            where = (
+                "polyrl.RolloutConfig.pool"
+                if ROLE_TABLE[role].kind == "rollout"
+                else f"{ROLE_TABLE[role].config}/polyrl.RoleConfig.pool"
             )
-        elif pool not in cfg.pools:
             out.append(
-                f"RunConfig.role_pools[{role!r}]={pool!r} is not a pool in RunConfig.pools "
+                f"{where}={own.pool!r} ({role}) is not a pool in RunConfig.pools "
                 f"({sorted(cfg.pools)})"
             )
     return out
@@ -373,14 +377,15 @@ def isolation_problems(cfg: RunConfig, spec: Any) -> list[str]:
                 f"{switch}=False, so no reference model is built and the KL term is never "
                 f"applied; add {switch!r}: True to algo_overrides or remove {coef!r}"
             )
-    if cfg.reward_model_path and spec.objective == "rl":
+    path = cfg.reward_model.model_path
+    if path and spec.objective == "rl":
         try:
-            head = score_head(cfg.reward_model_path)
+            head = score_head(path)
         except (OSError, ValueError) as e:  # unreadable config.json / safetensors header
             head = f"cannot be read ({e})"
         if head is not None:
             out.append(
-                f"RunConfig.reward_model_path={cfg.reward_model_path!r} {head}: the reward "
+                f"reward_model/polyrl.RoleConfig.model_path={path!r} {head}: the reward_model "
                 f"role reads one score per sequence; pass a checkpoint saved by "
                 f"AutoModelForSequenceClassification (num_labels=1)"
             )
@@ -466,10 +471,10 @@ def device_problems(cfg: RunConfig) -> list[str]:
                     f"RunConfig.pools[{name!r}][{key!r}]={res[key]!r}: device ids cannot be "
                     f"chosen by hand ({reason}); give the pool a count, e.g. {{'GPU': 2}}"
                 )
-    if cfg.rollout is not None and cfg.role_pools.get("rollout") in cfg.pools:
+    if cfg.rollout is not None and cfg.rollout.pool in cfg.pools:
         from polyrl.roles import pool_shape
 
-        pool = cfg.role_pools["rollout"]
+        pool = cfg.rollout.pool
         shape = pool_shape(cfg.pools[pool])
         gpus, total = int(shape.gpus), int(shape.gpus) * shape.nodes
         tp, servers = cfg.rollout.tensor_parallel_size, cfg.rollout.num_servers
@@ -674,13 +679,13 @@ def episode_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"model's max_position_embeddings={positions}; lower max_episode_tokens"
         )
     for field, on in (
-        ("reward_model_path", cfg.reward_model_path is not None),
-        ("algorithm (ReMax's greedy baseline)", spec.needs_greedy_baseline),
-        ("algo_overrides overlong_buffer_len", bool(spec.overlong_buffer_len)),
+        ("reward_model/polyrl.RoleConfig.model_path", cfg.reward_model.model_path is not None),
+        ("RunConfig.algorithm (ReMax's greedy baseline)", spec.needs_greedy_baseline),
+        ("RunConfig.algo_overrides overlong_buffer_len", bool(spec.overlong_buffer_len)),
     ):
         if on:
             out.append(
-                f"RunConfig.{field} is not supported with RunConfig.episodes (an episode's "
+                f"{field} is not supported with RunConfig.episodes (an episode's "
                 f"reward comes from its env); unset one of them"
             )
     return out
@@ -717,13 +722,11 @@ def preflight(
             f"RunConfig.model_path={model_path!r} has no config.json; pass a local Hugging Face "
             f"model directory"
         )
-    if (
-        cfg.reward_model_path is not None
-        and not Path(cfg.reward_model_path, "config.json").exists()
-    ):
+    reward_model = cfg.reward_model.model_path
+    if reward_model is not None and not Path(reward_model, "config.json").exists():
         problems.append(
-            f"RunConfig.reward_model_path={cfg.reward_model_path!r} has no config.json; pass a "
-            f"local sequence-classification model directory"
+            f"reward_model/polyrl.RoleConfig.model_path={reward_model!r} has no config.json; "
+            f"pass a local sequence-classification model directory"
         )
     raise_if_problems(problems)
     rollout = dataclasses.replace(cfg.rollout, model_path=model_path)

@@ -276,7 +276,7 @@ class JaxPjitEngine:
                 out["entropy"] = jnp.where(keep, ent, 0.0)
         else:
             out["values"] = jnp.where(keep, model.values(h), 0.0)
-            if self.model_cfg.role == "reward":
+            if self.model_cfg.scores:
                 out["scores"] = model.values(last_hidden)
         return out
 

@@ -185,7 +185,7 @@ class TorchFSDPEngine:
     ) -> dict[str, torch.Tensor]:
         check_temperature(temperature)
         if self.cfg.has_value_head:
-            return models.value_outputs(self.model, inputs, scores=self.cfg.role == "reward")
+            return models.value_outputs(self.model, inputs, scores=self.cfg.scores)
         return models.policy_outputs(
             self.model,
             inputs,

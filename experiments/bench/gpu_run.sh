@@ -168,7 +168,8 @@ for s in $sections; do
     model; backend=torch_fsdp; [ $s = grpo_jax ] && backend=jax_pjit
     split=()
     [ $s = grpo_split ] && split=(--gin_param 'polyrl.RunConfig.pools = {"a": {"CPU": 6, "GPU": 1}, "b": {"CPU": 6, "GPU": 1}}'
-      --gin_param 'polyrl.RunConfig.role_pools = {"actor": "a", "rollout": "a", "reference": "b"}')
+      --gin_param 'actor/polyrl.RoleConfig.pool = "a"' --gin_param 'polyrl.RolloutConfig.pool = "a"'
+      --gin_param 'reference/polyrl.RoleConfig.pool = "b"')
     IFS=';' read -ra extra <<< "${GIN_EXTRA:-}"
     for b in ${extra[@]+"${extra[@]}"}; do split+=(--gin_param "${b#"${b%%[! ]*}"}"); done
     steps=${GRPO_STEPS:-4}  # and one more, profiled

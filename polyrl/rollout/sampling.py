@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any
 
 from polyrl.config import did_you_mean
+from polyrl.role_table import DEFAULT_POOL
 
 __all__ = ["SamplingSpec", "RolloutConfig", "OVERLONG_POLICIES", "derive_seed"]
 
@@ -147,6 +148,8 @@ class RolloutConfig:
       least episodes per step x ``EpisodeConfig.max_episode_tokens``.
     seed: engine seed (sampling uses per-request seeds from SamplingSpec.seed).
     env: extra environment variables for the server processes (``runtime_env``).
+    pool: the ``RunConfig.pools`` entry the servers run in (the engine roles' is their
+      ``RoleConfig.pool``); in the actor's pool they are colocated with it.
     """
 
     model_path: str | None
@@ -170,6 +173,7 @@ class RolloutConfig:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     env: tuple[tuple[str, str], ...] = ()
+    pool: str = DEFAULT_POOL
 
     def __post_init__(self) -> None:
         if self.overlong_prompt not in OVERLONG_POLICIES:

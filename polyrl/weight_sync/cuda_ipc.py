@@ -90,8 +90,8 @@ class CudaIpc(Transport):
         if not placement.colocated or not placement.gpus[placement.actor_pool]:
             return [
                 f"RunConfig.weight_transport='cuda_ipc' shares GPU memory, so it needs the "
-                f"actor and rollout colocated on GPUs (the same RunConfig.role_pools pool with "
-                f"'GPU' > 0); placement: {placement.where}. Use 'nccl' for separate GPUs, "
+                f"actor and rollout colocated on GPUs (actor/polyrl.RoleConfig.pool = "
+                f"polyrl.RolloutConfig.pool, a pool with 'GPU' > 0); placement: {placement.where}. Use 'nccl' for separate GPUs, "
                 f"'object_store' otherwise"
             ]
         if placement.tensor_parallel > 1:

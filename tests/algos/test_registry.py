@@ -42,7 +42,7 @@ def test_names_and_unknown():
 
 
 @pytest.mark.parametrize(
-    ("name", "roles", "groups", "greedy"),
+    ("name", "needs", "groups", "greedy"),
     [
         ("ppo", ("critic", "reference", "reward"), False, False),
         ("grpo", ("reference", "reward"), True, False),
@@ -57,9 +57,10 @@ def test_names_and_unknown():
         ("sft", (), False, False),
     ],
 )
-def test_roles(name, roles, groups, greedy):
+def test_needs(name, needs, groups, greedy):
     spec = get_algorithm(name)
-    assert spec.roles == roles
+    found = tuple(n for n in ("critic", "reference", "reward") if getattr(spec, f"needs_{n}"))
+    assert found == needs
     assert spec.needs_groups == groups and spec.needs_greedy_baseline == greedy
 
 

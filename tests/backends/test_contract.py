@@ -187,7 +187,7 @@ def test_value_heads(backend, tiny_model_dir):
     assert np.all(out["values"][batch["response_mask"] == 0] == 0)
     losses = [critic.train_step(batch, CRITIC_LOSS)["loss"] for _ in range(5)]
     assert losses[-1] < losses[0], losses  # the head fits the returns
-    reward = engine(backend, tiny_model_dir, role="reward", optim=None)
+    reward = engine(backend, tiny_model_dir, role="reward_model", optim=None)
     scores = reward.forward(batch)
     assert scores["scores"].shape == (len(batch),)
 

@@ -4,6 +4,7 @@ backend's registry entry decides its process layout; validation names the bindin
 import pytest
 
 from polyrl.algos import get_algorithm
+from polyrl.config import OptimConfig
 from polyrl.launch import parse_config
 from polyrl.roles import build_roles, role_problems
 from polyrl.validate import check_run
@@ -25,7 +26,9 @@ def _cfg(tmp_path, *params, backend="torch_fsdp"):
 
 TWO_NODES = [
     "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'nodes': 2, 'trainer': 1}, 'gen': {'CPU': 1}}",
-    "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'gen', 'rollout': 'gen'}",
+    "actor/polyrl.RoleConfig.pool = 'train'",
+    "reference/polyrl.RoleConfig.pool = 'gen'",
+    "polyrl.RolloutConfig.pool = 'gen'",
 ]
 
 
@@ -55,7 +58,7 @@ def test_tensor_group_across_nodes_is_refused(tmp_path):
         tmp_path, *TWO_NODES, "actor/polyrl.ParallelConfig.mesh = {'data': 1, 'tensor': 2}"
     )
     (msg,) = role_problems(cfg, build_roles(cfg, spec))
-    assert "actor_parallel mesh" in msg and "tensor-parallel group of 2" in msg
+    assert "actor/ParallelConfig.mesh" in msg and "tensor-parallel group of 2" in msg
     assert "inside a node" in msg
 
 
@@ -70,7 +73,9 @@ def test_per_node_gpus_are_checked_not_only_the_total(tmp_path):
     cfg, spec = _cfg(
         tmp_path,
         "polyrl.RunConfig.pools = {'train': {'CPU': 4, 'GPU': 2, 'nodes': 2}, 'gen': {'CPU': 1}}",
-        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'gen', 'rollout': 'gen'}",
+        "actor/polyrl.RoleConfig.pool = 'train'",
+        "reference/polyrl.RoleConfig.pool = 'gen'",
+        "polyrl.RolloutConfig.pool = 'gen'",
         "actor/polyrl.ParallelConfig.mesh = {'data': 1, 'fsdp': 4}",
     )
     problems = role_problems(cfg, build_roles(cfg, spec))
@@ -78,7 +83,9 @@ def test_per_node_gpus_are_checked_not_only_the_total(tmp_path):
     cfg, spec = _cfg(
         tmp_path,
         "polyrl.RunConfig.pools = {'train': {'CPU': 4, 'GPU': 2}, 'gen': {'CPU': 1}}",
-        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'gen', 'rollout': 'gen'}",
+        "actor/polyrl.RoleConfig.pool = 'train'",
+        "reference/polyrl.RoleConfig.pool = 'gen'",
+        "polyrl.RolloutConfig.pool = 'gen'",
         "actor/polyrl.ParallelConfig.mesh = {'data': 1, 'fsdp': 4}",
         backend="jax_pjit",
     )
@@ -203,3 +210,152 @@ def test_lora_binding_errors_name_the_binding(tmp_path):
                 "polyrl.LoraConfig.target_modules = ('qproj',)",
             ],
         )
+
+
+# --------------------------------------------------------------------------- one vocabulary
+PPO, DPO, SFT = (f"gin/experiments/tiny_{a}.gin" for a in ("ppo", "dpo", "sft"))
+
+
+@pytest.mark.parametrize(
+    ("gin_file", "started", "printed"),
+    [
+        (GRPO, ["actor", "rollout", "reference"], "actor, rollout, reference, reward"),
+        (PPO, ["actor", "rollout", "reference", "critic"], "actor, rollout, reference, critic, "),
+        (DPO, ["actor", "reference"], "actor, reference; "),  # no rollout, no reward workers
+        (SFT, ["actor"], "actor; "),
+        ("gin/experiments/tiny_multiturn.gin", None, "actor, rollout, reference, env, reward; "),
+    ],
+)
+def test_the_roles_a_run_starts(tmp_path, capsys, gin_file, started, printed):
+    """role_names decides which roles run; validate-config prints those (and the env and
+    reward workers) and nothing else."""
+    from polyrl.cli import main
+
+    run_dir = f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"
+    if started is not None:
+        cfg, _ = parse_config([gin_file], [run_dir])
+        spec = get_algorithm(cfg.algorithm).replace(**dict(cfg.algo_overrides))
+        assert list(build_roles(cfg, spec)) == started
+    assert main(["validate-config", "--gin_file", gin_file, "--gin_param", run_dir]) == 0
+    assert f"; roles: {printed}" in capsys.readouterr().out
+
+
+# Each former RunConfig field, a value, and the binding its error must offer instead.
+MOVED = [
+    ("actor_parallel", "@actor/polyrl.ParallelConfig()", "`actor/polyrl.RoleConfig.parallel"),
+    ("ref_parallel", "@reference/polyrl.ParallelConfig()", "`reference/polyrl.RoleConfig.parallel"),
+    ("critic_parallel", "@critic/polyrl.ParallelConfig()", "`critic/polyrl.RoleConfig.parallel"),
+    ("reward_parallel", "@reward/polyrl.ParallelConfig()", "`reward_model/polyrl.RoleConfig.parallel"),
+    ("optim", "@actor/polyrl.OptimConfig()", "`actor/polyrl.RoleConfig.optim"),
+    ("critic_optim", "@critic/polyrl.OptimConfig()", "`critic/polyrl.RoleConfig.optim"),
+    ("reward_model_path", "'/models/rm'", "`reward_model/polyrl.RoleConfig.model_path = '/models/rm'`"),
+    ("role_pools", "{'actor': 'train', 'reward': 'train', 'rollout': 'gen'}",
+     "`actor/polyrl.RoleConfig.pool = 'train'`; `reward_model/polyrl.RoleConfig.pool = 'train'`; "
+     "`polyrl.RolloutConfig.pool = 'gen'`"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("old", "value", "new"), MOVED, ids=[m[0] for m in MOVED])
+def test_a_former_binding_names_its_replacement(tmp_path, old, value, new):
+    from polyrl.errors import ConfigError
+
+    gin_file = tmp_path / "old.gin"
+    gin_file.write_text(f"include '{GRPO}'\npolyrl.RunConfig.{old} = {value}\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config([str(gin_file)], [f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"])
+    (problem,) = e.value.problems
+    assert problem.startswith(f"polyrl.RunConfig.{old} ({gin_file} line 2) is no longer")
+    assert f"write {new}" in problem
+
+
+def test_the_former_reward_scope_points_to_reward_model(tmp_path):
+    from polyrl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path, "reward/polyrl.ParallelConfig.micro_batch_size = 4")
+    (problem,) = e.value.problems
+    assert "nothing builds polyrl.ParallelConfig in scope 'reward'" in problem
+    assert problem.endswith("did you mean scope 'reward_model'?")
+
+
+@pytest.mark.parametrize(
+    ("role", "field", "value", "problem"),
+    [
+        ("actor", "optim", None, "actor/polyrl.RoleConfig.optim is None but the actor trains; "
+         "bind @polyrl.OptimConfig()"),
+        ("reference", "optim", OptimConfig(), "reference/polyrl.RoleConfig.optim is set but the "
+         "reference is frozen (no optimizer); unbind it"),
+        ("actor", "model_path", "/models/x", "actor/polyrl.RoleConfig.model_path='/models/x': "
+         "the actor loads RunConfig.model_path; unbind it"),
+    ],
+)  # fmt: skip
+def test_role_settings_that_do_not_fit_the_role_are_named(tmp_path, role, field, value, problem):
+    import dataclasses
+
+    cfg, spec = _cfg(tmp_path)
+    own = dataclasses.replace(getattr(cfg, role), **{field: value})
+    problems = check_run(dataclasses.replace(cfg, **{role: own}), spec, cluster=False)
+    assert any(problem in p for p in problems), problems
+
+
+def test_the_role_table_decides_engines_facts():
+    from polyrl.config import ModelConfig
+
+    facts = {
+        role: (m.trainable, m.has_value_head, m.scores)
+        for role in ("actor", "reference", "critic", "reward_model", "shadow")
+        for m in [ModelConfig("/m", role=role)]
+    }
+    assert facts == {
+        "actor": (True, False, False),
+        "reference": (False, False, False),
+        "critic": (True, True, False),
+        "reward_model": (False, True, True),  # one score per sequence
+        "shadow": (False, False, False),
+    }
+    with pytest.raises(ValueError, match=r"ModelConfig\.role='reward' is not one of \["):
+        ModelConfig("/m", role="reward")  # the rule-reward workers host no engine
+
+
+def _places_naming_roles(path):
+    """Literal collections, comparisons and conditionals in ``path`` that name two or
+    more roles by string (docstrings and comments are not code)."""
+    import ast
+
+    from polyrl.role_table import Role
+
+    names = {str(r) for r in Role}
+    kinds = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BoolOp, ast.IfExp, ast.Compare)
+    out, seen = [], set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, kinds) or id(node) in seen:
+            continue
+        found = {
+            n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names
+        }
+        if len(found) >= 2:
+            out.append(f"{path}:{node.lineno}: {sorted(found)}")
+            seen.update(id(n) for n in ast.walk(node))
+    return out
+
+
+def test_only_the_role_table_lists_roles():
+    """docs/design.md "Roles": a module asks polyrl.role_table (Role, ROLE_TABLE, the
+    derived tuples, role_names) instead of listing role names again."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    allowed = {
+        "polyrl/role_table.py": "the table itself",
+        "polyrl/shadow.py": 'the check\'s sides ("rollout", "train", "shadow"), not roles',
+        "polyrl/config.py": "_moved translates the former role_pools keys",
+        "polyrl/timeline.py": 'phases named "reward" and "reference", mapped to Role members',
+    }
+    found = [
+        place
+        for package in ("polyrl", "backends", "algos")
+        for path in sorted((root / package).rglob("*.py"))
+        if str(path.relative_to(root)) not in allowed
+        for place in _places_naming_roles(path)
+    ]
+    assert found == [], "\n".join(found)

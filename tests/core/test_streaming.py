@@ -16,9 +16,10 @@ import pytest
 from polyrl.algos import get_algorithm
 from polyrl.async_rollout import async_problems, streaming_problems
 from polyrl.batch import Batch
-from polyrl.config import RunConfig
+from polyrl.config import OptimConfig, RoleConfig, RunConfig
 from polyrl.rollout import SamplingSpec
 from polyrl.rollout.pool import RolloutPool
+from polyrl.rollout.sampling import RolloutConfig
 from polyrl.streaming import CHUNK_SEED_STRIDE, Stream, multi_version_metrics
 
 PROMPT_LEN = 3
@@ -252,7 +253,9 @@ def test_validate_config_checks_streaming():
         run_dir="r",
         streaming=True,
         pools={"train": {"CPU": 1, "GPU": 1}, "gen": {"CPU": 1, "GPU": 1}},
-        role_pools={"actor": "train", "reference": "train", "rollout": "gen"},
+        actor=RoleConfig(optim=OptimConfig(), pool="train"),
+        reference=RoleConfig(pool="train"),
+        rollout=RolloutConfig(None, pool="gen"),
     )
     (p,) = streaming_problems(RunConfig(**split), grpo)
     assert "separate GPUs needs RunConfig.weight_transport='nccl'" in p
@@ -260,8 +263,12 @@ def test_validate_config_checks_streaming():
     assert streaming_problems(RunConfig(**split, weight_transport="nccl"), grpo) == []
     # streaming beside training on one GPU whose roles take turns (sleep mode): refused
     one_gpu = RunConfig(
-        run_dir="r", streaming=True, max_staleness=1, pools={"shared": {"CPU": 2, "GPU": 1}}
+        run_dir="r",
+        streaming=True,
+        max_staleness=1,
+        pools={"shared": {"CPU": 2, "GPU": 1}},
+        rollout=RolloutConfig(None),
     )
     (p,) = async_problems(one_gpu, grpo)
     assert "RunConfig.max_staleness=1 with RunConfig.streaming=True" in p
-    assert "RunConfig.role_pools" in p
+    assert "polyrl.RolloutConfig.pool" in p

@@ -20,8 +20,11 @@ DPO = "gin/experiments/tiny_dpo.gin"
 MULTITURN = "gin/experiments/tiny_multiturn.gin"
 GPU_POOLS = (
     "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'GPU': 2}, 'gen': {'CPU': 1, 'GPU': 4}}",
-    "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'train', "
-    "'rollout': 'gen', 'reward': 'train', 'critic': 'train'}",
+    "actor/polyrl.RoleConfig.pool = 'train'",
+    "reference/polyrl.RoleConfig.pool = 'train'",
+    "critic/polyrl.RoleConfig.pool = 'train'",
+    "reward_model/polyrl.RoleConfig.pool = 'train'",
+    "polyrl.RolloutConfig.pool = 'gen'",
 )
 
 # (id, base gin file, bindings, expected text of the error). {data}, {model}, {gin} are
@@ -135,9 +138,9 @@ CASES = [
      "reference model is built"),
     ("kl-reward-without-reference", GRPO, ["polyrl.RunConfig.algo_overrides = {'kl_coef': 0.05}"],
      "sets kl_coef=0.05 but 'grpo' has kl_in_reward=False"),
-    ("reward-model-is-causal-lm", GRPO, ["polyrl.RunConfig.reward_model_path = '{model}'"],
+    ("reward-model-is-causal-lm", GRPO, ["reward_model/polyrl.RoleConfig.model_path = '{model}'"],
      "checkpoint with no score head"),
-    ("reward-model-missing", GRPO, ["polyrl.RunConfig.reward_model_path = '{data}/nope'"],
+    ("reward-model-missing", GRPO, ["reward_model/polyrl.RoleConfig.model_path = '{data}/nope'"],
      "/nope' has no config.json"),
     ("model-missing", GRPO, ["polyrl.RunConfig.model_path = '{data}/nope'"],
      "RunConfig.model_path='{data}/nope' has no config.json"),
@@ -146,11 +149,10 @@ CASES = [
      "RunConfig.weight_transport='cuda_ipc' shares GPU memory, so it needs the actor and rollout"),
     ("transport-typo", GRPO, ["polyrl.RunConfig.weight_transport = 'nccll'"],
      "RunConfig.weight_transport='nccll' is not one of"),
-    ("role-in-missing-pool", GRPO, ["polyrl.RunConfig.role_pools = {'actor': 'shared', "
-                                    "'reference': 'shared', 'rollout': 'gen'}"],
-     "RunConfig.role_pools['rollout']='gen' is not a pool in RunConfig.pools"),
+    ("role-in-missing-pool", GRPO, ["polyrl.RolloutConfig.pool = 'gen'"],
+     "polyrl.RolloutConfig.pool='gen' (rollout) is not a pool in RunConfig.pools"),
     ("mesh-over-pool", GRPO, [*GPU_POOLS, "actor/polyrl.ParallelConfig.mesh = {'fsdp': 4}"],
-     "actor_parallel mesh {'data': 1, 'fsdp': 4, 'tensor': 1} puts 4 devices on each of its 1 "
+     "actor/ParallelConfig.mesh {'data': 1, 'fsdp': 4, 'tensor': 1} puts 4 devices on each of its 1 "
      "node(s) but pool 'train' has 2 GPUs per node"),
     ("train-tp-spans-node", GRPO, [*GPU_POOLS, "actor/polyrl.ParallelConfig.mesh = {'tensor': 4}"],
      "actor/ParallelConfig.mesh tensor=4: a tensor-parallel group would span nodes, but pool "

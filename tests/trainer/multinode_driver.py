@@ -35,7 +35,8 @@ def _params(
         "polyrl.RunConfig.algo_overrides = {'use_kl_loss': False}",
         f"polyrl.RunConfig.pools = {{'train': {{'CPU': 1, 'nodes': {nodes}, 'trainer': 1}}, "
         "'gen': {'CPU': 1, 'head': 1}}",
-        "polyrl.RunConfig.role_pools = {'actor': 'train', 'rollout': 'gen'}",
+        "actor/polyrl.RoleConfig.pool = 'train'",
+        "polyrl.RolloutConfig.pool = 'gen'",
         "actor/polyrl.ParallelConfig.mesh = {'data': 2}",
     ]
 

@@ -20,9 +20,10 @@ from polyrl.async_rollout import (
     staleness_metrics,
 )
 from polyrl.batch import Batch
-from polyrl.config import RunConfig
+from polyrl.config import OptimConfig, RoleConfig, RunConfig
 from polyrl.launch import train
 from polyrl.metrics import phase_summary, read_jsonl
+from polyrl.rollout.sampling import RolloutConfig
 
 GRPO = "gin/experiments/tiny_grpo.gin"
 ASYNC = "polyrl.RunConfig.async_rollout = True"  # the former binding: max_staleness = 1
@@ -261,15 +262,20 @@ def test_invalid_async_configs_name_the_binding(tmp_path):
 
     grpo = get_algorithm("grpo")
     colocated_gpu = RunConfig(
-        run_dir=str(tmp_path), max_staleness=2, pools={"shared": {"CPU": 2, "GPU": 1}}
+        run_dir=str(tmp_path),
+        max_staleness=2,
+        pools={"shared": {"CPU": 2, "GPU": 1}},
+        rollout=RolloutConfig(None),
     )
     (problem,) = async_problems(colocated_gpu, grpo)
-    assert "RunConfig.max_staleness=2" in problem and "RunConfig.role_pools" in problem
+    assert "RunConfig.max_staleness=2" in problem and "polyrl.RolloutConfig.pool" in problem
     split = RunConfig(
         run_dir=str(tmp_path),
         async_rollout=True,
         pools={"train": {"GPU": 1}, "gen": {"GPU": 1}},
-        role_pools={"actor": "train", "reference": "train", "rollout": "gen"},
+        actor=RoleConfig(optim=OptimConfig(), pool="train"),
+        reference=RoleConfig(pool="train"),
+        rollout=RolloutConfig(None, pool="gen"),
     )
     assert async_problems(split, grpo) == [] and staleness_bound(split) == 1
     (problem,) = async_problems(split, get_algorithm("dpo"))
@@ -278,7 +284,9 @@ def test_invalid_async_configs_name_the_binding(tmp_path):
     assert "RunConfig.max_staleness=-1 must be an integer >= 0" in problem
     (problem,) = async_problems(RunConfig(run_dir="r", stale_policy="keep"), grpo)
     assert "RunConfig.stale_policy='keep'" in problem and "'reweight'" in problem
-    reweight = RunConfig(run_dir="r", max_staleness=2, stale_policy="reweight")
+    reweight = RunConfig(
+        run_dir="r", max_staleness=2, stale_policy="reweight", rollout=RolloutConfig(None)
+    )
     (problem,) = async_problems(reweight, grpo)
     assert "stale_policy='reweight'" in problem and "tis_cap" in problem
     assert async_problems(reweight, grpo.replace(is_mask_high=2.0)) == []

@@ -33,7 +33,9 @@ from local_cluster import cluster_env, local_cluster  # noqa: E402
 
 COLOCATED = [
     "polyrl.RunConfig.pools = {'gpu': {'CPU': 2, 'GPU': 2, 'node_a': 1}}",
-    "polyrl.RunConfig.role_pools = {'actor': 'gpu', 'reference': 'gpu', 'rollout': 'gpu'}",
+    "actor/polyrl.RoleConfig.pool = 'gpu'",
+    "reference/polyrl.RoleConfig.pool = 'gpu'",
+    "polyrl.RolloutConfig.pool = 'gpu'",
     "polyrl.RunConfig.weight_transport = 'cuda_ipc'",
     "actor/polyrl.ParallelConfig.mesh = {'fsdp': 2}",
     "reference/polyrl.ParallelConfig.mesh = {'fsdp': 2}",
@@ -41,7 +43,9 @@ COLOCATED = [
 ]
 TWO_NODES = [
     "polyrl.RunConfig.pools = {'gpu': {'CPU': 2, 'GPU': 2, 'nodes': 2}}",
-    "polyrl.RunConfig.role_pools = {'actor': 'gpu', 'reference': 'gpu', 'rollout': 'gpu'}",
+    "actor/polyrl.RoleConfig.pool = 'gpu'",
+    "reference/polyrl.RoleConfig.pool = 'gpu'",
+    "polyrl.RolloutConfig.pool = 'gpu'",
     "actor/polyrl.ParallelConfig.mesh = {'data': 2, 'fsdp': 2}",
     "polyrl.RolloutConfig.num_servers = 2",
     "polyrl.RolloutConfig.tensor_parallel_size = 2",
@@ -53,7 +57,9 @@ LAYOUTS = {
         "polyrl.RunConfig.backend = 'torch_fsdp'",
         "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'GPU': 1, 'node_a': 0.5}, "
         "'gen': {'CPU': 1, 'GPU': 1, 'node_a': 0.5}}",
-        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'train', 'rollout': 'gen'}",
+        "actor/polyrl.RoleConfig.pool = 'train'",
+        "reference/polyrl.RoleConfig.pool = 'train'",
+        "polyrl.RolloutConfig.pool = 'gen'",
         "polyrl.RunConfig.weight_transport = 'nccl'",
     ],
     "torch_two_nodes": ["polyrl.RunConfig.backend = 'torch_fsdp'", *TWO_NODES],

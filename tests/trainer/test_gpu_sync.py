@@ -71,7 +71,9 @@ def _synced_run(tmp_path, backend: str, *params):
 # every role in one pool of both GPUs, the actor sharded over them
 COLOCATED = (
     'polyrl.RunConfig.pools = {"gpu": {"CPU": 8, "GPU": 2}}',
-    'polyrl.RunConfig.role_pools = {"actor": "gpu", "reference": "gpu", "rollout": "gpu"}',
+    'actor/polyrl.RoleConfig.pool = "gpu"',
+    'reference/polyrl.RoleConfig.pool = "gpu"',
+    'polyrl.RolloutConfig.pool = "gpu"',
     'actor/polyrl.ParallelConfig.mesh = {"fsdp": 2}',
 )
 
@@ -107,7 +109,9 @@ def test_tensor_parallel_server_over_both_gpus(ray_gpu, tmp_path, backend):
 
 DISAGGREGATED = (
     'polyrl.RunConfig.pools = {"train": {"CPU": 4, "GPU": 1}, "gen": {"CPU": 4, "GPU": 1}}',
-    'polyrl.RunConfig.role_pools = {"actor": "train", "reference": "train", "rollout": "gen"}',
+    'actor/polyrl.RoleConfig.pool = "train"',
+    'reference/polyrl.RoleConfig.pool = "train"',
+    'polyrl.RolloutConfig.pool = "gen"',
     "polyrl.RunConfig.weight_transport = 'nccl'",
 )
 

@@ -152,7 +152,9 @@ def test_disaggregated_rollout_never_sleeps_and_lone_roles_never_move(tmp_path):
         "polyrl.RunConfig.async_rollout = False",
         'polyrl.RunConfig.pools = {"train": {"CPU": 6, "GPU": 1}, "ref": {"CPU": 2, "GPU": 1},'
         ' "gen": {"CPU": 6, "GPU": 1}}',
-        'polyrl.RunConfig.role_pools = {"actor": "train", "reference": "ref", "rollout": "gen"}',
+        'actor/polyrl.RoleConfig.pool = "train"',
+        'reference/polyrl.RoleConfig.pool = "ref"',
+        'polyrl.RolloutConfig.pool = "gen"',
     )
     calls: list[str] = []
     # Forced on, yet nothing shares a GPU: no role takes turns, the rollout never sleeps,

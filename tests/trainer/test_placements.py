@@ -28,12 +28,15 @@ GINS = {
 POOLS = {
     "colocated": [
         "polyrl.RunConfig.pools = {'shared': {'CPU': 2}}",
-        "polyrl.RunConfig.role_pools = {'actor': 'shared', 'reference': 'shared', "
-        "'rollout': 'shared'}",
+        "actor/polyrl.RoleConfig.pool = 'shared'",
+        "reference/polyrl.RoleConfig.pool = 'shared'",
+        "polyrl.RolloutConfig.pool = 'shared'",
     ],
     "disaggregated": [
         "polyrl.RunConfig.pools = {'train': {'CPU': 1}, 'gen': {'CPU': 1}}",
-        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'train', 'rollout': 'gen'}",
+        "actor/polyrl.RoleConfig.pool = 'train'",
+        "reference/polyrl.RoleConfig.pool = 'train'",
+        "polyrl.RolloutConfig.pool = 'gen'",
     ],
 }
 TRANSPORTS = ("object_store", "cuda_ipc", "nccl")

@@ -251,7 +251,9 @@ def test_server_killed_during_group_push_in_a_run(ray_session, tmp_path, monkeyp
         "polyrl.RunConfig.weight_transport = 'nccl'",
         "polyrl.RunConfig.weight_bucket_mb = 0.05",
         "polyrl.RunConfig.pools = {'train': {'CPU': 1}, 'gen': {'CPU': 1}}",
-        "polyrl.RunConfig.role_pools = {'actor': 'train', 'reference': 'train', 'rollout': 'gen'}",
+        "actor/polyrl.RoleConfig.pool = 'train'",
+        "reference/polyrl.RoleConfig.pool = 'train'",
+        "polyrl.RolloutConfig.pool = 'gen'",
         "polyrl.RolloutConfig.num_servers = 2",
     ]
     train([GIN["torch_fsdp"]], _params(tmp_path / "full", *common))

@@ -172,7 +172,7 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
         [GRPO],
         _params(
             tmp_path / "rm_run",
-            f"polyrl.RunConfig.reward_model_path = {str(rm_dir)!r}",
+            f"reward_model/polyrl.RoleConfig.model_path = {str(rm_dir)!r}",
             "polyrl.RunConfig.reward_model_coef = 2.0",
         ),
     )

@@ -215,7 +215,7 @@ def test_critic_values_match_token_classification(tiny_model_dir, tmp_path):
     torch.nn.init.normal_(hf.score.weight, std=0.5)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     batch = _critic_batch()
-    eng = _engine(tiny_model_dir, role="reward", value_head_path=str(tmp_path))
+    eng = _engine(tiny_model_dir, role="reward_model", value_head_path=str(tmp_path))
     out = eng.forward(batch)
     with torch.no_grad():
         full = (
@@ -245,7 +245,7 @@ def test_reward_scores_match_sequence_classification(tiny_model_dir, tmp_path):
     torch.nn.init.normal_(hf.score.weight, std=0.5)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     batch = _critic_batch()
-    out = _engine(tmp_path, role="reward").forward(batch)
+    out = _engine(tmp_path, role="reward_model").forward(batch)
     with torch.no_grad():
         want = (
             hf(

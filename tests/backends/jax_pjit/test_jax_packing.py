@@ -231,7 +231,7 @@ def test_packed_reward_scores_equal_padded(tiny_model_dir):
     for pack in (False, True):
         eng = JaxPjitEngine(devices=jax.devices()[:1])
         eng.init(
-            ModelConfig(str(tiny_model_dir), role="reward"),
+            ModelConfig(str(tiny_model_dir), role="reward_model"),
             None,
             ParallelConfig(micro_batch_size=4, pack_sequences=pack),
         )

@@ -103,7 +103,7 @@ def reward_dir(tiny_model_dir, tmp_path_factory):
 def test_reward_scores_match_hf_sequence_classifier(reward_dir):
     path, hf = reward_dir
     batch = random_batch(5, seed=4)
-    out = _engine(path, role="reward").forward(batch)
+    out = _engine(path, role="reward_model").forward(batch)
     for i in range(len(batch)):
         ids, _, _ = _unpadded(batch, i)
         with torch.no_grad():

@@ -105,7 +105,7 @@ def test_critic_save_hf_is_a_sequence_classifier(tiny_model_dir, tmp_path):
     with torch.no_grad():
         expect = hf(torch.from_numpy(single["input_ids"]).long()).logits[0, 0].item()
     reward = get_engine("torch_fsdp")()
-    reward.init(ModelConfig(str(tmp_path), role="reward"), None, ParallelConfig())
+    reward.init(ModelConfig(str(tmp_path), role="reward_model"), None, ParallelConfig())
     assert reward.forward(single)["scores"][0] == pytest.approx(expect, abs=1e-5)
 
 

@@ -242,7 +242,6 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             cfg.role_pools.get("rollout"),
             cfg.pools,
             cfg.rollout.tensor_parallel_size,
-            cfg.rollout.in_process_engine,
         )
         if cfg.weight_bucket_mb is not None and not cfg.weight_bucket_mb > 0:
             out.append(

@@ -30,9 +30,10 @@ from typing import Any
 
 from polyrl.config import did_you_mean
 
-__all__ = ["SamplingSpec", "RolloutConfig", "OVERLONG_POLICIES", "derive_seed"]
+__all__ = ["SamplingSpec", "RolloutConfig", "ENGINES", "OVERLONG_POLICIES", "derive_seed"]
 
 OVERLONG_POLICIES = ("error", "truncate_left", "drop")
+ENGINES = ("async", "sync")
 _SEED_MOD = 2**31 - 1
 
 
@@ -170,12 +171,18 @@ class RolloutConfig:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     env: tuple[tuple[str, str], ...] = ()
+    engine: str = "async"
 
     def __post_init__(self) -> None:
         if self.overlong_prompt not in OVERLONG_POLICIES:
             raise ValueError(
                 f"RolloutConfig.overlong_prompt={self.overlong_prompt!r} is not one of "
                 f"{list(OVERLONG_POLICIES)}{did_you_mean(self.overlong_prompt, OVERLONG_POLICIES)}"
+            )
+        if self.engine not in ENGINES:
+            raise ValueError(
+                f"RolloutConfig.engine={self.engine!r} is not one of {list(ENGINES)}"
+                f"{did_you_mean(self.engine, ENGINES)}"
             )
         if self.num_servers < 1 or self.tensor_parallel_size < 1:
             raise ValueError(

@@ -75,6 +75,7 @@ def rollout_config(args, engine: str):
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         engine=engine,
     )
 
@@ -220,7 +221,9 @@ def run_server_mode(args) -> dict:
     engine = args.child.split(":")[1]
     config = rollout_config(args, "async" if engine == "async" else "sync")
     config = dataclasses.replace(config, in_process_engine=engine == "sync")
+    t0 = time.perf_counter()
     server = RolloutServer(config)
+    start_s = time.perf_counter() - t0
     reqs, s = requests(args), spec(args)
     server.generate(reqs[:4], s)  # warm-up
     single = []
@@ -242,6 +245,7 @@ def run_server_mode(args) -> dict:
     t_single, t_multi = statistics.median(t for t, _ in single), statistics.median(multi)
     return {
         "mode": args.child,
+        "start_s": start_s,
         "single_turn_step_s": t_single,
         "tok_s": single[0][1] / t_single,
         "multi_turn_step_s": t_multi,
@@ -261,7 +265,8 @@ def main(argv=None) -> dict:
     p.add_argument("--obs-len", type=int, default=8, help="observation ids between turns")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=256)
-    p.add_argument("--kv-cache-gib", type=float, default=0.5)
+    p.add_argument("--kv-cache-gib", type=float, default=0.5, help="CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="GPU")
     p.add_argument("--calls", type=int, default=3, help="timed calls per process")
     p.add_argument("--repeats", type=int, default=3, help="processes per engine mode")
     p.add_argument("--modes", default="llm,llm_mp,async")
@@ -287,12 +292,12 @@ def main(argv=None) -> dict:
         modes = [f"server:{e}" for e in args.server_engines.split(",")]
         result["server"] = interleaved(args, modes)
         print(
-            f"{'RolloutServer':<15} {'1-turn s':>9} {'tok/s':>9} {'vs sync':>8} "
+            f"{'RolloutServer':<15} {'start s':>8} {'1-turn s':>9} {'tok/s':>9} {'vs sync':>8} "
             f"{'multi-turn s':>13} {'episodes/s':>11}"
         )
         for m, r in result["server"].items():
             print(
-                f"{m:<15} {r['single_turn_step_s']:>9.3f} {r['tok_s']:>9.1f} "
+                f"{m:<15} {r['start_s']:>8.1f} {r['single_turn_step_s']:>9.3f} {r['tok_s']:>9.1f} "
                 f"{r[f'vs_{modes[0]}']:>8.3f} {r['multi_turn_step_s']:>13.3f} "
                 f"{r['multi_turn_episodes_s']:>11.1f}"
             )

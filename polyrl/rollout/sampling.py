@@ -133,7 +133,10 @@ class RolloutConfig:
     enable_sleep_mode: let :meth:`RolloutPool.sleep` free GPU memory (GPU only; vLLM
       rejects it on CPU).
     enforce_eager: None -> eager on CPU (starts in ~3 s, not 20-50 s), graphs on GPU.
-    in_process_engine: run the engine core in the server's process
+    engine: "async" (vLLM's ``AsyncLLM``: whole batches and many episodes' requests in
+      flight at once; its engine core is always a process of its own) or "sync"
+      (``vllm.LLM``, one batch per call; single-turn only). docs/rollout.md "Engines".
+    in_process_engine: run the synchronous engine's core in the server's process
       (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights then reach the workers as tensors.
     num_cpus / num_gpus: Ray resources per server (None: 0.5 CPU on CPU hosts, 1 CPU
       with GPUs; ``tensor_parallel_size`` GPUs when a GPU is present).

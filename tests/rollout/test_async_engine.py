@@ -22,6 +22,8 @@ from polyrl.rollout.sampling import SamplingSpec
 
 STEPS: list[tuple[int, int, float]] = []  # (episode sample, turn, monotonic time at step end)
 SLOW_S = 3.0  # episode 0's first env step: longer than the other episodes' three turns
+BLOCK = 128  # vLLM-CPU's KV block: the prefix cache keeps whole blocks only
+TASK = "copy: " + "1234567890" * 13  # a prompt of over one block (a token per digit)
 
 
 @register_env("test/race")
@@ -39,7 +41,7 @@ class Race(Env):
         STEPS.append((self.sample, turn.index, time.monotonic()))
         if turn.index == 2:
             return StepResult(reward=1.0, done=True)
-        return StepResult([{"role": "user", "content": "go on " + "1" * 20}], reward=0.0)
+        return StepResult([{"role": "user", "content": "go on"}], reward=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +74,15 @@ def test_episodes_run_their_own_turns_on_exact_ids(pool, tokenizer):
     meanwhile (a turn-batched loop would hold their second turn until it ended). Every
     turn's request continues the episode's exact ids, the trajectory is the sampled ids
     plus the template's observation ids, and later turns find their prefix in the
-    server's prefix cache."""
+    server's prefix cache (whole blocks of the earlier turns)."""
     STEPS.clear()
     recording = Recording(pool)
-    config = EpisodeConfig(max_turns=3, max_episode_tokens=200, env_workers=0)
+    config = EpisodeConfig(max_turns=3, max_episode_tokens=250, env_workers=0)
     runner = EpisodeRunner(recording, EnvPool(0, 30), tokenizer, config)
     prompts = Batch(
         {"prompt_index": np.arange(1)},
         {
-            "prompt": [[{"role": "user", "content": "copy: 12345678901234567890"}]],
+            "prompt": [[{"role": "user", "content": TASK}]],
             "data_source": ["test/race"],
         },
     )
@@ -93,13 +95,14 @@ def test_episodes_run_their_own_turns_on_exact_ids(pool, tokenizer):
     assert max(ends[(s, 2)] for s in (1, 2, 3)) < ends[(0, 0)]  # finished out of order
 
     chat = ChatTokens(tokenizer)
-    by_prompt = {tuple(req[1]): res for req, res in recording.calls}
+    calls = {req[0]: (req, res) for req, res in recording.calls}  # by seed index
     for row in range(4):
         prompt = list(batch["prompt_ids"][row])
         response = list(batch["responses"][row, : batch["response_lengths"][row]])
-        messages, pos = [{"role": "user", "content": "copy: 12345678901234567890"}], 0
+        messages, pos = [{"role": "user", "content": TASK}], 0
         for k, turn in enumerate(batch["turns"][row]):
-            res = by_prompt[tuple(prompt + response[:pos])]  # the request was the ids so far
+            req, res = calls[row * 3 + k]  # turn k of episode row
+            assert list(req[1]) == prompt + response[:pos]  # the episode's ids so far
             sampled = [int(t) for t in res["token_ids"]]
             assert response[pos : pos + len(sampled)] == sampled
             pos += len(sampled)
@@ -112,8 +115,9 @@ def test_episodes_run_their_own_turns_on_exact_ids(pool, tokenizer):
             else:
                 assert "observation" not in turn
         assert pos == len(response)
-        for turn in batch["turns"][row][1:]:
-            assert turn["cached_tokens"] > 0, turn  # the earlier turns' KV was reused
+        assert len(prompt) > BLOCK
+        for turn in batch["turns"][row][1:]:  # the earlier turns' KV was reused
+            assert turn["cached_tokens"] >= BLOCK and turn["cached_tokens"] % BLOCK == 0, turn
     assert batch.info["episode_metrics"]["episode/prefix_cache_share"] > 0
 
 

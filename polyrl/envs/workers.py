@@ -218,7 +218,7 @@ class EnvPool:
         def failed(rank: int, index: list[int], error: BaseException) -> list[dict]:
             import ray
 
-            if isinstance(error, TimeoutError) or isinstance(error, ray.exceptions.RayActorError):
+            if isinstance(error, (TimeoutError, ray.exceptions.RayActorError)):
                 return [_worker_failure(rank, error)] * len(index)
             raise error
 

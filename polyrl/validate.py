@@ -250,7 +250,6 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             cfg.rollout.pool,
             cfg.pools,
             cfg.rollout.tensor_parallel_size,
-            cfg.rollout.in_process_engine,
         )
         if cfg.weight_bucket_mb is not None and not cfg.weight_bucket_mb > 0:
             out.append(

@@ -37,6 +37,10 @@
 #               SCALE_TESTS = another pytest -k expression)
 #   first_torch / first_jax  time to the first step of the GRPO experiment (first_step.py):
 #               cold (empty RunConfig.cache_dir) then warm (not in the default list; ~5 min each)
+#   async_engine  vllm.LLM.generate vs AsyncLLM alone (3 interleaved processes each), then
+#               polyrl's RolloutServer on each engine: single-turn tokens/s and 4-turn
+#               episodes/s (async_engine.py; 0.5B, 64 x 8 x 512; ~9 minutes, not in the
+#               default list; AE_MODEL: another model directory, e.g. a 1.5B shape)
 #   rollout_7b  the rollout bench on a random Qwen2.5-7B-shape model (random_model.py),
 #               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
@@ -200,6 +204,15 @@ for s in $sections; do
       --backend $backend --runs ${FIRST_RUNS:-cold,warm} --timeout 280 --cache-dir /tmp/polyrl-cache-$backend \
       --gin_param "polyrl.RunConfig.model_path = '$M'" --log-dir "$OUT/$s" \
       --json "$OUT/bench_$s.json" 2>&1 | tail -30 | tee -a "$OUT/summary.txt" ;;
+  async_engine)
+    model; am=${AE_MODEL:-$M}
+    common=(--model $am --dtype bfloat16 --prompts 64 --n 8 --prompt-len 64 --new-tokens 512
+      --max-model-len 1024 --gpu-memory-utilization 0.35 --turns 4 --obs-len 32 --calls 2)
+    timeout 300 python3 experiments/bench/async_engine.py "${common[@]}" --modes llm,async --repeats 3 \
+      --json "$OUT/bench_async_engine.json" 2> "$OUT/async_engine.log" | tee -a "$OUT/summary.txt"
+    timeout 280 python3 experiments/bench/async_engine.py "${common[@]}" --no-engine --server \
+      --server-engines sync,async --repeats 2 --json "$OUT/bench_async_server.json" \
+      2>> "$OUT/async_engine.log" | tee -a "$OUT/summary.txt" ;;
   rollout_7b)
     M7=/tmp/models/qwen2-7b-random
     python3 experiments/bench/random_model.py 7b $M7 --max-positions 1024 > "$OUT/make_7b.log" 2>&1

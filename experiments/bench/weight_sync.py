@@ -339,8 +339,9 @@ def goals(rows: list[dict], load: dict | None) -> dict:
     return out
 
 
-def _generate_with(llm, allowed, prompts: list, spec) -> tuple[int, float]:
-    """``llm.generate`` (a ``vllm.LLM``) on the servers' own requests for ``prompts``
+def _generate_with(engine, allowed, prompts: list, spec) -> tuple[int, float]:
+    """``engine.generate`` (``polyrl.rollout.engines``: the server's kind of vLLM engine)
+    on the servers' own requests for ``prompts``
     (``polyrl.rollout.server.vllm_requests``: one seeded sample per request, the same
     allowed token ids): generated tokens and seconds. Text as vLLM gives it when
     ``spec.detokenize``: detokenized token by token in its loop."""
@@ -351,32 +352,33 @@ def _generate_with(llm, allowed, prompts: list, spec) -> tuple[int, float]:
     for p in params:
         p.detokenize = spec.detokenize
     start = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    return sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - start
+    outs = engine.generate(inputs, params)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
 
 
 class DirectEngine:
-    """``vllm.LLM`` with the pool's engine arguments, in a Ray actor with the same
-    resources and environment as a rollout server, given the same requests as the
-    servers, so the comparison is like for like but for the process."""
+    """The pool's kind of vLLM engine (``RolloutConfig.engine``) with its engine
+    arguments, in a Ray actor with the same resources and environment as a rollout
+    server, given the same requests as the servers, so the comparison is like for like
+    but for the process."""
 
     def __init__(self, config, on_gpu: bool) -> None:
-        from vllm import LLM
-
+        from polyrl.rollout.engines import make_engine
         from polyrl.rollout.server import allowed_token_ids, engine_kwargs
 
-        self.llm = LLM(**engine_kwargs(config, on_gpu))
-        self.allowed = allowed_token_ids(self.llm, config)
+        self.engine = make_engine(config.engine, engine_kwargs(config, on_gpu))
+        vocab = int(self.engine.model_config.get_vocab_size())
+        self.allowed = allowed_token_ids(len(self.engine.tokenizer), vocab, config)
 
     def timed_generate(self, prompts: list, spec) -> tuple[int, float]:
-        return _generate_with(self.llm, self.allowed, prompts, spec)
+        return _generate_with(self.engine, self.allowed, prompts, spec)
 
 
 def _engine_generate(server, prompts: list, spec) -> tuple[int, float]:
     """Inside a rollout server (``__ray_call__``): its own vLLM engine called directly,
     with no polyrl code around it: same engine, same process as the pool's calls."""
     server._cached_prefixes = True  # the weight protocol's flag: this fills the cache too
-    return _generate_with(server.llm, server._allowed, prompts, spec)
+    return _generate_with(server.engine, server._allowed, prompts, spec)
 
 
 def _process_stats(_actor) -> dict:

@@ -42,6 +42,14 @@ def _failure(reason: str, detail: str) -> dict[str, Any]:
     return {"error": reason, "detail": detail}
 
 
+def _worker_failure(worker: int, error: Exception) -> dict[str, Any]:
+    """The result of every call of env worker ``worker`` that timed out or died."""
+    if isinstance(error, TimeoutError):  # (Ray's GetTimeoutError is one too)
+        return _failure("env_timeout", f"env worker {worker} did not answer")
+    why = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return _failure("env_worker_died", f"env worker {worker} died: {why}")
+
+
 def _check_messages(value: Any, what: str) -> list[dict[str, Any]]:
     ok = isinstance(value, list) and all(
         isinstance(m, Mapping)
@@ -144,7 +152,8 @@ class EnvWorker:
 
 class EnvPool:
     """``num_workers`` :class:`EnvWorker` actors (0: one worker object in the driver).
-    Each method takes a list of items and returns one result per item, in order.
+    :meth:`reset` and :meth:`close` take a list of items (one result per item, in order);
+    :meth:`step_one` steps one episode's env.
 
     options: Ray actor options of each worker (default ``Placement.light_options``)."""
 
@@ -181,8 +190,25 @@ class EnvPool:
     def reset(self, items: Sequence[tuple[int, str, Mapping[str, Any]]]) -> list[dict]:
         return self._run("reset", items)
 
-    def step(self, items: Sequence[tuple[int, Turn]]) -> list[dict]:
-        return self._run("step", items)
+    async def step_one(self, key: int, turn: Turn) -> dict:
+        """:meth:`step` of one episode as a coroutine: each episode steps its env when
+        its own turn is sampled (``polyrl.rollout.episodes``)."""
+        if self.group.local is not None:
+            return (await self.group.local.step([(key, turn)]))[0]
+        import ray
+
+        w = key % len(self.workers)
+        ref = self.workers[w].step.remote([(key, turn)])
+        try:
+            return (
+                await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s + GRACE_S)
+            )[0]
+        except (
+            TimeoutError,
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorUnavailableError,
+        ) as e:
+            return _worker_failure(w, e)
 
     def close(self, keys: Sequence[int]) -> None:
         """Best effort: a worker that does not answer in time keeps them until it ends."""
@@ -192,13 +218,9 @@ class EnvPool:
         def failed(rank: int, index: list[int], error: BaseException) -> list[dict]:
             import ray
 
-            if isinstance(error, TimeoutError):
-                return [_failure("env_timeout", f"env worker {rank} did not answer")] * len(index)
-            if not isinstance(error, ray.exceptions.RayActorError):
-                raise error
-            said = str(error).splitlines()[0] if str(error) else ""
-            why = f"env worker {rank} died: {type(error).__name__}: {said}"
-            return [_failure("env_worker_died", why)] * len(index)
+            if isinstance(error, (TimeoutError, ray.exceptions.RayActorError)):
+                return [_worker_failure(rank, error)] * len(index)
+            raise error
 
         return self.group.call(method, list(items), on_error=failed)
 

@@ -2,11 +2,14 @@
 
 An episode is a prompt and a list of turns, each either the model's sampled ids (with
 their log-probs and the weight version that sampled them) or an observation's ids (the
-chat template's tokens for the messages the env appended: never sampled). The loop is
-turn-batched: every active episode's next turn goes to the rollout servers in one
-:meth:`RolloutPool.generate_ids` call, as the episode's exact ids so far (vLLM's prefix
-cache holds the earlier turns), then every episode's env steps at once in the env
-workers (``polyrl.envs.workers``).
+chat template's tokens for the messages the env appended: never sampled). Every episode
+runs its own turn loop, all of them at once (asyncio in the driver): a turn is one
+request to the episode's rollout server (:meth:`RolloutPool.generate_on`; the episode
+keeps its server) with the episode's exact ids so far, whose earlier turns vLLM's
+prefix cache still holds, then one step of its env in the env workers
+(``polyrl.envs.workers``), then the next turn. An episode whose turn is done goes on
+without waiting for the others, and the asynchronous engine (``RolloutConfig.engine``)
+keeps every episode's request in its running batch: a long episode holds only itself.
 
 Exact tokens. Earlier turns are never re-tokenized: a turn's sampled ids are kept as
 sampled, and an observation's ids are the difference of the template applied to the
@@ -30,7 +33,8 @@ response being every turn concatenated, and:
     scores                  [N]    float32  the episode's reward (sum over turns)
     num_turns               [N]    int32
     meta turns              per episode: a list of {"text", "tokens", "finish_reason",
-                            "reward", "observation", "observation_tokens"} (the dumps)
+                            "reward", "observation", "observation_tokens",
+                            "prompt_tokens", "cached_tokens"} (the dumps)
     meta finish_reason      the episode's (``polyrl.envs.FINISH_REASONS``)
     meta drift              where a fresh rendering first differs ({"position", "turn",
                             "kind"}) or None (``EpisodeConfig.check_drift``)
@@ -40,6 +44,7 @@ response being every turn concatenated, and:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +66,12 @@ class EpisodeRunner:
     """Runs a batch of prompts as episodes on ``pool`` with ``envs`` (module docstring)."""
 
     def __init__(self, pool: Any, envs: Any, tokenizer: Any, config: EpisodeConfig):
+        engine = getattr(getattr(pool, "config", None), "engine", "async")
+        if engine != "async":
+            raise ValueError(
+                f"RolloutConfig.engine={engine!r}: multi-turn episodes run many requests in "
+                f"flight on the asynchronous engine; set RolloutConfig.engine='async'"
+            )
         self.pool, self.envs, self.config = pool, envs, config
         self.chat = ChatTokens(tokenizer)
         self.tokenizer = tokenizer
@@ -82,11 +93,7 @@ class EpisodeRunner:
         the response width (default ``max_episode_tokens``)."""
         prompts.require("prompt", "data_source", who="EpisodeRunner.generate")
         episodes = self._reset(prompts, spec)
-        for turn in range(self.config.max_turns):
-            active = [e for e in episodes if e.finish is None]
-            if not active:
-                break
-            self._turn(active, turn, spec)
+        asyncio.run(self._play(episodes, spec))
         self.envs.close([e.key for e in episodes if e.finish != "done"])
         if self.config.check_drift:
             for e in episodes:
@@ -132,25 +139,37 @@ class EpisodeRunner:
         self.endpoint.spec = spec  # validation samples with its own spec
         run_agents(self.endpoint, episodes)
 
-    def _turn(self, active: list[Episode], turn: int, spec: SamplingSpec) -> None:
-        """One turn of every active episode: sample, step the envs, append observations."""
+    async def _play(self, episodes: list[Episode], spec: SamplingSpec) -> None:
+        await asyncio.gather(*(self._episode(e, spec) for e in episodes if e.finish is None))
+
+    async def _episode(self, e: Episode, spec: SamplingSpec) -> None:
+        """One episode's turns until it ends: sample (its exact ids so far, on its own
+        server), step its env, append the observation. Turn ``t`` of episode ``i`` is
+        seeded by ``i * max_turns + t``, whatever the other episodes do."""
         limit, max_turns = self.config.max_episode_tokens, self.config.max_turns
-        requests = [
-            (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length) for e in active
-        ]
-        results = self.pool.generate_ids(requests, spec)
-        turns = []
-        for e, r in zip(active, results):
-            ids = [int(t) for t in r["token_ids"]]
-            e.append("sampled", turn, ids, r["log_probs"], int(r["version"]))
-            text = r["text"]
-            if text is None:  # SamplingSpec.detokenize=False
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            e.messages.append({"role": "assistant", "content": text})
-            e.turns.append({"text": text, "tokens": len(ids), "finish_reason": r["finish_reason"]})
-            turns.append((e.key, Turn(text, tuple(ids), turn, str(r["finish_reason"]))))
-        for e, out in zip(active, self.envs.step(turns)):
-            self._observe(e, turn, out)
+        server = e.index % len(self.pool.servers)
+        for turn in range(max_turns):
+            if e.finish is not None:
+                return
+            request = (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length)
+            (r,) = await self.pool.generate_on(server, [request], spec)
+            sampled = self._sampled(e, turn, r)
+            # how much of this turn's prompt the server's prefix cache held
+            e.turns[-1].update(
+                prompt_tokens=len(request[1]), cached_tokens=r.get("cached_tokens", 0)
+            )
+            self._observe(e, turn, await self.envs.step_one(e.key, sampled))
+
+    def _sampled(self, e: Episode, turn: int, r: Mapping[str, Any]) -> Turn:
+        """Append a sampled turn to ``e``; the :class:`Turn` its env steps with."""
+        ids = [int(t) for t in r["token_ids"]]
+        e.append("sampled", turn, ids, r["log_probs"], int(r["version"]))
+        text = r["text"]
+        if text is None:  # SamplingSpec.detokenize=False
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        e.messages.append({"role": "assistant", "content": text})
+        e.turns.append({"text": text, "tokens": len(ids), "finish_reason": r["finish_reason"]})
+        return Turn(text, tuple(ids), turn, str(r["finish_reason"]))
 
     def _observe(self, e: Episode, turn: int, out: Mapping[str, Any]) -> None:
         if "error" in out:
@@ -255,6 +274,7 @@ class EpisodeRunner:
         calls, response = total("tool_calls"), sum(len(e.ids) for e in episodes)
         observed = sum(len(e.ids) - sum(e.sampled) for e in episodes)
         turns = [t for e in episodes for t in e.turns]
+        later = [t for e in episodes for t in e.turns[1:]]  # turns that continue an episode
         out = {
             "episode/turns_mean": sum(len(e.turns) for e in episodes) / n,
             "episode/length_mean": sum(e.length for e in episodes) / n,
@@ -266,6 +286,8 @@ class EpisodeRunner:
             "episode/tool_error_share": total("tool_errors") / calls if calls else 0.0,
             "episode/tool_latency_s": total("tool_seconds") / calls if calls else 0.0,
             "episode/tools_offered": float(any(e.tools for e in episodes)),
+            "episode/prefix_cache_share": sum(t.get("cached_tokens", 0) for t in later)
+            / max(sum(t.get("prompt_tokens", 0) for t in later), 1),
             "episode/history_rewrite_share": sum(
                 bool(e.info.get("history_rewrites")) for e in episodes
             )

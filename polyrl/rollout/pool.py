@@ -109,6 +109,9 @@ class RolloutPool:
         # last push retained nothing (cuda_ipc, nccl); RLTrainer sets it to the actor's.
         self.resync_source: Callable[[], Iterable[Sequence[tuple[str, Any]]]] | None = None
         self._syncers: dict[tuple[str, bool], WeightSyncer] = {}  # update_weights' own
+        # The asynchronous engine samples a batch without holding its actor (abort and
+        # other episodes' turns get through meanwhile).
+        self.generate_method = "generate_async" if config.engine == "async" else "generate"
         self.group = self._start_servers()
         self.infos = self.group.start(
             "info",
@@ -199,7 +202,7 @@ class RolloutPool:
         # Seeds follow the prompt's index in the caller's batch, so dropping one prompt
         # does not change any other prompt's samples.
         requests = [(orig * n + j, p) for orig, p in zip(kept, ids) for j in range(n)]
-        results = self._dispatch("generate", requests, spec)
+        results = self._dispatch(self.generate_method, requests, spec)
         return self.assemble(base.repeat(n), results, spec, dropped, prompt_len, response_len)
 
     def assemble(
@@ -248,8 +251,31 @@ class RolloutPool:
     def generate_ids(self, requests: list[tuple], spec: SamplingSpec) -> list[dict[str, Any]]:
         """One sample per ``(sample_index, prompt_ids[, max_tokens])`` request, spread over
         the servers (with :meth:`generate`'s recovery): ``RolloutServer.generate``'s
-        results in order. The episode loop's turns (``polyrl.rollout.episodes``)."""
-        return self._dispatch("generate", requests, spec)
+        results in order. The OpenAI endpoint's calls (``polyrl.rollout.openai_endpoint``)."""
+        return self._dispatch(self.generate_method, requests, spec)
+
+    async def generate_on(
+        self, server: int, requests: list[tuple], spec: SamplingSpec
+    ) -> list[dict[str, Any]]:
+        """:meth:`generate_ids` on server ``server`` as a coroutine (one episode's turn:
+        ``polyrl.rollout.episodes``; an episode keeps its server, whose prefix cache
+        holds its earlier turns), with the same recovery."""
+        import asyncio
+
+        method = self.generate_method
+        call = getattr(self.servers[server], method).remote(
+            requests, spec, expected_version=self.version
+        )
+        try:
+            return await asyncio.wait_for(
+                asyncio.wrap_future(call.future()), self.config.request_timeout_s
+            )
+        except Exception as e:  # classified by _is_recoverable; others re-raised
+            if not _is_recoverable(e):
+                raise
+            return await asyncio.to_thread(
+                self._retry, method, requests, (spec,), failed=server, error=e
+            )
 
     # -------------------------------------------------------------- dispatch
     def generate_lossy(
@@ -276,7 +302,7 @@ class RolloutPool:
             return [None] * len(index)
 
         submitted = [
-            self.group.submit("generate", requests, spec, expected_version=self.version)
+            self.group.submit(self.generate_method, requests, spec, expected_version=self.version)
             for requests, spec in calls
         ]
         outs = [c.result(on_error=lose) for c in submitted]
@@ -406,7 +432,19 @@ class RolloutPool:
     def wake_up(self) -> list[bool]:
         return self.group.call("wake_up")
 
+    def abort(self) -> int:
+        """Stop every request in flight on every server (``RolloutServer.abort``: each
+        returns with ``finish_reason="abort"``); how many there were."""
+        return sum(self.group.call("abort"))
+
     def shutdown(self) -> None:
+        import ray
+
+        # Each engine stops its engine-core process first (the GPU memory is that
+        # process's); a server that does not answer in time is killed with it.
+        ray.wait(
+            [s.shutdown.remote() for s in self.servers], num_returns=len(self.servers), timeout=30
+        )
         self.group.shutdown()
 
 

@@ -31,9 +31,10 @@ from typing import Any
 from polyrl.config import did_you_mean
 from polyrl.role_table import DEFAULT_POOL
 
-__all__ = ["SamplingSpec", "RolloutConfig", "OVERLONG_POLICIES", "derive_seed"]
+__all__ = ["SamplingSpec", "RolloutConfig", "ENGINES", "OVERLONG_POLICIES", "derive_seed"]
 
 OVERLONG_POLICIES = ("error", "truncate_left", "drop")
+ENGINES = ("async", "sync")
 _SEED_MOD = 2**31 - 1
 
 
@@ -133,7 +134,10 @@ class RolloutConfig:
     enable_sleep_mode: let :meth:`RolloutPool.sleep` free GPU memory (GPU only; vLLM
       rejects it on CPU).
     enforce_eager: None -> eager on CPU (starts in ~3 s, not 20-50 s), graphs on GPU.
-    in_process_engine: run the engine core in the server's process
+    engine: "async" (vLLM's ``AsyncLLM``: whole batches and many episodes' requests in
+      flight at once; its engine core is always a process of its own) or "sync"
+      (``vllm.LLM``, one batch per call; single-turn only). docs/rollout.md "Engines".
+    in_process_engine: run the synchronous engine's core in the server's process
       (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights then reach the workers as tensors.
     num_cpus / num_gpus: Ray resources per server (None: 0.5 CPU on CPU hosts, 1 CPU
       with GPUs; ``tensor_parallel_size`` GPUs when a GPU is present).
@@ -174,12 +178,18 @@ class RolloutConfig:
     seed: int = 0
     env: tuple[tuple[str, str], ...] = ()
     pool: str = DEFAULT_POOL
+    engine: str = "async"
 
     def __post_init__(self) -> None:
         if self.overlong_prompt not in OVERLONG_POLICIES:
             raise ValueError(
                 f"RolloutConfig.overlong_prompt={self.overlong_prompt!r} is not one of "
                 f"{list(OVERLONG_POLICIES)}{did_you_mean(self.overlong_prompt, OVERLONG_POLICIES)}"
+            )
+        if self.engine not in ENGINES:
+            raise ValueError(
+                f"RolloutConfig.engine={self.engine!r} is not one of {list(ENGINES)}"
+                f"{did_you_mean(self.engine, ENGINES)}"
             )
         if self.num_servers < 1 or self.tensor_parallel_size < 1:
             raise ValueError(

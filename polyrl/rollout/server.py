@@ -1,8 +1,17 @@
-"""RolloutServer: one vLLM engine in one Ray actor.
+"""RolloutServer: one vLLM engine in one Ray actor, token ids in, token ids out.
 
 :class:`RolloutPool` starts this class as a ``polyrl.groups.WorkerGroup`` and talks to
 it; it is a plain class so a benchmark or a debugger can also run it in-process. vLLM is imported
 when a server starts, never when this module is imported (the controller imports it).
+
+The engine (``polyrl.rollout.engines``) is vLLM's asynchronous one unless
+``RolloutConfig.engine="sync"``. :meth:`RolloutServer.generate` samples a whole batch in
+one call (a GRPO step's prompts: every request submitted at once);
+:meth:`RolloutServer.generate_async` is a coroutine, so the Ray actor is an asyncio
+actor and many callers (one per episode: ``polyrl.rollout.episodes``) have requests in
+flight together, each turn continuing its episode's exact ids (the prefix cache keeps
+their KV). Ray runs the other methods on the actor's event loop one at a time, while the
+engine's own loop keeps sampling.
 
 Weights: the server starts from ``RolloutConfig.model_path`` at weight version 0.
 ``polyrl.weight_sync.WeightSyncer`` drives an update as ``begin_weight_update`` (which
@@ -19,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,6 +39,7 @@ import numpy as np
 from polyrl import faults
 from polyrl.debug import place, setup_worker
 from polyrl.groups import Collect, Dispatch, register
+from polyrl.rollout.engines import make_engine
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 from polyrl.timeline import Traced, record
 
@@ -96,12 +107,12 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     return kwargs
 
 
-def allowed_token_ids(llm: Any, config: RolloutConfig) -> list[int] | None:
+def allowed_token_ids(
+    tokenizer_size: int, model_vocab: int, config: RolloutConfig
+) -> list[int] | None:
     """The token ids a server samples from: the tokenizer's when the model's vocabulary is
     larger and ``config.restrict_to_tokenizer`` (module docstring of ``sampling``), else
     None (all)."""
-    tokenizer_size = len(llm.get_tokenizer())
-    model_vocab = int(llm.llm_engine.model_config.get_vocab_size())
     if config.restrict_to_tokenizer and model_vocab > tokenizer_size:
         return list(range(tokenizer_size))
     return None
@@ -162,13 +173,11 @@ class RolloutServer(Traced):
         # vLLM's CPU worker sets VLLM_DIST_IDENT in its own process; one inherited from a
         # driver that ran vLLM in-process is stale, and vLLM warns about it at start.
         os.environ.pop("VLLM_DIST_IDENT", None)
-        from vllm import LLM
-
-        self.llm = LLM(**engine_kwargs(config, self.on_gpu))
-        tokenizer = self.tokenizer = self.llm.get_tokenizer()
-        self.model_vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.engine = make_engine(config.engine, engine_kwargs(config, self.on_gpu))
+        tokenizer = self.tokenizer = self.engine.tokenizer
+        self.model_vocab_size = int(self.engine.model_config.get_vocab_size())
         self.tokenizer_size = len(tokenizer)
-        self._allowed = allowed_token_ids(self.llm, config)
+        self._allowed = allowed_token_ids(self.tokenizer_size, self.model_vocab_size, config)
         self.sampling_vocab_size = self.tokenizer_size if self._allowed else self.model_vocab_size
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -188,7 +197,12 @@ class RolloutServer(Traced):
         self.boot_id = uuid.uuid4().hex  # changes when Ray restarts the actor
         # Tensors may ride inside collective_rpc arguments only when the workers live
         # in this process (uniprocess executor); otherwise vLLM turns them into lists.
-        self.direct_rpc = config.in_process_engine and config.tensor_parallel_size == 1
+        # The asynchronous engine's core is always a process of its own.
+        self.direct_rpc = (
+            config.engine == "sync"
+            and config.in_process_engine
+            and config.tensor_parallel_size == 1
+        )
 
     # ------------------------------------------------------------------ info
     def info(self) -> dict[str, Any]:
@@ -230,17 +244,53 @@ class RolloutServer(Traced):
 
         Returns per request: ``token_ids`` (int32 [len]), ``log_probs`` (float32 [len],
         processed log-probs of the sampled tokens), ``finish_reason`` ("stop" |
-        "length" | ...), ``text`` (None unless ``spec.detokenize``), ``version``.
+        "length" | "abort" | ...), ``text`` (None unless ``spec.detokenize``),
+        ``version``, ``cached_tokens`` (prompt tokens the prefix cache held).
         Arrays, not lists: Ray sends them as buffers, and the pool copies them into its
         padded batch row by row without converting a Python int per token.
         """
-        self._check_version(expected_version)
-        self._cached_prefixes = True
-        inputs, params = vllm_requests(requests, spec, self._allowed)
+        inputs, params = self._requests(requests, spec, expected_version)
         start = time.time()
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        outputs = self.engine.generate(inputs, params)
         # vLLM's own time inside this call: the rest of the call's span is polyrl's.
         record("generate.vllm", start, time.time() - start, None)
+        return self._results(outputs, spec)
+
+    @register(Dispatch.SPLIT, Collect.CONCAT)
+    async def generate_async(
+        self,
+        requests: Sequence[tuple],
+        spec: SamplingSpec,
+        expected_version: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """:meth:`generate` as a coroutine: the actor takes other calls (other episodes'
+        turns) while these requests are sampled, and the engine schedules all of them
+        together. Needs ``RolloutConfig.engine="async"``."""
+        import asyncio
+
+        if not self.engine.concurrent:
+            raise RuntimeError(
+                "RolloutServer.generate_async: RolloutConfig.engine='sync' samples one batch "
+                "at a time; episodes in flight need RolloutConfig.engine='async'"
+            )
+        start = time.time()
+        inputs, params = self._requests(requests, spec, expected_version)
+        engine_start = time.time()
+        work = self.engine.submit(self.engine.agenerate(inputs, params))
+        outputs = await asyncio.wrap_future(work)
+        record("generate.vllm", engine_start, time.time() - engine_start, None)
+        results = self._results(outputs, spec)
+        record("generate", start, time.time() - start, None)  # as @place's span
+        return results
+
+    def _requests(
+        self, requests: Sequence[tuple], spec: SamplingSpec, expected_version: int | None
+    ) -> tuple[list, list]:
+        self._check_version(expected_version)
+        self._cached_prefixes = True
+        return vllm_requests(requests, spec, self._allowed)
+
+    def _results(self, outputs: Sequence[Any], spec: SamplingSpec) -> list[dict[str, Any]]:
         completions = [out.outputs[0] for out in outputs]
         ids = [np.asarray(c.token_ids, dtype=np.int32) for c in completions]
         texts = (
@@ -257,8 +307,9 @@ class RolloutServer(Traced):
                 "finish_reason": c.finish_reason,
                 "text": text,
                 "version": self.version,
+                "cached_tokens": int(out.num_cached_tokens or 0),
             }
-            for c, t, text in zip(completions, ids, texts)
+            for out, c, t, text in zip(outputs, completions, ids, texts)
         ]
 
     def _check_version(self, expected: int | None) -> None:
@@ -284,15 +335,17 @@ class RolloutServer(Traced):
         self.reset_in_update = False
         self.update_span = [time.time(), 0.0]
         with self._timed("begin"):
+            if self.engine.concurrent:  # requests started before the update end first
+                self.engine.drain(self.config.request_timeout_s)
             if not self.on_gpu:  # vLLM-CPU's layer-wise reload (worker_ext); none on GPU
-                self.llm.collective_rpc("polyrl_begin_update")
+                self.engine.rpc("polyrl_begin_update")
             self._reset_prefix_cache()
 
     def _reset_prefix_cache(self) -> None:
         """Drop the cached prefixes, if any (e.g. none after sleep or a previous reset)."""
         if self._cached_prefixes:
             self.reset_in_update = True
-            self._cached_prefixes = not self.llm.reset_prefix_cache()
+            self._cached_prefixes = not self.engine.reset_prefix_cache()
 
     @contextlib.contextmanager
     def _timed(self, part: str):
@@ -337,12 +390,15 @@ class RolloutServer(Traced):
                 from safetensors.torch import save
 
                 weights = save({name: t.contiguous() for name, t in weights})
-            return sum(self.llm.collective_rpc("polyrl_load_bucket", args=(weights,)))
+            return sum(self.engine.rpc("polyrl_load_bucket", args=(weights,)))
 
     def load_bucket_ipc(self, slots: dict[str, Any], metas: Sequence[tuple]) -> int:
         self._count_bucket()
         with self._timed("load"):
-            return sum(self.llm.collective_rpc("polyrl_load_bucket_ipc", args=(slots, metas)))
+            # An engine core in another process gets the handles pickled: vLLM's RPC
+            # serializer refuses the rebuild function inside them.
+            payload = slots if self.direct_rpc else pickle.dumps(slots)
+            return sum(self.engine.rpc("polyrl_load_bucket_ipc", args=(payload, metas)))
 
     def num_workers(self) -> int:
         return self.config.tensor_parallel_size
@@ -351,9 +407,7 @@ class RolloutServer(Traced):
         self, key: str, host: str, port: int, rank_offset: int, world_size: int
     ) -> list[int]:
         """Every worker joins weight-broadcast group ``key`` (ranks from ``rank_offset``)."""
-        return self.llm.collective_rpc(
-            "polyrl_join_group", args=(key, host, port, rank_offset, world_size)
-        )
+        return self.engine.rpc("polyrl_join_group", args=(key, host, port, rank_offset, world_size))
 
     def load_bucket_nccl(
         self,
@@ -368,7 +422,7 @@ class RolloutServer(Traced):
         self._count_bucket()
         with self._timed("load"):
             return sum(
-                self.llm.collective_rpc(
+                self.engine.rpc(
                     "polyrl_load_bucket_nccl", args=(key, list(metas), nbytes, timeout_s, load)
                 )
             )
@@ -377,7 +431,7 @@ class RolloutServer(Traced):
         """Close the update and set ``version``."""
         with self._timed("finish"):
             if not self.on_gpu:
-                self.llm.collective_rpc("polyrl_finish_update")
+                self.engine.rpc("polyrl_finish_update")
         self.version = int(version)
         self.updating = False
         self.update_span[1] = time.time()
@@ -385,15 +439,15 @@ class RolloutServer(Traced):
 
     def set_load_plan(self, enabled: bool) -> None:
         """Planned bucket loads on the GPU workers on/off (``polyrl.rollout.load_plan``)."""
-        self.llm.collective_rpc("polyrl_set_load_plan", args=(bool(enabled),))
+        self.engine.rpc("polyrl_set_load_plan", args=(bool(enabled),))
 
     def load_plan_stats(self) -> list[dict[str, int]]:
         """Each worker's load-plan counters (empty where no plan ran, e.g. vLLM-CPU)."""
-        return self.llm.collective_rpc("polyrl_load_plan_stats")
+        return self.engine.rpc("polyrl_load_plan_stats")
 
     def param_checksum(self, name: str) -> float:
         """float64 sum of one vLLM parameter (a cheap check that an update landed)."""
-        return float(self.llm.collective_rpc("polyrl_param_checksum", args=(name,))[0])
+        return float(self.engine.rpc("polyrl_param_checksum", args=(name,))[0])
 
     # ------------------------------------------------------------ colocation
     def sleep(self, level: int = 1) -> bool:
@@ -408,7 +462,7 @@ class RolloutServer(Traced):
                 "CPU build" if not self.on_gpu else "enable_sleep_mode=False",
             )
             return False
-        self.llm.sleep(level=level)  # (levels >= 1 reset the prefix cache too)
+        self.engine.sleep(level)  # (levels >= 1 reset the prefix cache too)
         self._cached_prefixes = False
         self._dropped_weights = level >= 2
         return True
@@ -418,8 +472,19 @@ class RolloutServer(Traced):
         -1, so the pool's next generate finds the server stale and re-syncs it."""
         if not self.on_gpu or not self.config.enable_sleep_mode:
             return False
-        self.llm.wake_up()
+        self.engine.wake_up()
         if self._dropped_weights:
             self.version = -1
             self._dropped_weights = False
         return True
+
+    # ------------------------------------------------------------- lifetime
+    def abort(self) -> int:
+        """Stop every request in flight (asynchronous engine; nothing is in flight
+        between the synchronous engine's calls): each returns to its caller with
+        ``finish_reason="abort"`` and the tokens sampled so far. Returns how many."""
+        return self.engine.abort()
+
+    def shutdown(self) -> None:
+        """Stop the engine (its engine-core process, for the asynchronous one)."""
+        self.engine.shutdown()

@@ -40,6 +40,7 @@ workers in other processes (vLLM's RPC turns tensors inside arguments into lists
 from __future__ import annotations
 
 import logging
+import pickle
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ class WeightReceiver:
         return float(dict(_model(self).named_parameters())[name].double().sum())
 
     # ------------------------------------------------------------- CUDA IPC
-    def polyrl_load_bucket_ipc(self, slots: dict[str, Any], metas: list) -> int:
+    def polyrl_load_bucket_ipc(self, slots: dict[str, Any] | bytes, metas: list) -> int:
         """Load a bucket shared by CUDA IPC: ``slots[device_uuid]`` is ``(key, handle,
         event handle)`` of the sender's persistent flat uint8 buffer on this worker's GPU
         (colocated: same device) and of the interprocess event the sender records once the
@@ -99,6 +100,8 @@ class WeightReceiver:
         (``polyrl.weight_sync.cuda_ipc._ipc_slot``)."""
         from polyrl.weight_sync import replaced_ipc_buffers, unpack_flat
 
+        if isinstance(slots, bytes):  # pickled by a server whose engine core is a process
+            slots = pickle.loads(slots)  # (its own trusted server: RolloutServer.load_bucket_ipc)
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         if uuid not in slots:
             raise RuntimeError(

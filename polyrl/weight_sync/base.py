@@ -36,14 +36,13 @@ __all__ = ["Transport", "SyncPlacement"]
 @dataclasses.dataclass(frozen=True)
 class SyncPlacement:
     """Where the actor and the rollout run, as validate-config sees it: their pools,
-    whether each pool has GPUs, the rollout's ``tensor_parallel_size`` and
-    ``in_process_engine`` (RolloutConfig)."""
+    whether each pool has GPUs and the rollout's ``tensor_parallel_size``
+    (RolloutConfig)."""
 
     actor_pool: str
     rollout_pool: str
     gpus: Mapping[str, bool]
     tensor_parallel: int = 1
-    in_process_engine: bool = True
 
     @property
     def colocated(self) -> bool:

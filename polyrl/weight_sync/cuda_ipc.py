@@ -101,13 +101,6 @@ class CudaIpc(Transport):
                 f"servers on one GPU each; set tensor_parallel_size=1, or use 'object_store' "
                 f"(or 'nccl' with the rollout in its own pool)"
             ]
-        if not placement.in_process_engine:
-            return [
-                "RunConfig.weight_transport='cuda_ipc' with RolloutConfig.in_process_engine="
-                "False: vLLM's engine-core process cannot receive CUDA IPC handles (its "
-                "serializer refuses them); keep in_process_engine=True (the default), or use "
-                "'object_store'"
-            ]
         return []
 
 

@@ -39,15 +39,14 @@ def transport_problems(
     rollout_pool: str,
     pools: Any,
     tensor_parallel: int = 1,
-    in_process_engine: bool = True,
 ) -> list[str]:
     """What ``RunConfig.weight_transport`` cannot do on this placement (validate-config):
-    ``pools`` is RunConfig.pools, ``tensor_parallel`` the rollout's tensor_parallel_size,
-    ``in_process_engine`` RolloutConfig's (see each transport's ``problems``)."""
+    ``pools`` is RunConfig.pools, ``tensor_parallel`` the rollout's tensor_parallel_size
+    (see each transport's ``problems``)."""
     try:
         chosen = get_transport(transport, "RunConfig.weight_transport")
     except ValueError as e:
         return [str(e)]
     gpus = {p: float(dict(pools.get(p, {})).get("GPU", 0)) > 0 for p in (actor_pool, rollout_pool)}
-    placement = SyncPlacement(actor_pool, rollout_pool, gpus, tensor_parallel, in_process_engine)
+    placement = SyncPlacement(actor_pool, rollout_pool, gpus, tensor_parallel)
     return chosen.problems(placement)

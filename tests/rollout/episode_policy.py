@@ -26,6 +26,11 @@ class TextPolicy:
         self.tok, self.rng, self.cut = tokenizer, random.Random(seed), cut
         self.sampled: dict[int, list[tuple[list[int], list[int]]]] = {}
 
+    servers = [None]  # one server: RolloutPool.generate_on's index
+
+    async def generate_on(self, server, requests, spec):
+        return self.generate_ids(requests, spec)
+
     def generate_ids(self, requests, spec):
         out = []
         for index, prompt, budget in requests:

@@ -61,7 +61,7 @@ def test_text_decoded_once_equals_vllm_detokenizing_each_token(pool):
             SamplingParams(**spec.vllm_kwargs(i, server._allowed) | {"detokenize": True})
             for i, _ in requests
         ]
-        outs = server.llm.generate(prompts, params, use_tqdm=False)
+        outs = server.engine.generate(prompts, params)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text) for o in outs]
 
     batch = prompts_batch([5, 12, 30], seed=5)

@@ -28,7 +28,7 @@ def bf16_server(padded_model_dir):
         )
     )
     yield server
-    del server.llm
+    server.shutdown()
 
 
 def test_bf16_server_loads_fp32_buckets(bf16_server, padded_model_dir):

@@ -139,13 +139,3 @@ def test_cuda_ipc_needs_single_gpu_servers():
     (msg,) = transport_problems("cuda_ipc", "a", "a", {"a": {"GPU": 2}}, tensor_parallel=2)
     assert "tensor_parallel_size=2" in msg and "set tensor_parallel_size=1" in msg
     assert transport_problems("object_store", "a", "a", {"a": {"GPU": 2}}, tensor_parallel=2) == []
-
-
-def test_cuda_ipc_needs_the_engine_in_the_server_process():
-    # vLLM 0.26 on H200: collective_rpc to an engine-core process failed with "Object of
-    # type <class 'function'> is not serializable" at the first cuda_ipc push
-    (msg,) = transport_problems("cuda_ipc", "a", "a", {"a": {"GPU": 1}}, in_process_engine=False)
-    assert "in_process_engine=False" in msg and "keep in_process_engine=True" in msg
-    assert transport_problems("cuda_ipc", "a", "a", {"a": {"GPU": 1}}) == []
-    gpus = {"a": {"GPU": 1}, "b": {"GPU": 1}}
-    assert transport_problems("nccl", "a", "b", gpus, in_process_engine=False) == []

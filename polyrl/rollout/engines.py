@@ -1,0 +1,183 @@
+"""The vLLM engine inside a rollout server: asynchronous (default) or synchronous.
+
+Both classes give :class:`~polyrl.rollout.server.RolloutServer` the same blocking calls
+(``generate`` of a whole batch, ``rpc`` to the workers, ``reset_prefix_cache``,
+``sleep``, ``wake_up``, ``abort``, ``shutdown``); only :class:`AsyncEngine` also serves
+many callers at once (``submit``), which is what lets every episode run its own turns
+(docs/rollout.md "Engines").
+
+* :class:`AsyncEngine` (``RolloutConfig.engine="async"``): vLLM's ``AsyncLLM`` on an
+  event loop of its own, in a thread of the server's process; its engine core is always a
+  process of its own (vLLM starts it). Each request is one ``generate`` coroutine with
+  ``RequestOutputKind.FINAL_ONLY`` (one output object per request, none per token); a
+  batch is all of them gathered at once, so the engine schedules them as ``LLM.generate``
+  would. A request that a caller gives up on, or that :meth:`AsyncEngine.abort` stops,
+  ends with ``finish_reason="abort"`` and the tokens sampled so far.
+* :class:`SyncEngine` (``engine="sync"``): ``vllm.LLM``, one batch at a time, the engine
+  core in the server's process unless ``RolloutConfig.in_process_engine=False``.
+
+Token ids in (``{"prompt_token_ids": [...]}``), token ids and flat log-probs out: neither
+engine tokenizes or detokenizes (``SamplingSpec.vllm_kwargs``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import itertools
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+__all__ = ["AsyncEngine", "SyncEngine", "make_engine"]
+
+
+class SyncEngine:
+    """``vllm.LLM`` behind the engine interface (module docstring)."""
+
+    concurrent = False
+
+    def __init__(self, kwargs: dict[str, Any]):
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.model_config = self.llm.llm_engine.model_config
+
+    def generate(self, prompts: Sequence[dict], params: Sequence[Any]) -> list[Any]:
+        """One final ``RequestOutput`` per prompt, in order."""
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
+    def abort(self) -> int:
+        return 0  # a batch runs to its end inside one call: nothing is left in flight
+
+    def shutdown(self) -> None:
+        pass
+
+
+class AsyncEngine:
+    """vLLM's ``AsyncLLM`` on its own event-loop thread (module docstring).
+
+    Blocking calls (``generate``, ``rpc``, ...) run a coroutine on that loop and wait;
+    :meth:`submit` returns a future instead, for callers on another event loop (the
+    server's ``generate_async``). ``inflight`` counts the requests being sampled.
+    """
+
+    concurrent = True
+
+    def __init__(self, kwargs: dict[str, Any]):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(
+            target=self.loop.run_forever, name="polyrl-vllm-async", daemon=True
+        )
+        self.thread.start()
+        self.ids = itertools.count()
+        self.inflight: dict[str, int] = {}  # request id -> 1, while it is sampled
+        self.idle = asyncio.Event()  # set while nothing is in flight (loop's own)
+        try:
+            self.engine = self.call(self._start(kwargs))
+        except BaseException:
+            self._stop_loop()
+            raise
+        tokenizer = self.engine.get_tokenizer()
+        if inspect.isawaitable(tokenizer):  # an async getter in some vLLM releases
+            tokenizer = self.call(tokenizer)
+        self.tokenizer = tokenizer
+        self.model_config = self.engine.model_config
+
+    async def _start(self, kwargs: dict[str, Any]) -> Any:
+        # Created on its loop: the output handler task starts with it, on that loop.
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.idle.set()
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    def call(self, coro: Coroutine) -> Any:
+        """Run ``coro`` on the engine's loop and wait for its result."""
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def one(self, prompt: dict, params: Any) -> Any:
+        """One request's final ``RequestOutput``."""
+        from vllm.sampling_params import RequestOutputKind
+
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        rid = f"polyrl-{next(self.ids)}"
+        self.inflight[rid] = 1
+        self.idle.clear()
+        try:
+            final = None
+            async for out in self.engine.generate(prompt, params, rid):
+                final = out
+            return final
+        finally:
+            del self.inflight[rid]
+            if not self.inflight:
+                self.idle.set()
+
+    async def agenerate(self, prompts: Sequence[dict], params: Sequence[Any]) -> list[Any]:
+        """Every request at once (each its own coroutine), outputs in order."""
+        return list(await asyncio.gather(*(self.one(p, s) for p, s in zip(prompts, params))))
+
+    def generate(self, prompts: Sequence[dict], params: Sequence[Any]) -> list[Any]:
+        return self.call(self.agenerate(prompts, params))
+
+    def rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.call(self.engine.collective_rpc(method, args=args))
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call(self.engine.reset_prefix_cache()))
+
+    def sleep(self, level: int) -> None:
+        self.call(self.engine.sleep(level))
+
+    def wake_up(self) -> None:
+        self.call(self.engine.wake_up())
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait until no request is in flight (a weight update must not change the
+        weights under one), at most ``timeout_s``."""
+
+        async def wait() -> None:
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+
+        self.call(wait())
+
+    def abort(self) -> int:
+        """Stop every request in flight: each ends with ``finish_reason="abort"`` and
+        the tokens sampled so far. Returns how many there were."""
+        ids = list(self.inflight)
+        if ids:
+            self.call(self.engine.abort(ids))
+        return len(ids)
+
+    def shutdown(self) -> None:
+        try:
+            self.engine.shutdown()
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def make_engine(kind: str, kwargs: dict[str, Any]) -> AsyncEngine | SyncEngine:
+    """The engine of ``RolloutConfig.engine`` (``"async"`` or ``"sync"``)."""
+    return AsyncEngine(kwargs) if kind == "async" else SyncEngine(kwargs)

@@ -1,0 +1,169 @@
+"""The asynchronous engine on real vLLM (CPU): episodes in flight, exact ids across turns,
+abort, and single-turn samples equal to the synchronous engine's.
+
+The module's pool (conftest) runs ``RolloutConfig.engine="async"``, the default; the
+weight protocol on it is tested in test_pool.py (``test_synced_weights_match_transformers``:
+a push changes the served log-probs to those of the pushed model).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from rollout_reference import prompts_batch
+
+from polyrl.batch import Batch
+from polyrl.envs import Env, EpisodeConfig, StepResult, register_env
+from polyrl.envs.workers import EnvPool
+from polyrl.rollout.episodes import ChatTokens, EpisodeRunner
+from polyrl.rollout.sampling import SamplingSpec
+
+STEPS: list[tuple[int, int, float]] = []  # (episode sample, turn, monotonic time at step end)
+SLOW_S = 3.0  # episode 0's first env step: longer than the other episodes' three turns
+BLOCK = 128  # vLLM-CPU's KV block: the prefix cache keeps whole blocks only
+TASK = "copy: " + "1234567890" * 13  # a prompt of over one block (a token per digit)
+
+
+@register_env("test/race")
+class Race(Env):
+    """Three turns; episode 0's first step sleeps ``SLOW_S`` (an env in the driver: the
+    episodes' env pool has no workers, so ``STEPS`` is this module's)."""
+
+    def reset(self, row):
+        self.sample = row["sample"]
+        return super().reset(row)
+
+    def step(self, turn):
+        if self.sample == 0 and turn.index == 0:
+            time.sleep(SLOW_S)
+        STEPS.append((self.sample, turn.index, time.monotonic()))
+        if turn.index == 2:
+            return StepResult(reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "go on"}], reward=0.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(padded_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(padded_model_dir)
+
+
+class Recording:
+    """The real pool, with each episode turn's request and result kept (no stand-in:
+    every call goes to the pool's vLLM servers)."""
+
+    def __init__(self, pool):
+        self.pool, self.config, self.servers = pool, pool.config, pool.servers
+        self.pad_token_id, self.version = pool.pad_token_id, pool.version
+        self.calls: list[tuple[tuple, dict]] = []
+
+    async def generate_on(self, server, requests, spec):
+        results = await self.pool.generate_on(server, requests, spec)
+        self.calls += list(zip(requests, results))
+        return results
+
+    def sample_info(self, spec, dropped):
+        return self.pool.sample_info(spec, dropped)
+
+
+def test_episodes_run_their_own_turns_on_exact_ids(pool, tokenizer):
+    """Episode 0's first env step takes SLOW_S; the other episodes play all three turns
+    meanwhile (a turn-batched loop would hold their second turn until it ended). Every
+    turn's request continues the episode's exact ids, the trajectory is the sampled ids
+    plus the template's observation ids, and later turns find their prefix in the
+    server's prefix cache (whole blocks of the earlier turns)."""
+    STEPS.clear()
+    recording = Recording(pool)
+    config = EpisodeConfig(max_turns=3, max_episode_tokens=250, env_workers=0)
+    runner = EpisodeRunner(recording, EnvPool(0, 30), tokenizer, config)
+    prompts = Batch(
+        {"prompt_index": np.arange(1)},
+        {
+            "prompt": [[{"role": "user", "content": TASK}]],
+            "data_source": ["test/race"],
+        },
+    )
+    try:
+        batch = runner.generate(prompts, SamplingSpec(n=4, max_tokens=6, seed=0))
+    finally:
+        runner.shutdown()
+    assert list(batch["finish_reason"]) == ["done"] * 4
+    ends = {(s, t): at for s, t, at in STEPS}
+    assert max(ends[(s, 2)] for s in (1, 2, 3)) < ends[(0, 0)]  # finished out of order
+
+    chat = ChatTokens(tokenizer)
+    calls = {req[0]: (req, res) for req, res in recording.calls}  # by seed index
+    for row in range(4):
+        prompt = list(batch["prompt_ids"][row])
+        response = list(batch["responses"][row, : batch["response_lengths"][row]])
+        messages, pos = [{"role": "user", "content": TASK}], 0
+        for k, turn in enumerate(batch["turns"][row]):
+            req, res = calls[row * 3 + k]  # turn k of episode row
+            assert list(req[1]) == prompt + response[:pos]  # the episode's ids so far
+            sampled = [int(t) for t in res["token_ids"]]
+            assert response[pos : pos + len(sampled)] == sampled
+            pos += len(sampled)
+            messages.append({"role": "assistant", "content": turn["text"]})
+            if k < 2:
+                obs = chat.observation(messages, turn["observation"], None, sampled)
+                assert response[pos : pos + len(obs)] == obs
+                pos += len(obs)
+                messages += turn["observation"]
+            else:
+                assert "observation" not in turn
+        assert pos == len(response)
+        assert len(prompt) > BLOCK
+        for turn in batch["turns"][row][1:]:  # the earlier turns' KV was reused
+            assert turn["cached_tokens"] >= BLOCK and turn["cached_tokens"] % BLOCK == 0, turn
+    assert batch.info["episode_metrics"]["episode/prefix_cache_share"] > 0
+
+
+def test_abort_ends_requests_in_flight_and_the_server_goes_on(pool):
+    import ray
+
+    spec = SamplingSpec(max_tokens=200, ignore_eos=True, detokenize=False, seed=1)
+    requests = [(i, p) for i, p in enumerate(prompts_batch([8] * 16, seed=2)["prompt_ids"])]
+    server = pool.servers[0]
+    ref = server.generate_async.remote(requests, spec, expected_version=pool.version)
+    aborted = 0
+    while not aborted and not ray.wait([ref], timeout=0.01)[0]:
+        aborted = pool.abort()
+    results = ray.get(ref, timeout=60)
+    assert aborted > 0, "every request ended before the abort (raise max_tokens)"
+    reasons = {r["finish_reason"] for r in results}
+    assert "abort" in reasons and reasons <= {"abort", "length"}
+    assert min(len(r["token_ids"]) for r in results) < 200
+    again = ray.get(server.generate.remote(requests[:2], spec, expected_version=pool.version))
+    assert [len(r["token_ids"]) for r in again] == [200, 200]
+
+
+@pytest.fixture(scope="module")
+def sync_pool(pool, padded_model_dir):
+    """One server of the synchronous engine beside the module's asynchronous pool."""
+    import dataclasses
+
+    from polyrl.rollout import RolloutPool
+
+    p = RolloutPool(dataclasses.replace(pool.config, num_servers=1, engine="sync"))
+    yield p
+    p.shutdown()
+
+
+def test_single_turn_samples_equal_the_synchronous_engine(pool, sync_pool):
+    """The same seeded requests on both engines give the same tokens; log-probs agree
+    to 1e-5 (both fp32 on the same kernels; the engines' processes may sum in another
+    order, seen equal here)."""
+    batch = prompts_batch([5, 9, 17, 30], seed=7)
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=16, seed=11)
+    a, s = pool.generate(batch, spec), sync_pool.generate(batch, spec)
+    np.testing.assert_array_equal(a["responses"], s["responses"])
+    np.testing.assert_allclose(a["rollout_log_probs"], s["rollout_log_probs"], atol=1e-5)
+    assert list(a["finish_reason"]) == list(s["finish_reason"])
+
+
+def test_episodes_need_the_asynchronous_engine(sync_pool, tokenizer):
+    with pytest.raises(ValueError, match="RolloutConfig.engine='async'"):
+        EpisodeRunner(sync_pool, None, tokenizer, EpisodeConfig())

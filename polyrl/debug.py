@@ -47,7 +47,15 @@ from typing import Any
 
 from polyrl.timeline import record
 
-__all__ = ["DebugConfig", "DebugSession", "for_debugging", "place", "setup_worker", "DEBUG_ENV"]
+__all__ = [
+    "DebugConfig",
+    "DebugSession",
+    "debugging",
+    "for_debugging",
+    "place",
+    "setup_worker",
+    "DEBUG_ENV",
+]
 
 DEBUG_ENV = "POLYRL_DEBUG"  # the DebugConfig as JSON, in every worker's environment
 KV_PREFIX = "polyrl:debug:"
@@ -147,6 +155,13 @@ def setup_worker(role: str, rank: int) -> None:
         return
     _state.update(config=DebugConfig(**json.loads(raw)), role=role, rank=rank)
     sys.breakpointhook = user_breakpoint
+
+
+def debugging() -> bool:
+    """Whether this process runs under ``--debug`` (``setup_worker`` found the config):
+    code that times out its own calls (an env worker's tools) waits instead, so a call
+    paused at a breakpoint is not cut while you step through it."""
+    return _state["config"] is not None
 
 
 def _listen() -> tuple[str, int]:
@@ -470,7 +485,8 @@ class DebugSession:
 
 def for_debugging(cfg: Any, flag: bool = False) -> Any:
     """``cfg`` with its DebugConfig on when ``flag`` (``--debug``), and, when debugging,
-    without the timeouts a paused worker would trip (rewards, rollout requests)."""
+    without the timeouts a paused worker would trip (rewards, rollout requests, env
+    steps and agents; tools wait too, see :func:`debugging`)."""
     debug = cfg.debug or DebugConfig()
     if flag and not debug.enabled:
         debug = dataclasses.replace(debug, enabled=True)
@@ -478,4 +494,9 @@ def for_debugging(cfg: Any, flag: bool = False) -> Any:
         return dataclasses.replace(cfg, debug=debug)
     year = 365 * 24 * 3600.0
     rollout = dataclasses.replace(cfg.rollout, request_timeout_s=year, ready_timeout_s=year)
-    return dataclasses.replace(cfg, debug=debug, reward_timeout_s=None, rollout=rollout)
+    episodes = cfg.episodes and dataclasses.replace(
+        cfg.episodes, env_timeout_s=year, agent_timeout_s=year
+    )
+    return dataclasses.replace(
+        cfg, debug=debug, reward_timeout_s=None, rollout=rollout, episodes=episodes
+    )

@@ -33,6 +33,26 @@ def test_config_errors_name_the_field():
     assert cfg.points("actor", "train_step") == []
 
 
+def test_debugging_lifts_the_timeouts_a_pause_would_trip(tmp_path):
+    """--debug: no reward, rollout, env-step or agent timeout cuts a paused call; without
+    it the configured ones stand."""
+    from polyrl.debug import for_debugging
+    from polyrl.envs import EpisodeConfig
+    from polyrl.launch import parse_config
+
+    params = [f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"]
+    cfg, _ = parse_config(["gin/experiments/tiny_multiturn.gin"], params)
+    assert cfg.episodes == EpisodeConfig(max_turns=4, max_episode_tokens=64, env_workers=1)
+    assert for_debugging(cfg).episodes == cfg.episodes  # no --debug: unchanged
+    debugged = for_debugging(cfg, flag=True)
+    assert debugged.debug.enabled and debugged.reward_timeout_s is None
+    year = 365 * 24 * 3600.0
+    assert debugged.episodes.env_timeout_s == debugged.episodes.agent_timeout_s == year
+    assert debugged.episodes.max_turns == 4 and debugged.rollout.request_timeout_s == year
+    single, _ = parse_config(["gin/experiments/tiny_grpo.gin"], params)
+    assert for_debugging(single, flag=True).episodes is None
+
+
 ROLE = textwrap.dedent(
     """
     import os

@@ -20,6 +20,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from local_cluster import _free_ports, cluster_env, local_cluster  # noqa: E402
 
+from polyrl.metrics import read_jsonl  # noqa: E402
+
 ROOT = HERE.parents[1]
 
 REWARD = textwrap.dedent(
@@ -67,11 +69,14 @@ def _in_actor_forward(expression: str, want: str):
     return check
 
 
-def start_run(tmp_path, module: str | None, *bindings: str, env=None) -> subprocess.Popen:
-    """``polyrl train --debug [--import <module>]`` of the tiny GRPO in ``tmp_path``."""
+def start_run(
+    tmp_path, module: str | None, *bindings: str, env=None, gin: str = "tiny_grpo.gin"
+) -> subprocess.Popen:
+    """``polyrl train --debug [--import <module>]`` of the tiny GRPO (or ``gin``) in
+    ``tmp_path``."""
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--debug"]
     cmd += ["--import", module] if module else []
-    cmd += ["--gin_file", str(ROOT / "gin/experiments/tiny_grpo.gin")]
+    cmd += ["--gin_file", str(ROOT / "gin/experiments" / gin)]
     for b in (
         f"polyrl.RunConfig.run_dir = {str(tmp_path / 'run')!r}",
         "polyrl.RunConfig.tensorboard = False",
@@ -120,6 +125,91 @@ def test_debugger_attaches_to_remote_roles(tmp_path):
         out.count("[debug] log point rollout.generate rank 0 step None: len(requests) = 128") == 3
     )
     assert "[polyrl] done" in out
+
+
+ENV_AND_TOOL = textwrap.dedent(
+    """
+    from polyrl.data.tasks import register_task
+    from polyrl.envs import ToolEnv, register_env
+    from polyrl.envs.parsers import ParseResult
+    from polyrl.envs.tools import Tool, ToolCall
+
+    paused = set()
+
+
+    def double(x):
+        if x == "1" and "tool" not in paused:  # the second turn's call
+            paused.add("tool")
+            breakpoint()  # the line the debugger stops after
+        return str(2 * int(x))
+
+
+    DOUBLE = Tool(
+        "double",
+        "Doubles a number.",
+        {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+        double,
+        timeout_s=0.5,
+    )
+
+
+    @register_env("dbg/double")
+    class Doubler(ToolEnv):
+        tools = (DOUBLE,)
+
+        def parse(self, turn):  # every turn calls the tool with the turn's index
+            return ParseResult("", [ToolCall("double", {"x": str(turn.index)}, "")], [])
+
+        def step(self, turn):
+            if "step" not in paused:
+                paused.add("step")
+                breakpoint()
+            return super().step(turn)
+
+
+    register_task("dbg", "dbg/double", lambda rng: ("secret", "1"), "the debugger test's env")
+    """
+)
+
+
+@pytest.mark.slow
+def test_debugger_stops_in_an_env_step_and_in_a_tool(tmp_path):
+    """A breakpoint() in an environment's step and one in a tool it calls each pause in
+    the env worker (role ``env``) under --debug, with the locals of their frame; neither
+    the env timeout (1 s) nor the tool's (0.5 s) cuts the paused calls: every episode
+    plays its four turns, each tool call succeeds."""
+    (tmp_path / "dbg_env.py").write_text(ENV_AND_TOOL)
+    proc = start_run(
+        tmp_path,
+        "dbg_env",
+        "polyrl.RunConfig.total_steps = 1",
+        'polyrl.RunConfig.task = "dbg"',
+        "polyrl.EpisodeConfig.env_timeout_s = 1.0",
+        gin="tiny_multiturn.gin",
+    )
+    seen: list[str] = []
+    module = str(tmp_path / "dbg_env.py")
+    try:
+
+        def in_step(dap, frame, where, line):
+            assert where == module and frame["source"]["path"] == module
+            assert "turn" in dap.local_variables(frame["id"])
+            assert dap.evaluate("turn.index, sorted(paused)", frame["id"]) == "(0, ['step'])"
+
+        def in_tool(dap, frame, where, line):
+            assert where == module and frame["source"]["path"] == module
+            assert dap.evaluate("x, sorted(paused)", frame["id"]) == "('1', ['step', 'tool'])"
+
+        _inspect_and_continue(proc, seen, "env", in_step)
+        _inspect_and_continue(proc, seen, "env", in_tool)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-5000:]
+    (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["episode/finish/max_turns"] == 1.0, row  # no env_timeout
+    assert row["episode/tool_calls_mean"] == 4.0 and row["episode/tool_errors_mean"] == 0.0
 
 
 RAISING_REWARD = textwrap.dedent(

@@ -37,6 +37,9 @@
 #               SCALE_TESTS = another pytest -k expression)
 #   first_torch / first_jax  time to the first step of the GRPO experiment (first_step.py):
 #               cold (empty RunConfig.cache_dir) then warm (not in the default list; ~5 min each)
+#   gsm8k_tool  gin/experiments/gsm8k_tool.gin (multi-turn, Python tool) against the single-turn
+#               GSM8K GRPO step: step time and rollout tokens/s side by side (gsm8k_tool.py;
+#               random 0.5B shape; not in the default list; ~7 minutes)
 #   rollout_7b  the rollout bench on a random Qwen2.5-7B-shape model (random_model.py),
 #               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
@@ -199,6 +202,15 @@ for s in $sections; do
       --backend $backend --runs ${FIRST_RUNS:-cold,warm} --timeout 280 --cache-dir /tmp/polyrl-cache-$backend \
       --gin_param "polyrl.RunConfig.model_path = '$M'" --log-dir "$OUT/$s" \
       --json "$OUT/bench_$s.json" 2>&1 | tail -30 | tee -a "$OUT/summary.txt" ;;
+  gsm8k_tool)
+    # gin/experiments/gsm8k_tool.gin (episodes with the Python tool) against the single-turn
+    # gsm8k_grpo.gin step on the same synthetic GSM8K-format rows and a random 0.5B shape
+    # with 4096 positions: step time, generate time, rollout tokens/s (gsm8k_tool.py)
+    M4K=/tmp/models/qwen2-0.5b-random-4k
+    [ -d $M4K ] || python3 experiments/bench/random_model.py 0.5b $M4K --max-positions 4096 > "$OUT/make_0p5b_4k.log" 2>&1
+    timeout ${SECTION_TIMEOUT:-580} python3 experiments/bench/gsm8k_tool.py --model $M4K --steps ${GRPO_STEPS:-3} --skip 1 \
+      --timeout 400 --json "$OUT/bench_gsm8k_tool.json" > "$OUT/gsm8k_tool.log" 2>&1
+    tail -40 "$OUT/gsm8k_tool.log" | cut -c1-300 | tee -a "$OUT/summary.txt" ;;
   rollout_7b)
     M7=/tmp/models/qwen2-7b-random
     python3 experiments/bench/random_model.py 7b $M7 --max-positions 1024 > "$OUT/make_7b.log" 2>&1
@@ -231,7 +243,7 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool)" ;;
   esac
   pack_logs "$s"
 done

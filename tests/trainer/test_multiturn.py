@@ -88,6 +88,10 @@ def test_openai_client_agent_trains_through_polyrl_train(ray_session, tmp_path, 
     tokens per episode are what the client was told it got."""
     monkeypatch.syspath_prepend(str(ROOT / "experiments" / "own_agent"))
     run, steps, episodes = tmp_path / "agent", 2, 16 * 8  # prompts_per_step x n
+    import guess_agent  # what --import loads; its records start empty here
+
+    guess_agent.REPLIES.clear()
+    guess_agent.REWARDS.clear()
     train(
         [MULTITURN],
         _params(
@@ -95,8 +99,6 @@ def test_openai_client_agent_trains_through_polyrl_train(ray_session, tmp_path, 
         ),
         imports=["guess_agent"],
     )
-    import guess_agent
-
     rows = read_jsonl(run / "metrics.jsonl")
     assert len(rows) == steps and len(guess_agent.REWARDS) == steps * episodes
     replies = guess_agent.REPLIES

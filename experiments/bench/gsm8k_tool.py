@@ -67,7 +67,6 @@ def _cpu_bindings() -> list[str]:
         "polyrl.RunConfig.mini_batch_prompts = 8",
         "polyrl.SamplingSpec.n = 4",
         "polyrl.SamplingSpec.max_tokens = 16",
-        "polyrl.EpisodeConfig.max_episode_tokens = 200",
         "polyrl.RolloutConfig.max_model_len = 256",
         "polyrl.RolloutConfig.max_prompt_len = 128",
         "polyrl.RolloutConfig.max_num_batched_tokens = 8192",
@@ -120,6 +119,8 @@ def main(argv=None) -> dict:
                 [] if args.real_calls else ["polyrl.RunConfig.imports = ('gsm8k_every_turn',)"],
             ),
         }
+        if args.cpu:  # episodes within the tiny model's 256 positions
+            runs["multi_turn_tool"][2].append("polyrl.EpisodeConfig.max_episode_tokens = 200")
         for name, (gin, source, extra) in runs.items():
             train = write_dataset(
                 gsm8k_rows(args.rows, "train", source), f"{tmp}/{name}/train.parquet"

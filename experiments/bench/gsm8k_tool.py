@@ -119,8 +119,9 @@ def main(argv=None) -> dict:
                 [] if args.real_calls else ["polyrl.RunConfig.imports = ('gsm8k_every_turn',)"],
             ),
         }
-        if args.cpu:  # episodes within the tiny model's 256 positions
-            runs["multi_turn_tool"][2].append("polyrl.EpisodeConfig.max_episode_tokens = 200")
+        if args.cpu:  # episodes within the tiny model's 256 positions (the prompt with the
+            # env's system message is ~200 tokens: two turns of 16 fit)
+            runs["multi_turn_tool"][2].append("polyrl.EpisodeConfig.max_episode_tokens = 256")
         for name, (gin, source, extra) in runs.items():
             train = write_dataset(
                 gsm8k_rows(args.rows, "train", source), f"{tmp}/{name}/train.parquet"

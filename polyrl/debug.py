@@ -174,6 +174,9 @@ def _listen() -> tuple[str, int]:
         if _state["port"] is None:
             _, port = debugpy.listen((host, 0))
             _state["port"] = port
+            # debugpy's pydevd installs its own breakpointhook when imported (it is now):
+            # keep ours, or every breakpoint() after this first pause would be silent
+            sys.breakpointhook = user_breakpoint
             worker = _ray_worker()
             if worker is not None:
                 worker.set_debugger_port(port)

@@ -129,6 +129,72 @@ def test_conditional_breakpoint_and_log_point_through_dap(tmp_path):
     assert "loss 6.0" in rest
 
 
+TWO_BREAKPOINTS = textwrap.dedent(
+    """
+    import threading
+
+    from polyrl.debug import setup_worker
+
+    setup_worker("env", 0)
+
+
+    def step(turn):
+        breakpoint()  # the first pause of the process
+        return turn + 1
+
+
+    def tool(x):
+        breakpoint()  # the second: after debugpy is loaded, and in another thread
+        return 2 * x
+
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(tool=tool(step(1))))
+    thread.start()
+    thread.join()
+    print("result", result["tool"], flush=True)
+    """
+)
+
+
+def test_every_breakpoint_pauses_not_only_the_first(tmp_path):
+    """Two breakpoint() calls in one debugged process (an env step, then a tool in a
+    thread): both pause, each announced, and a debugger that stays attached stops at
+    both. debugpy installs its own breakpointhook when first loaded; the second pause
+    would be silent without ours."""
+    script = tmp_path / "env.py"
+    script.write_text(TWO_BREAKPOINTS)
+    env = {**os.environ, DEBUG_ENV: json.dumps(DebugConfig(enabled=True).__dict__)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    try:
+        dap = None
+        for name, value in (("turn", "1"), ("x", "2")):
+            m = wait_for_pause(proc, seen, timeout_s=60)
+            role, rank, where, line, host, port = m.groups()
+            assert (role, rank, where) == ("env", "0", str(script)), m.group(0)
+            if dap is None:  # attach once, as an IDE does, and stay attached
+                dap = DAPClient(host, int(port))
+                stopped = dap.attach()
+            else:
+                stopped = dap.event("stopped")
+            frame = dap.top_frame(stopped["threadId"])
+            assert frame["line"] == int(line) + 1  # the line after breakpoint()
+            assert dap.local_variables(frame["id"])[name] == value
+            dap.request("continue", threadId=stopped["threadId"])
+        dap.close()
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "result 4" in rest, "".join(seen) + rest
+
+
 def test_post_mortem_pauses_where_the_role_raised(tmp_path):
     proc = _role_process(DebugConfig(post_mortem=True), tmp_path / "role.py", raises=True)
     seen: list[str] = []

@@ -190,18 +190,24 @@ def test_debugger_stops_in_an_env_step_and_in_a_tool(tmp_path):
     seen: list[str] = []
     module = str(tmp_path / "dbg_env.py")
     try:
-
-        def in_step(dap, frame, where, line):
-            assert where == module and frame["source"]["path"] == module
-            assert "turn" in dap.local_variables(frame["id"])
-            assert dap.evaluate("turn.index, sorted(paused)", frame["id"]) == "(0, ['step'])"
-
-        def in_tool(dap, frame, where, line):
-            assert where == module and frame["source"]["path"] == module
-            assert dap.evaluate("x, sorted(paused)", frame["id"]) == "('1', ['step', 'tool'])"
-
-        _inspect_and_continue(proc, seen, "env", in_step)
-        _inspect_and_continue(proc, seen, "env", in_tool)
+        dap = None  # attached at the first pause and kept, as an IDE does
+        for expression, want in (
+            ("turn.index, sorted(paused)", "(0, ['step'])"),
+            ("x, sorted(paused)", "('1', ['step', 'tool'])"),
+        ):
+            m = wait_for_pause(proc, seen, timeout_s=240)
+            role, rank, where, line, host, port = m.groups()
+            assert (role, rank, host, where) == ("env", "0", "127.0.0.1", module), m.group(0)
+            if dap is None:
+                dap = DAPClient(host, int(port))
+                stopped = dap.attach()
+            else:
+                stopped = dap.event("stopped")
+            frame = dap.top_frame(stopped["threadId"])
+            assert frame["source"]["path"] == module
+            assert dap.evaluate(expression, frame["id"]) == want
+            dap.request("continue", threadId=stopped["threadId"])
+        dap.close()
         rest, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()

@@ -225,6 +225,10 @@ def _line(r: Mapping[str, Any]) -> str:
 def _wait_for_client() -> None:
     import debugpy
 
+    if debugpy.is_client_connected():  # a later pause, the debugger still attached: the
+        # record stays a few of the driver's 1 s polls so that it prints this pause too
+        threading.Timer(2.5, _attached).start()
+        return
     worker = _ray_worker()
     if worker is not None:
         with worker.worker_paused_by_debugger():

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,10 @@ def test_debugger_stops_in_an_env_step_and_in_a_tool(tmp_path):
     )
     seen: list[str] = []
     module = str(tmp_path / "dbg_env.py")
+    # a pause the driver never reports leaves the run silent, and the output reader
+    # waiting on it: end the run instead of hanging the test session
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
     try:
         dap = None  # attached at the first pause and kept, as an IDE does
         for expression, want in (
@@ -210,6 +215,7 @@ def test_debugger_stops_in_an_env_step_and_in_a_tool(tmp_path):
         dap.close()
         rest, _ = proc.communicate(timeout=300)
     finally:
+        watchdog.cancel()
         proc.kill()
     out = "".join(seen) + rest
     assert proc.returncode == 0, out[-5000:]

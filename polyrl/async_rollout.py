@@ -464,7 +464,7 @@ def streaming_problems(cfg: Any, spec: Any) -> list[str]:
         (spec.objective != "rl", f"algorithm {spec.name!r} ({spec.objective}) has no rollouts"),
         (
             cfg.episodes is not None,
-            "multi-turn episodes (RunConfig.episodes) are run in turn-batched rounds of their own",
+            "multi-turn episodes (RunConfig.episodes) run in an episode loop of their own",
         ),
         (spec.needs_greedy_baseline, "ReMax's greedy baseline is sampled per batch"),
     )

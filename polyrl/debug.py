@@ -49,7 +49,15 @@ from typing import Any
 from polyrl.role_table import Role
 from polyrl.timeline import record
 
-__all__ = ["DebugConfig", "DebugSession", "for_debugging", "place", "setup_worker", "DEBUG_ENV"]
+__all__ = [
+    "DebugConfig",
+    "DebugSession",
+    "debugging",
+    "for_debugging",
+    "place",
+    "setup_worker",
+    "DEBUG_ENV",
+]
 
 DEBUG_ENV = "POLYRL_DEBUG"  # the DebugConfig as JSON, in every worker's environment
 KV_PREFIX = "polyrl:debug:"
@@ -151,6 +159,13 @@ def setup_worker(role: str, rank: int) -> None:
     sys.breakpointhook = user_breakpoint
 
 
+def debugging() -> bool:
+    """Whether this process runs under ``--debug`` (``setup_worker`` found the config):
+    code that times out its own calls (an env worker's tools) waits instead, so a call
+    paused at a breakpoint is not cut while you step through it."""
+    return _state["config"] is not None
+
+
 def _listen() -> tuple[str, int]:
     """debugpy listening on DebugConfig.host (once per process); the port is registered
     with Ray so the dashboard and the VS Code extension list the worker."""
@@ -161,6 +176,9 @@ def _listen() -> tuple[str, int]:
         if _state["port"] is None:
             _, port = debugpy.listen((host, 0))
             _state["port"] = port
+            # debugpy's pydevd installs its own breakpointhook when imported (it is now):
+            # keep ours, or every breakpoint() after this first pause would be silent
+            sys.breakpointhook = user_breakpoint
             worker = _ray_worker()
             if worker is not None:
                 worker.set_debugger_port(port)
@@ -209,6 +227,10 @@ def _line(r: Mapping[str, Any]) -> str:
 def _wait_for_client() -> None:
     import debugpy
 
+    if debugpy.is_client_connected():  # a later pause, the debugger still attached: the
+        # record stays a few of the driver's 1 s polls so that it prints this pause too
+        threading.Timer(2.5, _attached).start()
+        return
     worker = _ray_worker()
     if worker is not None:
         with worker.worker_paused_by_debugger():
@@ -472,7 +494,8 @@ class DebugSession:
 
 def for_debugging(cfg: Any, flag: bool = False) -> Any:
     """``cfg`` with its DebugConfig on when ``flag`` (``--debug``), and, when debugging,
-    without the timeouts a paused worker would trip (rewards, rollout requests)."""
+    without the timeouts a paused worker would trip (rewards, rollout requests, env
+    steps and agents; tools wait too, see :func:`debugging`)."""
     debug = cfg.debug or DebugConfig()
     if flag and not debug.enabled:
         debug = dataclasses.replace(debug, enabled=True)
@@ -480,4 +503,9 @@ def for_debugging(cfg: Any, flag: bool = False) -> Any:
         return dataclasses.replace(cfg, debug=debug)
     year = 365 * 24 * 3600.0
     rollout = dataclasses.replace(cfg.rollout, request_timeout_s=year, ready_timeout_s=year)
-    return dataclasses.replace(cfg, debug=debug, reward_timeout_s=None, rollout=rollout)
+    episodes = cfg.episodes and dataclasses.replace(
+        cfg.episodes, env_timeout_s=year, agent_timeout_s=year
+    )
+    return dataclasses.replace(
+        cfg, debug=debug, reward_timeout_s=None, rollout=rollout, episodes=episodes
+    )

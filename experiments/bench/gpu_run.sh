@@ -41,6 +41,9 @@
 #               polyrl's RolloutServer on each engine: single-turn tokens/s and 4-turn
 #               episodes/s (async_engine.py; 0.5B, 64 x 8 x 512; ~9 minutes, not in the
 #               default list; AE_MODEL: another model directory, e.g. a 1.5B shape)
+#   gsm8k_tool  gin/experiments/gsm8k_tool.gin (multi-turn, Python tool) against the single-turn
+#               GSM8K GRPO step: step time and rollout tokens/s side by side (gsm8k_tool.py;
+#               random 0.5B shape; not in the default list; ~7 minutes)
 #   rollout_7b  the rollout bench on a random Qwen2.5-7B-shape model (random_model.py),
 #               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
@@ -213,6 +216,15 @@ for s in $sections; do
     timeout 280 python3 experiments/bench/async_engine.py "${common[@]}" --no-engine --server \
       --server-engines sync,async --repeats 2 --json "$OUT/bench_async_server.json" \
       2>> "$OUT/async_engine.log" | tee -a "$OUT/summary.txt" ;;
+  gsm8k_tool)
+    # gin/experiments/gsm8k_tool.gin (episodes with the Python tool) against the single-turn
+    # gsm8k_grpo.gin step on the same synthetic GSM8K-format rows and a random 0.5B shape
+    # with 4096 positions: step time, generate time, rollout tokens/s (gsm8k_tool.py)
+    M4K=/tmp/models/qwen2-0.5b-random-4k
+    [ -d $M4K ] || python3 experiments/bench/random_model.py 0.5b $M4K --max-positions 4096 > "$OUT/make_0p5b_4k.log" 2>&1
+    timeout ${SECTION_TIMEOUT:-580} python3 experiments/bench/gsm8k_tool.py --model $M4K --steps ${GRPO_STEPS:-3} --skip 1 \
+      --timeout 400 --json "$OUT/bench_gsm8k_tool.json" > "$OUT/gsm8k_tool.log" 2>&1
+    tail -40 "$OUT/gsm8k_tool.log" | cut -c1-300 | tee -a "$OUT/summary.txt" ;;
   rollout_7b)
     M7=/tmp/models/qwen2-7b-random
     python3 experiments/bench/random_model.py 7b $M7 --max-positions 1024 > "$OUT/make_7b.log" 2>&1
@@ -245,7 +257,7 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool)" ;;
   esac
   pack_logs "$s"
 done

@@ -125,7 +125,8 @@ class ToolEnv(Env):
     gets each call's result back as a ``tool`` message, a malformed call or a failing
     tool as an error message (counted in ``info["tool_errors"]``, never raised); a turn
     without calls is the model's answer, scored by :meth:`answer`. Subclass it and set
-    ``tools``, ``tool_parser`` and :meth:`answer` (and :meth:`reset`).
+    ``tools``, ``tool_parser`` and :meth:`answer` (and :meth:`reset`; :meth:`parse` for a
+    call format no registered parser reads).
 
     max_concurrency: calls of one turn run at most this many at once
     (``polyrl.envs.tools.run_tool_calls``).
@@ -135,14 +136,16 @@ class ToolEnv(Env):
     max_concurrency: int = 4
 
     def step(self, turn: Turn) -> StepResult:
-        from polyrl.envs.parsers import parse_tool_calls
+        from polyrl.debug import debugging
         from polyrl.envs.tools import run_tool_calls
 
-        parsed = parse_tool_calls(turn.text, self.tool_parser or "hermes")
+        parsed = self.parse(turn)
         if not parsed.calls and not parsed.errors:
             return self.answer(turn)
         tools = {tool.name: tool for tool in self.tools}
-        results = run_tool_calls(parsed.calls, tools, max_concurrency=self.max_concurrency)
+        results = run_tool_calls(  # under --debug a tool paused at a breakpoint is not cut
+            parsed.calls, tools, max_concurrency=self.max_concurrency, timeouts=not debugging()
+        )
         results += parsed.error_results()
         info = {
             "tool_calls": float(len(results)),
@@ -150,6 +153,13 @@ class ToolEnv(Env):
             "tool_seconds": float(sum(r.seconds for r in results)),
         }
         return StepResult([r.message() for r in results], self.called(turn, results), info=info)
+
+    def parse(self, turn: Turn) -> Any:
+        """The turn's calls (a ``polyrl.envs.parsers.ParseResult``): ``tool_parser``'s
+        reading of its text. Override it for a call format that needs the episode's state."""
+        from polyrl.envs.parsers import parse_tool_calls
+
+        return parse_tool_calls(turn.text, self.tool_parser or "hermes")
 
     def called(self, turn: Turn, results: Sequence[Any]) -> float:
         """The reward of a turn that called tools (``results``: its ToolResults); 0."""

@@ -95,6 +95,7 @@ class EpisodeRunner:
         episodes = self._reset(prompts, spec)
         asyncio.run(self._play(episodes, spec))
         self.envs.close([e.key for e in episodes if e.finish != "done"])
+        _check_sampled(episodes, self.config)
         if self.config.check_drift:
             for e in episodes:
                 self._check_drift(e)
@@ -300,3 +301,25 @@ class EpisodeRunner:
             out["episode/drift_share"] = len(drifted) / n
             out["episode/template_drift_share"] = sum(d["kind"] != "sampled" for d in drifted) / n
         return out
+
+
+def _check_sampled(episodes: list[Episode], config: EpisodeConfig) -> None:
+    """A batch in which no episode got to sample a token has nothing to train on: say
+    why (the episodes' finish reasons) instead of the trainer's empty-mask error."""
+    if any(e.ids for e in episodes):
+        return
+    reasons: dict[str, int] = {}
+    for e in episodes:
+        reasons[str(e.finish)] = reasons.get(str(e.finish), 0) + 1
+    first = next((e for e in episodes if e.detail), episodes[0])
+    hint = (
+        f"; the first messages (the env's reset, with its system message and tools) do not "
+        f"fit in EpisodeConfig.max_episode_tokens={config.max_episode_tokens}: raise it (and "
+        f"RolloutConfig.max_model_len) or shorten the prompt"
+        if "max_tokens" in reasons
+        else ""
+    )
+    raise RuntimeError(
+        f"no episode of the batch sampled a token: they ended {reasons} before the first "
+        f"turn (episode {first.index}: {first.finish}: {first.detail}){hint}"
+    )

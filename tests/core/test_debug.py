@@ -33,6 +33,26 @@ def test_config_errors_name_the_field():
     assert cfg.points("actor", "train_step") == []
 
 
+def test_debugging_lifts_the_timeouts_a_pause_would_trip(tmp_path):
+    """--debug: no reward, rollout, env-step or agent timeout cuts a paused call; without
+    it the configured ones stand."""
+    from polyrl.debug import for_debugging
+    from polyrl.envs import EpisodeConfig
+    from polyrl.launch import parse_config
+
+    params = [f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"]
+    cfg, _ = parse_config(["gin/experiments/tiny_multiturn.gin"], params)
+    assert cfg.episodes == EpisodeConfig(max_turns=4, max_episode_tokens=64, env_workers=1)
+    assert for_debugging(cfg).episodes == cfg.episodes  # no --debug: unchanged
+    debugged = for_debugging(cfg, flag=True)
+    assert debugged.debug.enabled and debugged.reward_timeout_s is None
+    year = 365 * 24 * 3600.0
+    assert debugged.episodes.env_timeout_s == debugged.episodes.agent_timeout_s == year
+    assert debugged.episodes.max_turns == 4 and debugged.rollout.request_timeout_s == year
+    single, _ = parse_config(["gin/experiments/tiny_grpo.gin"], params)
+    assert for_debugging(single, flag=True).episodes is None
+
+
 ROLE = textwrap.dedent(
     """
     import os
@@ -107,6 +127,72 @@ def test_conditional_breakpoint_and_log_point_through_dap(tmp_path):
         proc.kill()
     assert proc.returncode == 0, rest
     assert "loss 6.0" in rest
+
+
+TWO_BREAKPOINTS = textwrap.dedent(
+    """
+    import threading
+
+    from polyrl.debug import setup_worker
+
+    setup_worker("env", 0)
+
+
+    def step(turn):
+        breakpoint()  # the first pause of the process
+        return turn + 1
+
+
+    def tool(x):
+        breakpoint()  # the second: after debugpy is loaded, and in another thread
+        return 2 * x
+
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(tool=tool(step(1))))
+    thread.start()
+    thread.join()
+    print("result", result["tool"], flush=True)
+    """
+)
+
+
+def test_every_breakpoint_pauses_not_only_the_first(tmp_path):
+    """Two breakpoint() calls in one debugged process (an env step, then a tool in a
+    thread): both pause, each announced, and a debugger that stays attached stops at
+    both. debugpy installs its own breakpointhook when first loaded; the second pause
+    would be silent without ours."""
+    script = tmp_path / "env.py"
+    script.write_text(TWO_BREAKPOINTS)
+    env = {**os.environ, DEBUG_ENV: json.dumps(DebugConfig(enabled=True).__dict__)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    try:
+        dap = None
+        for name, value in (("turn", "1"), ("x", "2")):
+            m = wait_for_pause(proc, seen, timeout_s=60)
+            role, rank, where, line, host, port = m.groups()
+            assert (role, rank, where) == ("env", "0", str(script)), m.group(0)
+            if dap is None:  # attach once, as an IDE does, and stay attached
+                dap = DAPClient(host, int(port))
+                stopped = dap.attach()
+            else:
+                stopped = dap.event("stopped")
+            frame = dap.top_frame(stopped["threadId"])
+            assert frame["line"] == int(line) + 1  # the line after breakpoint()
+            assert dap.local_variables(frame["id"])[name] == value
+            dap.request("continue", threadId=stopped["threadId"])
+        dap.close()
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "result 4" in rest, "".join(seen) + rest
 
 
 def test_post_mortem_pauses_where_the_role_raised(tmp_path):

@@ -218,7 +218,7 @@ CASES = [
     ("env-task-without-episodes", GRPO, ["polyrl.RunConfig.task = 'guess'"],
      "RunConfig.task: task guess (train): data_source 'polyrl/guess' has no reward function"),
     ("reward-task-as-episodes", MULTITURN, ["polyrl.RunConfig.task = 'copy'"],
-     "data_source 'polyrl/copy' has no environment (['polyrl/calc', 'polyrl/guess'"),
+     "data_source 'polyrl/copy' has no environment (['openai/gsm8k', 'polyrl/calc', 'polyrl/guess'"),
     ("episode-longer-than-model-len", MULTITURN, ["polyrl.EpisodeConfig.max_episode_tokens = 100"],
      "EpisodeConfig.max_episode_tokens=100 is more than RolloutConfig.max_model_len=80"),
     ("turn-as-long-as-episode", MULTITURN, ["polyrl.SamplingSpec.max_tokens = 64"],

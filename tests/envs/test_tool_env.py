@@ -78,16 +78,41 @@ def test_a_hanging_tool_is_cut_at_its_timeout():
     assert "0.3" in out.observation[0]["content"]
 
 
-def test_calc_env_rewards_the_right_call_and_the_answer():
+def _slow() -> str:
+    time.sleep(0.3)
+    return "done"
+
+
+class Slow(ToolEnv):
+    tools = (Tool("slow", "Sleeps 0.3 s.", {"type": "object", "properties": {}}, _slow, 0.05),)
+
+
+def test_under_debug_a_tool_is_not_cut_at_its_timeout(monkeypatch):
+    """In a process under --debug (setup_worker found the config) ToolEnv waits for a
+    tool past its timeout_s: a tool paused at a breakpoint is not cut."""
+    from polyrl import debug
+
+    turn = _turn(_call("slow", "{}"))
+    assert "0.05" in Slow().step(turn).observation[0]["content"]  # cut at 0.05 s
+    monkeypatch.setitem(debug._state, "config", debug.DebugConfig(enabled=True))
+    out = Slow().step(turn)
+    assert out.observation[0]["content"] == "done" and out.info["tool_errors"] == 0
+
+
+def test_calc_env_rewards_the_answer_and_a_call_that_found_it():
+    row = {"prompt": [{"role": "user", "content": "37*8-291"}], "ground_truth": "5"}
     env = CalcEnv()
-    env.reset({"prompt": [{"role": "user", "content": "37*45"}], "ground_truth": "1665"})
-    call = env.step(_turn("37*45"))
-    assert call.observation == [{"role": "tool", "name": "calculator", "content": "1665"}]
-    assert call.reward == pytest.approx(0.3) and call.info["tool_calls"] == 1
-    assert env.step(_turn("37*45", 1)).reward == 0.0  # only the first call earns
-    assert env.step(_turn("1675", 2)) == StepResult(reward=0.75, done=True)  # 3 of 4 right
-    env.reset({"prompt": [{"role": "user", "content": "37*45"}], "ground_truth": "1665"})
-    assert env.step(_turn("37*4")).reward == pytest.approx(0.3 * 4 / 5)  # 4 of 5 copied
+    env.reset(row)
+    call = env.step(_turn(" =7"))  # a turn starting with "=" evaluates the question
+    assert call.observation == [{"role": "tool", "name": "calculator", "content": "5"}]
+    assert call.reward == 0.0 and not call.done and call.info["tool_calls"] == 1
+    assert env.step(_turn("5", 1)) == StepResult(reward=1.2, done=True)  # 1 + 0.2 for the call
+    env.reset(row)
+    assert env.step(_turn("5")) == StepResult(reward=1.0, done=True)  # no call: no 0.2
+    env.reset(row)
+    assert env.step(_turn("37*8")).observation[0]["content"] == "296"  # a typed expression
+    assert env.step(_turn("52", 1)) == StepResult(reward=0.5, done=True)  # 1 of 2 chars; no 0.2
+    assert env.step(_turn("=", 0)).reward == 0.0 and env.step(_turn("==", 1)).reward == 0.0
     assert arithmetic_calls("1665").calls == [] and arithmetic_calls("3+").calls == []
 
 

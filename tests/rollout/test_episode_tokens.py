@@ -263,6 +263,16 @@ def test_limits_end_episodes_with_their_reason(tokenizer, extra, limits, reason,
     assert m["episode/tool_latency_s"] == pytest.approx(0.1)
 
 
+def test_a_batch_with_no_sampled_token_names_why(tokenizer):
+    """Every prompt longer than max_episode_tokens: no episode gets a turn, and the run
+    stops naming the limit (not the trainer's "response_mask sums to 0")."""
+    config = EpisodeConfig(max_turns=2, max_episode_tokens=8, env_workers=0)
+    with pytest.raises(RuntimeError, match=r"ended \{'max_tokens': 2\} before the first turn"):
+        _one("test/endless", {}, config, tokenizer)
+    with pytest.raises(RuntimeError, match=r"EpisodeConfig.max_episode_tokens=8: raise it"):
+        _one("test/endless", {}, config, tokenizer)
+
+
 @register_env("test/faulty")
 class Faulty(Env):
     """Fails at turn 1 in the way extra_info["fault"] names; plays on otherwise."""

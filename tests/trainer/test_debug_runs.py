@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from dap_client import DAPClient, wait_for_pause
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from local_cluster import _free_ports, cluster_env, local_cluster  # noqa: E402
+
+from polyrl.metrics import read_jsonl  # noqa: E402
 
 ROOT = HERE.parents[1]
 
@@ -67,11 +70,14 @@ def _in_actor_forward(expression: str, want: str):
     return check
 
 
-def start_run(tmp_path, module: str | None, *bindings: str, env=None) -> subprocess.Popen:
-    """``polyrl train --debug [--import <module>]`` of the tiny GRPO in ``tmp_path``."""
+def start_run(
+    tmp_path, module: str | None, *bindings: str, env=None, gin: str = "tiny_grpo.gin"
+) -> subprocess.Popen:
+    """``polyrl train --debug [--import <module>]`` of the tiny GRPO (or ``gin``) in
+    ``tmp_path``."""
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--debug"]
     cmd += ["--import", module] if module else []
-    cmd += ["--gin_file", str(ROOT / "gin/experiments/tiny_grpo.gin")]
+    cmd += ["--gin_file", str(ROOT / "gin/experiments" / gin)]
     for b in (
         f"polyrl.RunConfig.run_dir = {str(tmp_path / 'run')!r}",
         "polyrl.RunConfig.tensorboard = False",
@@ -120,6 +126,96 @@ def test_debugger_attaches_to_remote_roles(tmp_path):
         out.count("[debug] log point rollout.generate rank 0 step None: len(requests) = 128") == 3
     )
     assert "[polyrl] done" in out
+
+
+ENV_AND_TOOL = textwrap.dedent(
+    """
+    from polyrl.data.tasks import register_task
+    from polyrl.envs import ToolEnv, register_env
+    from polyrl.envs.parsers import ParseResult
+    from polyrl.envs.tools import Tool, ToolCall
+
+    STOP_IN = "{where}"
+    paused = set()
+
+
+    def double(x):
+        if STOP_IN == "tool" and x == "1" and not paused:  # the second turn's call
+            paused.add("tool")
+            breakpoint()  # the line the debugger stops after
+        return str(2 * int(x))
+
+
+    DOUBLE = Tool(
+        "double",
+        "Doubles a number.",
+        {{"type": "object", "properties": {{"x": {{"type": "string"}}}}, "required": ["x"]}},
+        double,
+        timeout_s=0.5,
+    )
+
+
+    @register_env("dbg/double")
+    class Doubler(ToolEnv):
+        tools = (DOUBLE,)
+
+        def parse(self, turn):  # every turn calls the tool with the turn's index
+            return ParseResult("", [ToolCall("double", {{"x": str(turn.index)}}, "")], [])
+
+        def step(self, turn):
+            if STOP_IN == "step" and not paused:
+                paused.add("step")
+                breakpoint()
+            return super().step(turn)
+
+
+    register_task("dbg", "dbg/double", lambda rng: ("secret", "1"), "the debugger test's env")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "expression", "want"),
+    [("step", "turn.index, sorted(paused)", "(0, ['step'])"), ("tool", "x", "'1'")],
+)
+def test_debugger_stops_in_an_env_step_or_in_a_tool(tmp_path, where, expression, want):
+    """A breakpoint() in an environment's step, or in a tool it calls, pauses in the env
+    worker (role ``env``) under --debug, with the locals of its frame; neither the env
+    timeout (1 s) nor the tool's (0.5 s) cuts the paused call: every episode plays its
+    four turns, each tool call succeeds. (One pause a run: a later pause in the same
+    worker with the debugger still attached is not stopped at yet; docs/debugging.md.)"""
+    (tmp_path / "dbg_env.py").write_text(ENV_AND_TOOL.format(where=where))
+    proc = start_run(
+        tmp_path,
+        "dbg_env",
+        "polyrl.RunConfig.total_steps = 1",
+        'polyrl.RunConfig.task = "dbg"',
+        "polyrl.EpisodeConfig.env_timeout_s = 1.0",
+        gin="tiny_multiturn.gin",
+    )
+    seen: list[str] = []
+    module = str(tmp_path / "dbg_env.py")
+    # a pause the driver never reports leaves the run silent, and the output reader
+    # waiting on it: end the run instead of hanging the test session
+    watchdog = threading.Timer(600, proc.kill)
+    watchdog.start()
+    try:
+
+        def check(dap, frame, at, line):
+            assert at == module and frame["source"]["path"] == module
+            assert dap.evaluate(expression, frame["id"]) == want
+
+        _inspect_and_continue(proc, seen, "env", check)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    out = "".join(seen) + rest
+    assert proc.returncode == 0, out[-5000:]
+    (row,) = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["episode/finish/max_turns"] == 1.0, row  # no env_timeout
+    assert row["episode/tool_calls_mean"] == 4.0 and row["episode/tool_errors_mean"] == 0.0
 
 
 RAISING_REWARD = textwrap.dedent(

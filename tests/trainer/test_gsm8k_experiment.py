@@ -7,7 +7,7 @@ stopped vLLM-CPU's seeded sampling).
 
 from __future__ import annotations
 
-import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,32 +19,14 @@ from polyrl.validate import check_run
 
 GSM8K = "gin/experiments/gsm8k_grpo.gin"
 GSM8K_CPU = "gin/experiments/gsm8k_grpo_cpu.gin"
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+GSM8K_TOOL = "gin/experiments/gsm8k_tool.gin"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "bench"))
+from gsm8k_tool import gsm8k_rows  # noqa: E402  (synthetic rows in verl's GSM8K schema)
 
 
-def gsm8k_rows(n: int, split: str) -> list[dict]:
-    """Rows as verl's examples/data_preprocess/gsm8k.py writes them, with made-up word
-    problems (GSM8K's own text would be a download)."""
-    rng = random.Random(split)
-    rows = []
-    for i in range(n):
-        a, b = rng.randint(2, 60), rng.randint(2, 60)
-        question = f"Tom has {a} apples and buys {b} more. How many apples does he have?"
-        rows.append(
-            {
-                "data_source": "openai/gsm8k",
-                "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {"split": split, "index": i, "question": question},
-            }
-        )
-    return rows
-
-
-def _bindings(tmp_path: Path, model: Path, *extra: str) -> list[str]:
+def _bindings(tmp_path: Path, model: Path, *extra: str, rows: int = 32) -> list[str]:
     """The macros and run dir; everything else comes from gsm8k_grpo_cpu.gin."""
-    train = write_dataset(gsm8k_rows(32, "train"), tmp_path / "gsm8k" / "train.parquet")
+    train = write_dataset(gsm8k_rows(rows, "train"), tmp_path / "gsm8k" / "train.parquet")
     test = write_dataset(gsm8k_rows(8, "test"), tmp_path / "gsm8k" / "test.parquet")
     return [
         f"MODEL_PATH = {str(model)!r}",
@@ -86,6 +68,50 @@ def test_gsm8k_gpu_experiment_fails_on_the_tiny_model_by_name(tmp_path, tiny_mod
         f"SamplingSpec.max_tokens < 256, RolloutConfig.max_model_len = 256 and RolloutConfig."
         f"max_prompt_len <= 256 - max_tokens, or use a model with more positions"
     ]
+
+
+def test_gsm8k_tool_experiment_validates(tmp_path, tiny_model_dir, capsys):
+    """gin/experiments/gsm8k_tool.gin through validate-config on this CPU machine: the
+    GPU pool set to 0 GPUs, a copy of the tiny model's config with 4096 positions (its
+    episodes are 2048 tokens), 64 rows (a step's prompts). The rows' openai/gsm8k plays
+    the built-in Python-tool env, whose tool schema and parser pass the checks."""
+    import json
+    import shutil
+
+    from polyrl.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    argv = ["validate-config", "--gin_file", GSM8K_TOOL]
+    for binding in _bindings(
+        tmp_path, model, 'polyrl.RunConfig.pools = {"gpu": {"CPU": 2, "GPU": 0}}', rows=64
+    ):
+        argv += ["--gin_param", binding]
+    assert main(argv) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "100 steps x 64 prompts x n=8" in out
+    cfg, _ = parse_config([GSM8K_TOOL], _bindings(tmp_path, model, rows=64))
+    assert cfg.episodes.max_turns == 4 and cfg.episodes.max_episode_tokens == 2048
+    from polyrl.envs import ENVS, env_problems
+
+    assert ENVS["openai/gsm8k"].tools[0].name == "python" and env_problems("openai/gsm8k") == []
+    # on the tiny model's own 256 positions, the episode length is named
+    argv = [
+        "validate-config",
+        "--gin_file",
+        GSM8K_TOOL,
+        "--gin_param",
+        "polyrl.RunConfig.pools = {'gpu': {'CPU': 2, 'GPU': 0}}",
+    ]
+    for binding in _bindings(tmp_path, tiny_model_dir, rows=64):
+        argv += ["--gin_param", binding]
+    assert main(argv) != 0
+    assert (
+        "EpisodeConfig.max_episode_tokens=2048 is more than the model's max_position_embeddings=256"
+        in capsys.readouterr().err
+    )
 
 
 def test_missing_macro_is_named(tmp_path):

@@ -44,6 +44,7 @@ __all__ = [
     "GroupSlot",
     "get_backend",
     "get_engine",
+    "other_backend",
     "Bucket",
     "check_temperature",
     "tensor_split_problem",
@@ -127,7 +128,7 @@ class TrainEngine(Protocol):
 
     def set_weights(self, named: Mapping[str, Any]) -> None:
         """Replace every weight with full arrays (numpy) under HF names, as another
-        engine's ``export_weights`` gave them (the shadow check, ``polyrl.shadow``)."""
+        engine's ``export_weights`` gave them (the shadow check, ``polyrl.observe.shadow``)."""
 
     def save(self, path: str) -> None:
         """Checkpoint model, optimizer, schedule, RNG and step to directory ``path``."""
@@ -159,7 +160,7 @@ TENSOR_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate
 def tensor_split_problem(shape: Mapping[str, Any], tensor: int, where: str) -> str | None:
     """Why a model of ``shape`` (``checkpoints.model_shape``) cannot split over a
     ``tensor`` axis of this size (None: it can); ``where`` names the mesh binding. Both
-    validate-config (``polyrl.roles``) and an engine that starts on a bad mesh ask it."""
+    validate-config (``polyrl.cluster.roles``) and an engine that starts on a bad mesh ask it."""
     sizes = {k: shape.get(k) for k in TENSOR_SPLIT_KEYS}
     if not sizes["num_key_value_heads"]:  # multi-head attention: as many as query heads
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]
@@ -313,7 +314,7 @@ class ArrayBridge:
 class Backend:
     """A registry entry: the engine class (``"module:Class"``, imported lazily, so the
     core never imports torch or jax), the backend's process model, the framework whose
-    profiler records its workers (``polyrl.profiler``; ``RunConfig.profile_steps``), the
+    profiler records its workers (``polyrl.observe.profiler``; ``RunConfig.profile_steps``), the
     function (``"module:function"``, path -> ``polyrl.backends.exchange.Exchange``) that reads one of
     its engine checkpoints for the other backend (``polyrl.backends.exchange``), why
     ``ModelConfig.compile`` cannot run on a ``tensor`` axis (``compile_problem(compile,
@@ -355,6 +356,11 @@ def get_backend(name: str) -> Backend:
     if name not in ENGINES:
         raise ValueError(f"unknown backend {name!r}; registered backends: {sorted(ENGINES)}")
     return ENGINES[name]
+
+
+def other_backend(name: str) -> str:
+    """The registered backend that is not ``name`` (the shadow check's, polyrl.observe.shadow)."""
+    return next(other for other in ENGINES if other != name)
 
 
 def get_engine(name: str) -> type:

@@ -7,7 +7,7 @@
 source model; transformers and vLLM load the result like the source. Whatever
 ``export_weights`` returns is what is written, so an engine that trains adapters exports
 merged weights through the same path. Shared by the backends (the torch engine's
-``save_hf``) and the core (``polyrl.hf_export``, ``polyrl.workers``), like
+``save_hf``) and the core (``polyrl.configure.hf_export``, ``polyrl.cluster.workers``), like
 ``backends/buckets.py``; torch (which writes the safetensors) is imported lazily.
 """
 

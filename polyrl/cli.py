@@ -69,8 +69,8 @@ def _check_vllm(timeout_tokens: int = 4) -> str:
 
 def _doctor_cluster() -> bool:
     """GPU topology, and the Ray cluster's nodes when RAY_ADDRESS names one."""
-    from polyrl.cluster import connect, gpu_topology, ray_nodes
-    from polyrl.validate import ConfigError
+    from polyrl.cluster.doctor import connect, gpu_topology, ray_nodes
+    from polyrl.configure.validate import ConfigError
 
     topology = gpu_topology()
     print(f"  gpu topology  {topology[0]}")
@@ -207,7 +207,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def _load_config(args: argparse.Namespace):
     """The RunConfig bound by ``--gin_file``/``--gin_param`` (unvalidated)."""
-    from polyrl.launch import parse_config
+    from polyrl.configure.launch import parse_config
 
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
@@ -218,13 +218,13 @@ def _load_config(args: argparse.Namespace):
 
 
 def cmd_validate_config(args: argparse.Namespace) -> int:
-    from polyrl.validate import ConfigError, preflight
+    from polyrl.configure.validate import ConfigError, preflight
 
     what = ", ".join(args.gin_file)
     try:
         cfg, spec, warnings, arithmetic = preflight(_load_config(args))
         if args.mode == "cluster":
-            from polyrl.cluster import check_cluster
+            from polyrl.cluster.doctor import check_cluster
 
             lines, cluster_warnings = check_cluster(cfg, spec)
             arithmetic, warnings = arithmetic + lines, warnings + cluster_warnings
@@ -233,8 +233,8 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
         for warning in e.warnings:
             print(f"  WARNING {warning}", file=sys.stderr)
         return 1
+    from polyrl.configure.validate import rows_per_prompt
     from polyrl.role_table import Role, reference_in_actor, role_names
-    from polyrl.validate import rows_per_prompt
 
     roles = [
         *role_names(cfg, spec),
@@ -257,10 +257,10 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.checkpoints import CheckpointMismatch
+    from polyrl.cluster.reliability import RunStopped
+    from polyrl.configure.launch import train
+    from polyrl.configure.validate import ConfigError
     from polyrl.data.schema import DatasetError
-    from polyrl.launch import train
-    from polyrl.reliability import RunStopped
-    from polyrl.validate import ConfigError
 
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
@@ -304,11 +304,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from polyrl.metrics import PLOTTED, latest_metrics, phase_summary, plot_run, read_jsonl
-    from polyrl.trainer import COMPUTE_PHASES
+    from polyrl.loop.metrics import PLOTTED, latest_metrics, phase_summary, plot_run, read_jsonl
+    from polyrl.loop.trainer import COMPUTE_PHASES
 
     if Path(args.run_dir, "sweep.json").exists():
-        from polyrl.sweep import report
+        from polyrl.configure.sweep import report
 
         print(report(args.run_dir), end="")
         return 0
@@ -343,7 +343,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from polyrl.diagnose import diagnose, format_diagnosis
+    from polyrl.configure.diagnose import diagnose, format_diagnosis
 
     try:
         result = diagnose(args.run_dir, args.step)
@@ -355,7 +355,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from polyrl.checkpoints import CheckpointMismatch
-    from polyrl.hf_export import export_checkpoint
+    from polyrl.configure.hf_export import export_checkpoint
 
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
@@ -381,8 +381,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from polyrl.sweep import report, run_sweep
-    from polyrl.validate import ConfigError
+    from polyrl.configure.sweep import report, run_sweep
+    from polyrl.configure.validate import ConfigError
 
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/sweeps/tiny_grpo_lr.gin)")
@@ -531,8 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polyrl.ray_session import VERBOSE_ENV
-    from polyrl.user_code import UserCodeError, import_modules
+    from polyrl.cluster.ray_session import VERBOSE_ENV
+    from polyrl.cluster.user_code import UserCodeError, import_modules
 
     args = build_parser().parse_args(argv)
     if getattr(args, "verbose", False):

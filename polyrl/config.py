@@ -431,7 +431,7 @@ def _moved(field: str, value: object) -> str | None:
 class RunConfig:
     """One training run (``polyrl train``): resolved from gin on the driver, then frozen.
 
-    Batch arithmetic (checked by ``polyrl.validate``): each step samples
+    Batch arithmetic (checked by ``polyrl.configure.validate``): each step samples
     ``prompts_per_step`` prompts x ``sampling.n`` responses; the actor takes
     ``prompts_per_step / mini_batch_prompts`` optimizer steps per epoch, each on
     ``mini_batch_prompts * n`` samples split over its data-parallel shards and then into
@@ -447,7 +447,7 @@ class RunConfig:
       generated on the fly (``n_train_prompts`` of them). algo_overrides: AlgorithmSpec
       fields.
     val_files / n_val_prompts / eval_every / val_sampling: validation during training
-      (polyrl.evaluation, docs/training.md): every ``eval_every`` steps (0: off), and once
+      (polyrl.loop.evaluation, docs/training.md): every ``eval_every`` steps (0: off), and once
       before the first step and after the last, the held-out prompts of ``val_files``
       (without files: ``n_val_prompts`` ``task`` rows of the test split) are sampled with
       ``val_sampling`` (a SamplingSpec; None: greedy, one sample) and scored by the
@@ -467,7 +467,7 @@ class RunConfig:
       another role stay in host memory except during their phases, and rollout servers
       that share it sleep while the trainer works (with RolloutConfig.enable_sleep_mode).
       False: every engine stays resident. None: take turns unless everything fits side
-      by side on the GPUs, measured after start-up (``polyrl.residency``).
+      by side on the GPUs, measured after start-up (``polyrl.cluster.residency``).
     model_dtype / gradient_checkpointing / checkpoint_policy: the trained and reference
       engines' parameter dtype ("bfloat16" on GPU), activation checkpointing and what it
       keeps ("full": each layer's input only; "selective": also the matmul and attention
@@ -486,14 +486,14 @@ class RunConfig:
     weight_bucket_mb: the size of one weight-sync bucket (MiB). None: the transport's
       (``polyrl.weight_sync.bucket_bytes``: 1024 for CUDA IPC, 64 otherwise).
     max_staleness / stale_policy: how many policy versions a sample may lag the trainer
-      (``polyrl.async_rollout``): 0 synchronous (every batch sampled by the current
+      (``polyrl.loop.async_rollout``): 0 synchronous (every batch sampled by the current
       weights); N >= 1: the rollout servers generate batches up to N steps ahead while
       the actor trains (staleness <= N, logged as ``rollout/staleness_mean`` / ``_max``).
       Rows older than N (a checkpoint written with a larger N) are dropped with their
       group (``"drop"``) or kept for the off-policy correction (``"reweight"``).
       async_rollout: the former switch; True means max_staleness = 1.
     streaming: generate groups continuously and batch them as they finish, staleness
-      checked per sample (``polyrl.streaming``; docs/training.md "Streaming").
+      checked per sample (``polyrl.loop.streaming``; docs/training.md "Streaming").
       partial_rollout_tokens: with streaming, sample at most this many tokens a request and
       resume a cut sample from its tokens, so weights change between chunks (0: whole
       requests).
@@ -509,7 +509,7 @@ class RunConfig:
       model_path is filled from ``model_path`` when left empty).
     imports: user modules (``pkg.mod`` names) imported in the driver and in every Ray
       worker before anything runs, e.g. the module that registers an own reward or task
-      (``polyrl.user_code``); ``--import`` on the command line adds to them.
+      (``polyrl.cluster.user_code``); ``--import`` on the command line adds to them.
     reward_workers / reward_timeout_s: rule rewards run in this many Ray reward workers
       (``polyrl.rewards.workers``; 0: in the driver), each call checked and stopped after
       ``reward_timeout_s`` seconds (None: no limit).
@@ -517,24 +517,24 @@ class RunConfig:
       verifier, a sandbox) when polyrl starts Ray itself: Ray gets the pools' CPUs plus
       these. A task that waits for resources longer than a minute is reported.
     dump_every / dump_samples: every ``dump_every`` steps (0: never), write
-      ``dump_samples`` decoded samples to ``<run_dir>/rollouts.jsonl`` (``polyrl.dumps``).
+      ``dump_samples`` decoded samples to ``<run_dir>/rollouts.jsonl`` (``polyrl.loop.dumps``).
     shadow_every / shadow_tolerance: at step 1 and every ``shadow_every`` steps after it
       (0: never) the step's batch is scored again by the other backend with the actor's
       weights and compared three ways with vLLM's and the trainer's log-probs
-      (``polyrl.shadow``; docs/diagnosis.md); a side whose mean gap to both others
+      (``polyrl.observe.shadow``; docs/diagnosis.md); a side whose mean gap to both others
       exceeds ``shadow_tolerance`` (nats per token) while they agree is named in a warning.
     shadow_per_prompt: the check scores this many responses of each prompt (the first of
       its group; None: every response): the ``n`` samples of a prompt share its context, so
       more of them add little evidence and cost a forward each.
     timeline: write each phase of each role as spans to ``<run_dir>/timeline.json``
-      (Chrome/Perfetto trace, ``polyrl.timeline``).
+      (Chrome/Perfetto trace, ``polyrl.observe.timeline``).
     profile_steps: steps (1 = the first) during which every trainer role's worker (actor,
       reference, critic, reward model) runs under its framework's profiler
-      (``polyrl.profiler``: torch.profiler, jax.profiler); each step's traces go to
+      (``polyrl.observe.profiler``: torch.profiler, jax.profiler); each step's traces go to
       ``<run_dir>/profile/step_<k>/`` with ``summary.json`` (each worker's top ops).
     episodes: ``polyrl.envs.EpisodeConfig``: every row is a multi-turn episode played by
       the environment its ``data_source`` names (docs/agents.md); None: single-turn.
-    debug: ``polyrl.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
+    debug: ``polyrl.observe.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
       binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
     cache_dir: where compiled programs are kept across runs (``polyrl.compile_cache``:
       torch Inductor/Triton, JAX's persistent cache, vLLM's compile cache), shared safely
@@ -609,7 +609,7 @@ class RunConfig:
     debug: object = None
     cache_dir: str | None = "~/.cache/polyrl"
 
-    # Former fields -> the bindings that replace them (polyrl.bindings names them).
+    # Former fields -> the bindings that replace them (polyrl.configure.bindings names them).
     moved: ClassVar = staticmethod(_moved)
 
     def role_config(self, role: str) -> RoleConfig:

@@ -27,7 +27,7 @@ Points and where they fire:
   fails with ``ENOSPC`` / sees 0 bytes free;
 * ``temperature_scale@<backend>=<percent>``: every forward of that backend's engines
   scores at ``percent``/100 x the asked temperature (a wrong temperature on one side of
-  the three-way check, ``polyrl.shadow``); ``temperature_scale@rollout=<percent>``: the
+  the three-way check, ``polyrl.observe.shadow``); ``temperature_scale@rollout=<percent>``: the
   rollout servers sample (and report log-probs) at that temperature;
 * ``broken_mask@<backend>=1``: every forward of that backend's engines hides each row's
   first real token from attention (its attention mask 0 there: an off-by-one mask);

@@ -3,11 +3,11 @@
 Every module that needs to know which roles train, which carry a value head, which host
 an engine or where a role's settings live asks :data:`ROLE_TABLE` (or the tuples derived
 from it below) instead of listing role names again; :func:`role_names` says which roles
-a run starts. ``polyrl.roles`` builds a run's roles (pools, workers, engines) from this
+a run starts. ``polyrl.cluster.roles`` builds a run's roles (pools, workers, engines) from this
 table and a RunConfig.
 
 Imports nothing of polyrl: ``polyrl.config`` (ModelConfig, RunConfig), the backends and
-``polyrl.roles`` all import it (docs/design.md "Who may import whom").
+``polyrl.cluster.roles`` all import it (docs/design.md "Who may import whom").
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Role(enum.StrEnum):
 class RoleFacts:
     """What a role is, the same in every run.
 
-    kind: ``"engine"`` (Ray workers hosting a TrainEngine, ``polyrl.workers``),
+    kind: ``"engine"`` (Ray workers hosting a TrainEngine, ``polyrl.cluster.workers``),
       ``"rollout"`` (vLLM servers, ``polyrl.rollout.pool``), ``"reward"`` (rule-reward
       workers, ``polyrl.rewards.workers``) or ``"env"`` (environment workers,
       ``polyrl.envs.workers``).
@@ -84,7 +84,7 @@ ROLE_TABLE: dict[Role, RoleFacts] = {
     Role.REFERENCE: RoleFacts("engine", config="reference"),
     Role.ACTOR: RoleFacts("engine", trained=True, config="actor"),
     Role.CRITIC: RoleFacts("engine", trained=True, value_head=True, config="critic"),
-    # The shadow check's frozen scorer (polyrl.shadow), laid out as the reference.
+    # The shadow check's frozen scorer (polyrl.observe.shadow), laid out as the reference.
     Role.SHADOW: RoleFacts("engine", config="shadow", layout_of=Role.REFERENCE, other_backend=True),
 }
 

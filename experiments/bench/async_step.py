@@ -44,7 +44,7 @@ def run(gin: str, params: list[str], run_dir: Path, staleness: int, steps: int) 
     for b in bindings:
         cmd += ["--gin_param", b]
     subprocess.run(cmd, check=True)
-    from polyrl.metrics import read_jsonl
+    from polyrl.loop.metrics import read_jsonl
 
     return read_jsonl(run_dir / "metrics.jsonl")
 

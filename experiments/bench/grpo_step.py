@@ -4,7 +4,7 @@ Runs ``polyrl train`` on ``--gin`` (plus any ``--gin_param``) in a subprocess, r
 run's ``metrics.jsonl`` and prints, per phase, the mean seconds over the steps after the
 first ``--skip`` (warm-up: compilation, CUDA graphs, first allocations), the step time
 and the framework overhead (``time/overhead``: the step time outside every compute phase
-of ``polyrl.trainer.COMPUTE_PHASES``: generation, forward passes, training), each beside
+of ``polyrl.loop.trainer.COMPUTE_PHASES``: generation, forward passes, training), each beside
 its goal (issue 11: overhead <= 2% of the step; step <= 15 s for the shipped experiment
 on one H200). The limits to read the compute phases against are measured by
 ``train_step.py`` (training alone) and ``rollout.py`` (vLLM alone on the same rollout);
@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from polyrl.trainer import COMPUTE_PHASES
+from polyrl.loop.trainer import COMPUTE_PHASES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profiling import format_top, phase_table  # noqa: E402

@@ -168,7 +168,7 @@ def main(argv=None) -> dict:
 
 def _batch_rows(params: list[str], gin: str) -> int:
     """prompts_per_step x n of the run (the parsed config)."""
-    from polyrl.launch import parse_config
+    from polyrl.configure.launch import parse_config
 
     cfg, _ = parse_config([gin], params)
     return cfg.prompts_per_step * cfg.sampling.n

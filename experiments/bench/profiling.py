@@ -2,9 +2,9 @@
 short table of where its time goes.
 
 - torch / jax: the framework's profiler around one call (:func:`profile_call`) or inside
-  Ray actors (:func:`profile_actors`), by ``polyrl.profiler`` (what each writes, and how
+  Ray actors (:func:`profile_actors`), by ``polyrl.observe.profiler`` (what each writes, and how
   its table is made).
-- phases: a ``polyrl train`` run's ``timeline.json`` (``polyrl.timeline``: each phase of
+- phases: a ``polyrl train`` run's ``timeline.json`` (``polyrl.observe.timeline``: each phase of
   each role as spans), copied to ``DIR``, with each phase's share of the traced steps.
 
 Traces are of one step, so they stay a few MB and come back from a lent GPU machine.
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from polyrl import profiler
-from polyrl.profiler import summary
+from polyrl.observe import profiler
+from polyrl.observe.profiler import summary
 
 __all__ = ["profile_call", "profile_actors", "phase_table", "format_top"]
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from polyrl.metrics import read_jsonl
+from polyrl.loop.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 

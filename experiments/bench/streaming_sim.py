@@ -1,7 +1,7 @@
 """CPU simulation: step time of bounded-staleness rollout (``RunConfig.max_staleness``)
 against the synchronous loop and against the longer of generation and training alone.
 
-No GPU, no model: the real scheduler (``polyrl.async_rollout.Rollouts``, the class the
+No GPU, no model: the real scheduler (``polyrl.loop.async_rollout.Rollouts``, the class the
 trainer uses) drives a simulated rollout server and a simulated trainer that sleep for
 modelled durations (``--ms_per_s`` wall milliseconds per simulated second):
 
@@ -28,7 +28,7 @@ table, then one JSON object::
     python experiments/bench/streaming_sim.py
     python experiments/bench/streaming_sim.py --sigma 1.5 --staleness 0 1 2 4 8
 
-``--stream``: also the streaming scheduler (``polyrl.streaming.Stream``, the class the
+``--stream``: also the streaming scheduler (``polyrl.loop.streaming.Stream``, the class the
 trainer uses with ``RunConfig.streaming``) on the same responses, with whole requests
 and with ``--chunks`` tokens a request (partial rollouts): ``--group`` responses per
 prompt, a round of requests takes ``prefill_s`` (when it starts a new group; else
@@ -54,11 +54,11 @@ from pathlib import Path
 
 import numpy as np
 
-from polyrl.async_rollout import Rollouts
 from polyrl.batch import Batch
+from polyrl.loop.async_rollout import Rollouts
+from polyrl.loop.streaming import CHUNK_SEED_STRIDE, Stream
 from polyrl.rollout import SamplingSpec
 from polyrl.rollout.pool import RolloutPool
-from polyrl.streaming import CHUNK_SEED_STRIDE, Stream
 
 
 def lengths(j: int, a: argparse.Namespace) -> np.ndarray:
@@ -222,8 +222,8 @@ def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
 
 
 def tiny_curves(steps: int, stream: bool = False) -> dict:
-    from polyrl.launch import train
-    from polyrl.metrics import read_jsonl
+    from polyrl.configure.launch import train
+    from polyrl.loop.metrics import read_jsonl
 
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """Benchmark: what the per-worker timeline costs (docs/debugging.md "The timeline").
 
-Two numbers, on real Ray actors built like polyrl's role workers (``polyrl.timeline.Traced``
-with a ``polyrl.debug.place`` method, as EngineWorker, RewardWorker, RolloutServer):
+Two numbers, on real Ray actors built like polyrl's role workers (``polyrl.observe.timeline.Traced``
+with a ``polyrl.observe.debug.place`` method, as EngineWorker, RewardWorker, RolloutServer):
 
 - the cost ``place`` adds to one role method call (it records a span: two clock reads
   and a tuple appended), against the same method undecorated, in the worker;
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from polyrl.debug import place
-from polyrl.timeline import Timeline, Traced
+from polyrl.observe.debug import place
+from polyrl.observe.timeline import Timeline, Traced
 
 
 class Worker(Traced):

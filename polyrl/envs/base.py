@@ -136,8 +136,8 @@ class ToolEnv(Env):
     max_concurrency: int = 4
 
     def step(self, turn: Turn) -> StepResult:
-        from polyrl.debug import debugging
         from polyrl.envs.tools import run_tool_calls
+        from polyrl.observe.debug import debugging
 
         parsed = self.parse(turn)
         if not parsed.calls and not parsed.errors:

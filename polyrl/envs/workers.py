@@ -1,7 +1,7 @@
 """Env workers: the environments of many episodes at once, in light Ray actors.
 
 :class:`EnvPool` starts ``EpisodeConfig.env_workers`` :class:`EnvWorker` actors
-(a ``polyrl.groups.WorkerGroup``), each holding the env registry (``polyrl.envs.ENVS``) as the
+(a ``polyrl.cluster.groups.WorkerGroup``), each holding the env registry (``polyrl.envs.ENVS``) as the
 driver had it (the classes travel by pickle, so an env registered by an ``--import``
 module or a test plays the same in the workers; each is unpickled when an episode first
 needs it, so one a worker cannot import fails only its episodes). Episode ``key`` lives on worker
@@ -26,10 +26,10 @@ import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from polyrl.debug import setup_worker
+from polyrl.cluster.groups import Collect, Dispatch, WorkerGroup, register
+from polyrl.cluster.placement import Placement
 from polyrl.envs.base import ENVS, Env, StepResult, Turn
-from polyrl.groups import Collect, Dispatch, WorkerGroup, register
-from polyrl.placement import Placement
+from polyrl.observe.debug import setup_worker
 
 __all__ = ["EnvPool", "EnvWorker"]
 

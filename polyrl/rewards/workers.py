@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.debug import place, setup_worker
-from polyrl.groups import Collect, Dispatch, WorkerGroup, register
-from polyrl.placement import Placement
+from polyrl.cluster.groups import Collect, Dispatch, WorkerGroup, register
+from polyrl.cluster.placement import Placement
+from polyrl.observe.debug import place, setup_worker
+from polyrl.observe.timeline import Traced
 from polyrl.rewards.registry import REWARDS, RewardFn
-from polyrl.timeline import Traced
 
 __all__ = ["RewardError", "RewardPool", "RewardWorker", "check_reward", "score_items"]
 
@@ -134,7 +134,7 @@ class RewardWorker(Traced):
 
 
 class RewardPool:
-    """``num_workers`` reward actors (a ``polyrl.groups.WorkerGroup``; ``ray`` must be
+    """``num_workers`` reward actors (a ``polyrl.cluster.groups.WorkerGroup``; ``ray`` must be
     initialised). ``num_workers=0`` scores in the driver (no Ray), e.g. for a notebook or
     a unit test.
 

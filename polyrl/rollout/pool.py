@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from polyrl.batch import Batch, from_token_lists
-from polyrl.groups import WorkerGroup
+from polyrl.cluster.groups import WorkerGroup
 from polyrl.rollout.sampling import OVERLONG_POLICIES, RolloutConfig, SamplingSpec
 from polyrl.rollout.server import RolloutServer, StaleWeightsError, server_env
 from polyrl.weight_sync import SyncStats, WeightSyncer
@@ -84,7 +84,7 @@ class RolloutPool:
     """``config.num_servers`` :class:`RolloutServer` actors; call after ``ray.init``.
 
     placement: server index -> Ray actor options (resources and scheduling strategy,
-      e.g. ``polyrl.placement.Placement.options("rollout", i)``), replacing the
+      e.g. ``polyrl.cluster.placement.Placement.options("rollout", i)``), replacing the
       resources derived from the config; how a server joins a colocated GPU pool.
     """
 
@@ -285,7 +285,7 @@ class RolloutPool:
         and split over the servers as it splits one. A server that fails loses its share:
         those results are None (not retried) and the server is brought back to the pool's
         weight version before this returns. Returns the results per call and the servers
-        that failed (``polyrl.streaming``: only the episodes in flight there are lost)."""
+        that failed (``polyrl.loop.streaming``: only the episodes in flight there are lost)."""
         failed: set[int] = set()
 
         def lose(rank: int, index: list[int], error: BaseException) -> list[None]:

@@ -1,6 +1,6 @@
 """RolloutServer: one vLLM engine in one Ray actor, token ids in, token ids out.
 
-:class:`RolloutPool` starts this class as a ``polyrl.groups.WorkerGroup`` and talks to
+:class:`RolloutPool` starts this class as a ``polyrl.cluster.groups.WorkerGroup`` and talks to
 it; it is a plain class so a benchmark or a debugger can also run it in-process. vLLM is imported
 when a server starts, never when this module is imported (the controller imports it).
 
@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 
 from polyrl import faults
-from polyrl.debug import place, setup_worker
-from polyrl.groups import Collect, Dispatch, register
+from polyrl.cluster.groups import Collect, Dispatch, register
+from polyrl.observe.debug import place, setup_worker
+from polyrl.observe.timeline import Traced, record
 from polyrl.rollout.engines import make_engine
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
-from polyrl.timeline import Traced, record
 
 __all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "server_env"]
 

@@ -271,7 +271,7 @@ def test_polyrl_export_of_a_lora_run(backend, tiny_model_dir, tmp_path, capsys):
 
     from polyrl import checkpoints
     from polyrl.cli import main
-    from polyrl.hf_export import read_run_config
+    from polyrl.configure.hf_export import read_run_config
 
     eng = _engine(backend, tiny_model_dir)
     _steps(eng, _batch())

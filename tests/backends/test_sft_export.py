@@ -33,9 +33,9 @@ from polyrl.algos.registry import get_algorithm  # noqa: E402
 from polyrl.backends import get_engine  # noqa: E402
 from polyrl.batch import from_token_lists  # noqa: E402
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
+from polyrl.configure.hf_export import export_checkpoint  # noqa: E402
 from polyrl.data.loader import ChatSource  # noqa: E402
 from polyrl.data.tasks import make_chat_rows  # noqa: E402
-from polyrl.hf_export import export_checkpoint  # noqa: E402
 
 SFT = get_algorithm("sft")
 LOSS = SFT.make_actor_loss()
@@ -121,7 +121,7 @@ def _run_dir(tmp_path, backend, model_dir, steps=2):
         f'polyrl.RunConfig.model_path = "{model_dir}"\n'
         f'polyrl.RunConfig.run_dir = "{run}"\n'
     )
-    from polyrl.hf_export import read_run_config
+    from polyrl.configure.hf_export import read_run_config
 
     cfg = read_run_config(run)
     return run, checkpoints.run_manifest(cfg, SFT)

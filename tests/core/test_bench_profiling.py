@@ -28,7 +28,7 @@ def test_phase_table_sums_the_measured_steps(tmp_path):
         span("actor.sync_weights", 9, 14_000_000, 3_000_000, None),  # a worker's, no step
         span("generate", 0, 20_000_000, 9_000_000, 3),  # step 3: past last_step, left out
     ]
-    # A running run's file: the array is not closed yet (polyrl.timeline).
+    # A running run's file: the array is not closed yet (polyrl.observe.timeline).
     path = tmp_path / "timeline.json"
     path.write_text("[\n" + ",\n".join(json.dumps(e) for e in events))
     prof = phase_table(path, tmp_path / "prof", skip_steps=1, last_step=2)
@@ -69,7 +69,7 @@ def test_cuda_op_times_count_each_kernel_once():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import EventList, FunctionEvent
 
-    from polyrl.profiler import _torch_ops
+    from polyrl.observe.profiler import _torch_ops
 
     def event(i, name, start, end, device=DeviceType.CPU):
         return FunctionEvent(i, name, thread=0, start_us=start, end_us=end, use_device="cuda",

@@ -1,5 +1,5 @@
 """Run checkpoints on the real file system (polyrl/checkpoints.py) and the start-up checks
-of the run dir (polyrl/reliability.py): atomic saves, partial saves ignored then removed,
+of the run dir (polyrl/cluster/reliability.py): atomic saves, partial saves ignored then removed,
 manifest mismatches named, unwritable or full run dirs refused before any worker starts."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_fault_spec_errors_name_the_entry(monkeypatch):
 
 
 def test_nonfinite_guard_counts_consecutive_bad_steps(capsys):
-    from polyrl.reliability import NonFiniteGuard
+    from polyrl.cluster.reliability import NonFiniteGuard
 
     guard = NonFiniteGuard(limit=2)
     bad = {"actor/nonfinite_skipped": 0.5, "actor/loss": float("nan")}

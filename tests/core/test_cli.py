@@ -196,7 +196,7 @@ def test_train_into_a_used_run_dir_needs_resume_or_overwrite(tmp_path, capsys):
 
 
 def test_overwrite_deletes_a_runs_outputs_and_nothing_else(tmp_path):
-    from polyrl.reliability import RUN_OUTPUTS, clear_run_outputs
+    from polyrl.cluster.reliability import RUN_OUTPUTS, clear_run_outputs
 
     for name in ("checkpoints/step_1", "logs", "val_samples", "tensorboard", "models/tiny"):
         (tmp_path / name).mkdir(parents=True)

@@ -218,7 +218,7 @@ def test_cluster_checks_resources_versions_and_env(cluster, tmp_path):
     cluster.wait_for(3)
     run = _cluster_validate(cluster.address, tmp_path, pools)
     assert run.returncode == 1
-    from polyrl.cluster import versions
+    from polyrl.cluster.doctor import versions
 
     mismatch = f"has polyrl {FAKE_POLYRL} but the driver has {versions()['polyrl']}"
     assert run.stderr.count(mismatch) == 1, run.stderr  # only the faked node

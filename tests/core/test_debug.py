@@ -1,5 +1,5 @@
 """DebugConfig checks, and a headless DAP client against a role method paused by
-polyrl.debug in a plain process (no Ray: the same code path a Ray worker runs)."""
+polyrl.observe.debug in a plain process (no Ray: the same code path a Ray worker runs)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from dap_client import DAPClient, wait_for_pause
 
-from polyrl.debug import DEBUG_ENV, DebugConfig
+from polyrl.observe.debug import DEBUG_ENV, DebugConfig
 
 
 def test_config_errors_name_the_field():
@@ -36,9 +36,9 @@ def test_config_errors_name_the_field():
 def test_debugging_lifts_the_timeouts_a_pause_would_trip(tmp_path):
     """--debug: no reward, rollout, env-step or agent timeout cuts a paused call; without
     it the configured ones stand."""
-    from polyrl.debug import for_debugging
+    from polyrl.configure.launch import parse_config
     from polyrl.envs import EpisodeConfig
-    from polyrl.launch import parse_config
+    from polyrl.observe.debug import for_debugging
 
     params = [f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"]
     cfg, _ = parse_config(["gin/experiments/tiny_multiturn.gin"], params)
@@ -58,7 +58,7 @@ ROLE = textwrap.dedent(
     import os
     from types import SimpleNamespace
 
-    from polyrl.debug import place, setup_worker
+    from polyrl.observe.debug import place, setup_worker
 
     setup_worker("actor", 0)
 
@@ -133,7 +133,7 @@ TWO_BREAKPOINTS = textwrap.dedent(
     """
     import threading
 
-    from polyrl.debug import setup_worker
+    from polyrl.observe.debug import setup_worker
 
     setup_worker("env", 0)
 
@@ -221,7 +221,7 @@ def test_driver_prints_the_pause_and_repeats_nobody_attached():
     import ray
     from ray.experimental import internal_kv
 
-    from polyrl.debug import KV_PREFIX, DebugSession
+    from polyrl.observe.debug import KV_PREFIX, DebugSession
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     said: list[str] = []

@@ -1,4 +1,4 @@
-"""polyrl.groups.WorkerGroup on a real local Ray: each dispatch/collect mode puts the
+"""polyrl.cluster.groups.WorkerGroup on a real local Ray: each dispatch/collect mode puts the
 right items on the right rank and gives them back in order (the same in-process), a
 dead worker is named with its role, rank, node and process, Ray's restart is waited for,
 a failed rank can be replaced by the caller, and calls and start-ups time out with an
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from polyrl.batch import Batch
-from polyrl.groups import Collect, Dispatch, WorkerGroup, register
-from polyrl.reliability import WorkerDied
+from polyrl.cluster.groups import Collect, Dispatch, WorkerGroup, register
+from polyrl.cluster.reliability import WorkerDied
 
 
 class Echo:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from polyrl.batch import Batch
-from polyrl.dumps import RolloutDumps
-from polyrl.health import HealthMonitor, explained_variance, response_stats
-from polyrl.timeline import Timeline
+from polyrl.loop.dumps import RolloutDumps
+from polyrl.observe.health import HealthMonitor, explained_variance, response_stats
+from polyrl.observe.timeline import Timeline
 
 HEALTHY = {"actor/kl_loss": 0.1, "actor/entropy": 3.0, "time/generate": 0.5}
 

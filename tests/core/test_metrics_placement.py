@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from polyrl.metrics import Tracker, phase_summary, plot_run, read_jsonl
-from polyrl.placement import fit_problems, plan_shares
-from polyrl.roles import RoleSpec
+from polyrl.cluster.placement import fit_problems, plan_shares
+from polyrl.cluster.roles import RoleSpec
+from polyrl.loop.metrics import Tracker, phase_summary, plot_run, read_jsonl
 
 
 def test_tracker_resume_drops_steps_after_the_checkpoint(tmp_path):
@@ -137,7 +137,7 @@ def test_summary_plot_is_a_grid_without_validation_in_the_phase_times(tmp_path):
     first validation's 30 s bar. Now 3 columns x 2 rows, validation left out."""
     from PIL import Image
 
-    from polyrl.metrics import summary_figure
+    from polyrl.loop.metrics import summary_figure
 
     fig = summary_figure(_run_rows())
     shown = [ax for ax in fig.axes if ax.get_visible()]
@@ -170,7 +170,7 @@ def test_phase_summary_reports_the_start_up():
 def test_start_up_log_names_what_it_waits_for(capsys):
     import time
 
-    from polyrl.metrics import StartupLog
+    from polyrl.loop.metrics import StartupLog
 
     log = StartupLog(wait_s=0.05)
     with log.phase("rollout servers"):

@@ -100,7 +100,7 @@ def test_pool_scores_in_workers_in_order(ray_local):
 
 
 def test_pending_task_is_reported(ray_local):
-    from polyrl.health import watch_pending
+    from polyrl.observe.health import watch_pending
 
     ray = ray_local
     hog = ray.remote(lambda: time.sleep(30)).options(num_cpus=1).remote()  # takes the CPU

@@ -1,13 +1,13 @@
-"""The role table (polyrl.roles): built once from RunConfig + AlgorithmSpec; each
+"""The role table (polyrl.cluster.roles): built once from RunConfig + AlgorithmSpec; each
 backend's registry entry decides its process layout; validation names the binding."""
 
 import pytest
 
 from polyrl.algos import get_algorithm
+from polyrl.cluster.roles import build_roles, role_problems
 from polyrl.config import OptimConfig
-from polyrl.launch import parse_config
-from polyrl.roles import build_roles, role_problems
-from polyrl.validate import check_run
+from polyrl.configure.launch import parse_config
+from polyrl.configure.validate import check_run
 
 GRPO = "gin/experiments/tiny_grpo.gin"
 
@@ -121,7 +121,7 @@ def test_gpu_workers_pin_their_platform_whatever_the_driver_set(monkeypatch):
 @pytest.mark.parametrize(("given", "want"), [(None, None), (3.0, 3), (13.0, 13), (2.5, 3)])
 def test_a_local_ray_start_gets_a_whole_cpu_count(given, want):
     """Ray 2.60's raylet never registered when ray.init got num_cpus=13.0 on a GPU host."""
-    from polyrl.ray_session import local_cpus
+    from polyrl.cluster.ray_session import local_cpus
 
     got = local_cpus(given)
     assert got == want and (got is None or type(got) is int)
@@ -200,7 +200,7 @@ def test_lora_with_torch_tensor_parallelism_is_refused(tmp_path):
 
 
 def test_lora_binding_errors_name_the_binding(tmp_path):
-    from polyrl.validate import ConfigError
+    from polyrl.configure.validate import ConfigError
 
     with pytest.raises(ConfigError, match=r"LoraConfig.target_modules has 'qproj'.*'q_proj'"):
         parse_config(
@@ -347,9 +347,9 @@ def test_only_the_role_table_lists_roles():
     root = Path(__file__).resolve().parents[2]
     allowed = {
         "polyrl/role_table.py": "the table itself",
-        "polyrl/shadow.py": 'the check\'s sides ("rollout", "train", "shadow"), not roles',
+        "polyrl/observe/shadow.py": 'the check\'s sides ("rollout", "train", "shadow"), not roles',
         "polyrl/config.py": "_moved translates the former role_pools keys",
-        "polyrl/timeline.py": 'phases named "reward" and "reference", mapped to Role members',
+        "polyrl/observe/timeline.py": 'phases named "reward" and "reference", mapped to Role members',
     }
     found = [
         place

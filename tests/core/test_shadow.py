@@ -1,4 +1,4 @@
-"""polyrl.shadow's arithmetic on hand-made log-probs: the pairwise gaps, their buckets,
+"""polyrl.observe.shadow's arithmetic on hand-made log-probs: the pairwise gaps, their buckets,
 which side is named, the worst tokens, and the health warning that names the side."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polyrl import shadow
-from polyrl.health import HealthMonitor
+from polyrl.observe import shadow
+from polyrl.observe.health import HealthMonitor
 
 
 class _Tok:

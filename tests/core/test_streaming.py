@@ -1,4 +1,4 @@
-"""The streaming scheduler (polyrl.streaming) against rollout servers in miniature: the
+"""The streaming scheduler (polyrl.loop.streaming) against rollout servers in miniature: the
 staleness bound per sample, partial rollouts' per-token versions, staleness 0 as the
 synchronous schedule, a dead server's groups lost and counted, DAPO on a stream, and
 validate-config's checks of the combination. Real vLLM: tests/rollout/test_pool.py ("the
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from polyrl.algos import get_algorithm
-from polyrl.async_rollout import async_problems, streaming_problems
 from polyrl.batch import Batch
 from polyrl.config import OptimConfig, RoleConfig, RunConfig
+from polyrl.loop.async_rollout import async_problems, streaming_problems
+from polyrl.loop.streaming import CHUNK_SEED_STRIDE, Stream, multi_version_metrics
 from polyrl.rollout import SamplingSpec
 from polyrl.rollout.pool import RolloutPool
 from polyrl.rollout.sampling import RolloutConfig
-from polyrl.streaming import CHUNK_SEED_STRIDE, Stream, multi_version_metrics
 
 PROMPT_LEN = 3
 

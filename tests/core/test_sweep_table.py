@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from polyrl.cli import main
+from polyrl.cluster.placement import pool_bundles
 from polyrl.config import SweepConfig
-from polyrl.placement import pool_bundles
-from polyrl.sweep import rank, report, search_space, summarize, trial_name, write_results
+from polyrl.configure.sweep import rank, report, search_space, summarize, trial_name, write_results
 
 LR = "actor/polyrl.OptimConfig.lr"
 
@@ -157,7 +157,7 @@ def test_report_into_a_closed_pipe_ends_quietly(tmp_path):
 def test_optuna_search_or_a_clear_message_without_it():
     import importlib.util
 
-    from polyrl.sweep import _tune_config
+    from polyrl.configure.sweep import _tune_config
 
     cfg = SweepConfig(search="optuna", space={LR: {"loguniform": [1e-4, 1e-2]}})
     if importlib.util.find_spec("optuna") is None:
@@ -170,7 +170,7 @@ def test_optuna_search_or_a_clear_message_without_it():
 
 
 def test_the_shipped_sweep_file_binds():
-    from polyrl.launch import parse_config
+    from polyrl.configure.launch import parse_config
 
     sweep, _ = parse_config(["gin/sweeps/tiny_grpo_lr.gin"], root="polyrl.SweepConfig")
     assert sweep.scheduler == "asha" and list(sweep.bindings) == [LR]

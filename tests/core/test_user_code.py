@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.user_code import IMPORTS_ENV, UserCodeError, import_modules, runtime_env
+from polyrl.cluster.user_code import IMPORTS_ENV, UserCodeError, import_modules, runtime_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "experiments" / "own_task" / "min_digit.py"
@@ -80,7 +80,7 @@ def test_workers_get_the_cwd_and_the_module_names(tmp_path, monkeypatch):
     env = runtime_env(["a.b", "c"])
     assert str(tmp_path) in env["env_vars"]["PYTHONPATH"].split(os.pathsep)
     assert env["env_vars"][IMPORTS_ENV] == "a.b,c"
-    assert env["worker_process_setup_hook"] == "polyrl.user_code.setup_worker"
+    assert env["worker_process_setup_hook"] == "polyrl.cluster.user_code.setup_worker"
 
 
 def test_the_documented_example_is_the_tested_file():

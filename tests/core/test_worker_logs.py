@@ -1,9 +1,9 @@
-"""Which worker lines reach the terminal (polyrl.ray_session._WorkerLogs): all of them
+"""Which worker lines reach the terminal (polyrl.cluster.ray_session._WorkerLogs): all of them
 go to the run's logs/, only the ones that matter to the terminal."""
 
 from __future__ import annotations
 
-from polyrl.ray_session import _WorkerLogs
+from polyrl.cluster.ray_session import _WorkerLogs
 
 WEAKSET = [
     "Exception ignored in: <function WeakSet.__init__.<locals>._remove at 0x7f3a2c1e8ae0>",
@@ -38,7 +38,7 @@ def test_interpreter_shutdown_noise_stays_in_the_logs(tmp_path, capsys):
 
 def test_the_cpu_servers_chunked_prefill_notice_is_benign():
     """polyrl turns chunked prefill off on CPU (docs/rollout.md); vLLM warns at start."""
-    from polyrl.ray_session import worker_line_matters
+    from polyrl.cluster.ray_session import worker_line_matters
 
     notice = (
         "(MainProcess pid=30088) WARNING 12-03 09:15:21 [arg_utils.py:3005] This model does "

@@ -90,7 +90,7 @@ class Slow(ToolEnv):
 def test_under_debug_a_tool_is_not_cut_at_its_timeout(monkeypatch):
     """In a process under --debug (setup_worker found the config) ToolEnv waits for a
     tool past its timeout_s: a tool paused at a breakpoint is not cut."""
-    from polyrl import debug
+    from polyrl.observe import debug
 
     turn = _turn(_call("slow", "{}"))
     assert "0.05" in Slow().step(turn).observation[0]["content"]  # cut at 0.05 s

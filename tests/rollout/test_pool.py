@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from rollout_reference import LOGPROB_ATOL, hf_greedy, hf_log_probs, load_hf, prompts_batch, push
 
+from polyrl.loop.streaming import Stream
 from polyrl.rollout import SamplingSpec
-from polyrl.streaming import Stream
 from polyrl.weight_sync import iter_buckets
 
 
@@ -315,7 +315,7 @@ def test_engine_core_in_its_own_process_loads_pushed_weights(ray_session, padded
 
 
 # ------------------------------------------------------------------ the stream
-# polyrl.streaming on these servers: a partial rollout resumed from its tokens after a
+# polyrl.loop.streaming on these servers: a partial rollout resumed from its tokens after a
 # real weight push carries both versions, each chunk's log-probs those of the weights
 # that sampled it (a dead server's lost groups: tests/core/test_streaming.py).
 

@@ -24,12 +24,12 @@ class ServerStandIn:
 
 
 def layout(run_dir: str, params: list[str]) -> dict[str, list[dict]]:
-    from polyrl.groups import WorkerGroup
-    from polyrl.launch import parse_config, prepare
-    from polyrl.placement import Placement
-    from polyrl.roles import build_roles
+    from polyrl.cluster.groups import WorkerGroup
+    from polyrl.cluster.placement import Placement
+    from polyrl.cluster.roles import build_roles
+    from polyrl.cluster.workers import EngineWorker, engine_env
+    from polyrl.configure.launch import parse_config, prepare
     from polyrl.rollout.server import server_env
-    from polyrl.workers import EngineWorker, engine_env
 
     cfg, _ = parse_config(
         ["gin/experiments/tiny_grpo.gin"], [f"polyrl.RunConfig.run_dir = {run_dir!r}", *params]

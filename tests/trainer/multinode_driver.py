@@ -45,8 +45,8 @@ def main(backend: str, run_dir: str) -> None:
     """``backend`` may name a weight transport too: ``jax_pjit:nccl``."""
     import ray
 
-    from polyrl.launch import _components, parse_config, prepare
-    from polyrl.trainer import RLTrainer
+    from polyrl.configure.launch import _components, parse_config, prepare
+    from polyrl.loop.trainer import RLTrainer
 
     backend, _, transport = backend.partition(":")
     cfg, _ = parse_config([GRPO], _params(backend, run_dir, transport=transport or "object_store"))
@@ -80,11 +80,11 @@ def hsdp(run_dir: str) -> None:
     import ray
 
     from polyrl.batch import from_token_lists
+    from polyrl.cluster.placement import Placement
+    from polyrl.cluster.roles import RoleSpec
+    from polyrl.cluster.workers import EngineGroup
     from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
     from polyrl.data.tiny import ensure_tiny_model
-    from polyrl.placement import Placement
-    from polyrl.roles import RoleSpec
-    from polyrl.workers import EngineGroup
 
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     model = ModelConfig(str(ensure_tiny_model(Path(run_dir) / "models")))
@@ -127,8 +127,8 @@ def resume(run_dir: str) -> None:
     both runs' metrics rows."""
     from pathlib import Path
 
-    from polyrl.launch import train
-    from polyrl.metrics import read_jsonl
+    from polyrl.configure.launch import train
+    from polyrl.loop.metrics import read_jsonl
 
     more = ["polyrl.RunConfig.total_steps = 3", "polyrl.RunConfig.save_every = 2"]
     train([GRPO], [*_params("jax_pjit", run_dir, nodes=2), *more])

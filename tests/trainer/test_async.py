@@ -11,7 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyrl.async_rollout import (
+from polyrl.batch import Batch
+from polyrl.config import OptimConfig, RoleConfig, RunConfig
+from polyrl.configure.launch import train
+from polyrl.loop.async_rollout import (
     Rollouts,
     async_problems,
     mismatch_metrics,
@@ -19,10 +22,7 @@ from polyrl.async_rollout import (
     staleness_bound,
     staleness_metrics,
 )
-from polyrl.batch import Batch
-from polyrl.config import OptimConfig, RoleConfig, RunConfig
-from polyrl.launch import train
-from polyrl.metrics import phase_summary, read_jsonl
+from polyrl.loop.metrics import phase_summary, read_jsonl
 from polyrl.rollout.sampling import RolloutConfig
 
 GRPO = "gin/experiments/tiny_grpo.gin"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
 
 GIN = {
     "torch_fsdp": "gin/experiments/tiny_grpo.gin",

@@ -21,7 +21,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from local_cluster import _free_ports, cluster_env, local_cluster  # noqa: E402
 
-from polyrl.metrics import read_jsonl  # noqa: E402
+from polyrl.loop.metrics import read_jsonl  # noqa: E402
 
 ROOT = HERE.parents[1]
 
@@ -60,10 +60,10 @@ def _inspect_and_continue(proc, seen, expect_role, check) -> None:
 
 def _in_actor_forward(expression: str, want: str):
     """The check of a pause at the ``actor.forward if step == 1`` breakpoint: in
-    polyrl/workers.py at the reported line, step 1, ``expression`` evaluating to ``want``."""
+    polyrl/cluster/workers.py at the reported line, step 1, ``expression`` evaluating to ``want``."""
 
     def check(dap, frame, where, line):
-        assert where.endswith("polyrl/workers.py") and frame["line"] == line
+        assert where.endswith("polyrl/cluster/workers.py") and frame["line"] == line
         assert dap.local_variables(frame["id"])["step"] == "1"
         assert dap.evaluate(expression, frame["id"]) == want
 
@@ -312,7 +312,9 @@ def test_terminal_debugger_with_ray_debug_legacy(tmp_path):
     try:
         m = wait_for_pause(proc, seen, timeout_s=240)
         role, rank, where, line, host, port = m.groups()
-        assert (role, rank) == ("actor", "0") and where.endswith("polyrl/workers.py"), m.group(0)
+        assert (role, rank) == ("actor", "0") and where.endswith("polyrl/cluster/workers.py"), (
+            m.group(0)
+        )
         pdb = RemotePdb(host, int(port))
         assert f"workers.py({line})" in pdb.until_prompt()  # where pdb stopped
         assert pdb.do("p step").strip() == "1"

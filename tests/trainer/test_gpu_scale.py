@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyrl.launch import _components, parse_config, prepare
+from polyrl.configure.launch import _components, parse_config, prepare
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def gpu_ray():
 
 
 def _run(run_dir: Path, backend: str, mesh: dict) -> tuple[list[dict], dict]:
-    from polyrl.trainer import RLTrainer
+    from polyrl.loop.trainer import RLTrainer
 
     cfg, _ = parse_config(
         ["gin/experiments/tiny_grpo.gin"],

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
 
 pytestmark = pytest.mark.gpu
 GRPO = "gin/experiments/tiny_grpo.gin"

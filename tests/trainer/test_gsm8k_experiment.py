@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from polyrl.configure.launch import parse_config
+from polyrl.configure.validate import check_run
 from polyrl.data.formats import write_dataset
 from polyrl.data.schema import validate_file
-from polyrl.launch import parse_config
-from polyrl.validate import check_run
 
 GSM8K = "gin/experiments/gsm8k_grpo.gin"
 GSM8K_CPU = "gin/experiments/gsm8k_grpo_cpu.gin"
@@ -59,7 +59,7 @@ def test_gsm8k_gpu_experiment_fails_on_the_tiny_model_by_name(tmp_path, tiny_mod
 
     cfg, _ = parse_config([GSM8K], _bindings(tmp_path, tiny_model_dir))
     assert check_run(cfg, get_algorithm("grpo"), cluster=False) == []  # the CPU-free checks
-    from polyrl.validate import length_problems
+    from polyrl.configure.validate import length_problems
 
     assert length_problems(cfg) == [
         f"RolloutConfig.max_model_len=1024 is longer than the model's max_position_embeddings"
@@ -115,7 +115,7 @@ def test_gsm8k_tool_experiment_validates(tmp_path, tiny_model_dir, capsys):
 
 
 def test_missing_macro_is_named(tmp_path):
-    from polyrl.validate import ConfigError
+    from polyrl.configure.validate import ConfigError
 
     with pytest.raises(
         ConfigError, match=r"gin macro MODEL_PATH is not bound.*--gin_param .MODEL_PATH = "
@@ -127,8 +127,8 @@ def test_missing_macro_is_named(tmp_path):
 def test_gsm8k_experiment_runs_with_validation(tmp_path, tiny_model_dir):
     import ray
 
-    from polyrl.launch import train
-    from polyrl.metrics import read_jsonl
+    from polyrl.configure.launch import train
+    from polyrl.loop.metrics import read_jsonl
 
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

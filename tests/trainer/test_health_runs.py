@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
 from polyrl.rewards import REWARDS
 from polyrl.rewards.rules import positional_match
 from polyrl.rewards.workers import RewardError
@@ -194,7 +194,7 @@ def test_reward_always_zero_warns(tmp_path, capsys, reward_override):
 
 @pytest.mark.slow
 def test_nan_reward_stops_the_run_naming_the_source(tmp_path, reward_override):
-    from polyrl.validate import ConfigError
+    from polyrl.configure.validate import ConfigError
 
     # found before any worker starts: the reward scores a few rows first (issue 34)
     reward_override(lambda response, truth, extra=None: float("nan"))

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
 
 MULTITURN = "gin/experiments/tiny_multiturn.gin"
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Framework overhead: which engines take turns per placement (polyrl.residency), the
+"""Framework overhead: which engines take turns per placement (polyrl.cluster.residency), the
 overhead as the step time outside the union of the compute phases, and forwards of
 resident roles run at once with the same numbers as one after another."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from polyrl.algos import get_algorithm
-from polyrl.launch import parse_config
-from polyrl.metrics import PhaseTimer, covered, phase_summary
-from polyrl.placement import plan_shares
-from polyrl.residency import fits_resident, param_count, turn_roles
-from polyrl.roles import build_roles
+from polyrl.cluster.placement import plan_shares
+from polyrl.cluster.residency import fits_resident, param_count, turn_roles
+from polyrl.cluster.roles import build_roles
+from polyrl.configure.launch import parse_config
+from polyrl.loop.metrics import PhaseTimer, covered, phase_summary
 
 GPU_GRPO = "gin/experiments/gpu_grpo_0p5b.gin"
 GiB = 2**30
@@ -179,8 +179,8 @@ def test_ppo_forwards_at_once_equal_one_after_another(ray_session, tmp_path):
     """PPO has three forwards (reference, old log-probs, critic values): run at once (no
     turns, the CPU default) or one after another (turns forced on), every number is the
     same."""
-    from polyrl.launch import train
-    from polyrl.metrics import read_jsonl
+    from polyrl.configure.launch import train
+    from polyrl.loop.metrics import read_jsonl
 
     runs = {}
     for name, extra in (

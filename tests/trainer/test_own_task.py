@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from polyrl.metrics import read_jsonl
+from polyrl.loop.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,9 +17,9 @@ import itertools
 
 import pytest
 
-from polyrl.launch import parse_config, train
-from polyrl.metrics import read_jsonl
-from polyrl.validate import ConfigError, preflight
+from polyrl.configure.launch import parse_config, train
+from polyrl.configure.validate import ConfigError, preflight
+from polyrl.loop.metrics import read_jsonl
 
 GINS = {
     "torch_fsdp": "gin/experiments/tiny_grpo.gin",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from polyrl.cli import main
-from polyrl.launch import train
+from polyrl.configure.launch import train
 
 GIN = {
     "torch_fsdp": "gin/experiments/tiny_grpo.gin",

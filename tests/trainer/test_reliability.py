@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from polyrl import checkpoints, faults
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
-from polyrl.reliability import RunStopped
+from polyrl.cluster.reliability import RunStopped
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 GIN = {

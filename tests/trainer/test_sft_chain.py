@@ -10,8 +10,8 @@ from chat_eval import greedy_exact_match
 from safetensors.numpy import load_file
 
 from polyrl.cli import main
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
 
 SFT = "gin/experiments/tiny_sft.gin"
 

@@ -9,10 +9,10 @@ import json
 import pytest
 
 from polyrl import faults
-from polyrl.diagnose import diagnose, format_diagnosis
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
-from polyrl.shadow import PAIRS, SIDE_CODES
+from polyrl.configure.diagnose import diagnose, format_diagnosis
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
+from polyrl.observe.shadow import PAIRS, SIDE_CODES
 
 GRPO = "gin/experiments/tiny_grpo.gin"  # trains on torch_fsdp: the shadow is jax_pjit
 # fp32 on CPU: vLLM, torch and XLA kernels agree to ~1e-6 per token (docs/rollout.md,

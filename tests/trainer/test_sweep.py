@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.metrics import read_jsonl
+from polyrl.loop.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyrl.launch import parse_config, train
-from polyrl.metrics import read_jsonl
+from polyrl.configure.launch import parse_config, train
+from polyrl.loop.metrics import read_jsonl
 
 GRPO = "gin/experiments/tiny_grpo.gin"
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,8 +89,8 @@ def test_reference_log_probs_do_not_move_with_the_actor(ray_session, tmp_path, c
     """Isolation: the reference is its own frozen engine, not the actor's object; the
     run-time check after the first update stays quiet, and speaks up when the reference
     is (wrongly) the actor's own workers."""
-    from polyrl.launch import _components, prepare
-    from polyrl.trainer import RLTrainer
+    from polyrl.configure.launch import _components, prepare
+    from polyrl.loop.trainer import RLTrainer
 
     cfg, _ = parse_config([GRPO], _params(tmp_path / "iso", "polyrl.RunConfig.total_steps = 2"))
     cfg, spec = prepare(cfg)
@@ -158,9 +158,9 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
-    from polyrl.launch import _components, prepare
+    from polyrl.configure.launch import _components, prepare
+    from polyrl.loop.trainer import RLTrainer
     from polyrl.rewards import get_reward_fn
-    from polyrl.trainer import RLTrainer
 
     rm_dir = tmp_path / "reward_model"
     set_seed(7)  # a random, non-zero score head
@@ -222,8 +222,8 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
     step (a direct forward is refused). Without turns (the CPU default) the reference and
     old log-prob forwards run at once, with the same numbers as one after the other, and
     no reload, offload or sleep happens at all."""
-    from polyrl.launch import _components, prepare
-    from polyrl.trainer import RLTrainer
+    from polyrl.configure.launch import _components, prepare
+    from polyrl.loop.trainer import RLTrainer
 
     plain = tmp_path / "plain"
     train([GRPO], _params(plain, "polyrl.RunConfig.total_steps = 3"))

@@ -1,4 +1,4 @@
-"""Validation during training (polyrl.evaluation) on the tiny model: real vLLM, real Ray.
+"""Validation during training (polyrl.loop.evaluation) on the tiny model: real vLLM, real Ray.
 
 The run with validation must log val/ metrics at the configured steps and take exactly
 the training steps of the run without it."""
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.launch import parse_config, train
-from polyrl.metrics import read_jsonl
-from polyrl.validate import check_run
+from polyrl.configure.launch import parse_config, train
+from polyrl.configure.validate import check_run
+from polyrl.loop.metrics import read_jsonl
 
 GRPO = "gin/experiments/tiny_grpo.gin"
 GRPO_VAL = "gin/experiments/tiny_grpo_val.gin"  # the demo: GRPO + validation

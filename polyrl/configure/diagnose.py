@@ -7,7 +7,7 @@ host's devices, a world of one), and
 
 * recomputes the training backend's and the other backend's log-probs and entropy of the
   batch, next to vLLM's sampled ones saved in it: the same metrics and verdict as the
-  online check (``polyrl.shadow``), printed beside the online ones;
+  online check (``polyrl.observe.shadow``), printed beside the online ones;
 * runs one update of the run's actor loss on the saved batch on both backends and prints
   each one's loss and gradient norm (before clipping).
 
@@ -55,11 +55,12 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is first imported here
     from transformers import AutoTokenizer
 
-    from polyrl import shadow
-    from polyrl.async_rollout import load_batch
+    from polyrl.backends.base import other_backend
+    from polyrl.cluster.roles import build_roles
     from polyrl.config import ParallelConfig
-    from polyrl.launch import parse_config, prepare
-    from polyrl.roles import build_roles, other_backend
+    from polyrl.configure.launch import parse_config, prepare
+    from polyrl.loop.async_rollout import load_batch
+    from polyrl.observe import shadow
 
     run = Path(run_dir)
     stem = run / "shadow" / f"step_{step}"
@@ -133,7 +134,7 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
 
 def format_diagnosis(d: dict[str, Any]) -> str:
     """The table ``polyrl diagnose`` prints."""
-    from polyrl.shadow import PAIRS
+    from polyrl.observe.shadow import PAIRS
 
     on, off = d["online"]["metrics"], d["offline"]["metrics"]
     sides = d["sides"]

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.metrics import drop_steps_after
+from polyrl.loop.metrics import drop_steps_after
 
 __all__ = ["RolloutDumps", "dump_rows"]
 

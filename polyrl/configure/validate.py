@@ -12,10 +12,10 @@ import math
 import os
 from typing import Any
 
-from polyrl.async_rollout import async_problems
 from polyrl.config import RunConfig, closest
 from polyrl.errors import ConfigError
-from polyrl.evaluation import check_validation
+from polyrl.loop.async_rollout import async_problems
+from polyrl.loop.evaluation import check_validation
 
 __all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems", "closest"]
 
@@ -300,7 +300,7 @@ def check_cluster(cfg: RunConfig) -> list[str]:
             f"RAY_ADDRESS={address!r} is not host:port, 'auto' or 'local'; unset it for a local cluster"
         )
     elif address and address not in ("auto", "local"):
-        from polyrl.cluster import unreachable
+        from polyrl.cluster.doctor import unreachable
 
         problem = unreachable(address)
         out += [problem] if problem else []
@@ -323,7 +323,7 @@ def check_run(cfg: RunConfig, spec: Any, cluster: bool = True) -> list[str]:
         problems += _rollout_problems(cfg)
     problems += _placement_problems(cfg, spec)
     if cfg.backend in ENGINES:
-        from polyrl.roles import build_roles, role_problems
+        from polyrl.cluster.roles import build_roles, role_problems
 
         try:
             problems += role_problems(cfg, build_roles(cfg, spec))
@@ -413,26 +413,6 @@ def score_head(path: str) -> str | None:
     return f"is a {'/'.join(archs) or 'model'} checkpoint with no score head (config.json architectures)"
 
 
-def reference_moved(
-    before: Any, after: Any, role: str = "reference", tol: float = 1e-4
-) -> str | None:
-    """Run-time role isolation: the frozen ``role``'s log-probs of one batch, before and
-    after the first actor update. A warning when they moved (shared weights). The same
-    workers score the same batch deterministically; ``tol`` allows for GPU kernels whose
-    reductions are not bitwise reproducible."""
-    import numpy as np
-
-    diff = float(np.max(np.abs(np.asarray(before, np.float64) - np.asarray(after, np.float64))))
-    if diff <= tol:
-        return None
-    return (
-        f"WARNING: the {role} role's log-probs moved by up to {diff:.3g} after the first actor "
-        f"update (tolerance {tol:g}): the {role} is not a frozen, separate copy; check that it "
-        f"is built from RunConfig.model_path in its own workers and never receives the actor's "
-        f"weights"
-    )
-
-
 # ---------------------------------------------------------------- placement by hand
 _DEVICE_KEYS = ("devices", "device_ids", "gpu_ids", "cuda_visible_devices")
 _RESOURCE_NAMES = {"gpu": "GPU", "gpus": "GPU", "num_gpus": "GPU", "cpu": "CPU", "cpus": "CPU"}
@@ -471,7 +451,7 @@ def device_problems(cfg: RunConfig) -> list[str]:
                     f"chosen by hand ({reason}); give the pool a count, e.g. {{'GPU': 2}}"
                 )
     if cfg.rollout is not None and cfg.rollout.pool in cfg.pools:
-        from polyrl.roles import pool_shape
+        from polyrl.cluster.roles import pool_shape
 
         pool = cfg.rollout.pool
         shape = pool_shape(cfg.pools[pool])

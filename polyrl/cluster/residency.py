@@ -1,6 +1,6 @@
 """Which engines leave the GPU between their phases, and which roles' forwards overlap.
 
-Colocated roles (one pool, ``polyrl.placement``) may take turns on their GPUs: an engine
+Colocated roles (one pool, ``polyrl.cluster.placement``) may take turns on their GPUs: an engine
 lives in host memory except while a phase uses it, and the rollout servers sleep while
 the trainer works. That costs host <-> device copies every step, so it is done only where
 a placement needs it (``RunConfig.offload_colocated``):
@@ -75,8 +75,8 @@ def turn_roles(
     probe: Callable[[str], list[dict[str, Any] | None]],
 ) -> tuple[frozenset[str], bool]:
     """``(trainer roles that take turns, whether the rollout servers sleep)`` for this
-    run (module docstring): ``roles`` the role table (``polyrl.roles``), ``shares`` each
-    role's ``polyrl.placement.RoleShare``, ``probe(role)`` one ``{"gpu", "used", "total"}``
+    run (module docstring): ``roles`` the role table (``polyrl.cluster.roles``), ``shares`` each
+    role's ``polyrl.cluster.placement.RoleShare``, ``probe(role)`` one ``{"gpu", "used", "total"}``
     (or None) per worker of a started role (``WorkerGroup.gpu_memory``)."""
     shared = {r for r in roles if len(shares[r].colocated_with) > 1}  # rollout included
     trainers = sorted(r for r in shared if ROLE_TABLE[r].kind == "engine")

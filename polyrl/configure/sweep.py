@@ -4,7 +4,7 @@ Each trial is a full ``polyrl train`` process (gin bindings are per process) sta
 a Tune function trainable from the directory the user ran ``polyrl sweep`` in, so
 relative gin includes and train files resolve as they do for ``polyrl train``. The
 trial's Tune placement group holds one bundle for the trial driver plus its run's pools
-(:func:`polyrl.placement.pool_bundles`); the run places its workers inside it, so Tune
+(:func:`polyrl.cluster.placement.pool_bundles`); the run places its workers inside it, so Tune
 starts as many trials as the cluster holds and a stopped trial frees its workers.
 
 The sweep directory (``RunConfig.run_dir``)::
@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.metrics import read_jsonl
-from polyrl.placement import TRIAL_PG_ENV
+from polyrl.cluster.placement import TRIAL_PG_ENV
+from polyrl.loop.metrics import read_jsonl
 
 __all__ = [
     "run_sweep",
@@ -311,9 +311,9 @@ def _resources(cfg: Any) -> Any:
     """The trial's placement group: the driver's bundle + the bundles of its run's pools."""
     from ray import tune
 
-    from polyrl.launch import prepare
-    from polyrl.placement import pool_bundles
-    from polyrl.roles import build_roles
+    from polyrl.cluster.placement import pool_bundles
+    from polyrl.cluster.roles import build_roles
+    from polyrl.configure.launch import prepare
 
     cfg, spec = prepare(cfg)
     bundles, _ = pool_bundles(cfg.pools, {r.pool for r in build_roles(cfg, spec).values()})
@@ -325,10 +325,10 @@ def _precheck(
 ) -> Any:
     """Fail the whole sweep before any trial when a swept binding names nothing (a typo);
     a bad *value* fails only its trial, which records the error. Returns the base RunConfig."""
-    from polyrl.launch import parse_config
-    from polyrl.validate import ConfigError
+    from polyrl.configure.launch import parse_config
+    from polyrl.configure.validate import ConfigError
 
-    # Problems that mean the binding's name is wrong (polyrl.bindings' messages).
+    # Problems that mean the binding's name is wrong (polyrl.configure.bindings' messages).
     naming = ("no configurable named", "has no parameter", "is never used", "gin syntax error")
     base, _ = parse_config(gin_files, gin_params, imports=imports)
     for binding, spec in bindings.items():
@@ -378,8 +378,8 @@ def run_sweep(
     import ray
     from ray import tune
 
-    from polyrl.launch import find_gin, parse_config
-    from polyrl.ray_session import init_ray
+    from polyrl.cluster.ray_session import init_ray
+    from polyrl.configure.launch import find_gin, parse_config
 
     cwd = os.getcwd()
     gin_files = [str(find_gin(f)) for f in gin_files]

@@ -2,14 +2,14 @@
 
 How many actors a role starts, what each drives and how they form a collective group
 is the backend's process model (``polyrl.backends.base.ENGINES[...].process``, read
-through the role table ``polyrl.roles``): torch starts one actor per device (each a
+through the role table ``polyrl.cluster.roles``): torch starts one actor per device (each a
 torch.distributed rank), JAX one actor per host driving every local device of the
 role's mesh (hosts joined by jax.distributed). Worker 0 reports its node's address and
 a free port (``WorkerGroup.rendezvous``), and every worker joins the group from there.
 Actors receive frozen config dataclasses resolved on the driver — never gin, whose
 bindings do not reach other processes.
 
-An EngineGroup is a ``polyrl.groups.WorkerGroup``: creation, placement, dispatch,
+An EngineGroup is a ``polyrl.cluster.groups.WorkerGroup``: creation, placement, dispatch,
 dead-worker reports live there. Each EngineWorker method declares its dispatch:
 ``forward`` and ``train_step`` split a Batch into one equal shard per worker (forward
 outputs concatenated in order; train_step metrics are already all-reduced by the
@@ -26,11 +26,11 @@ import numpy as np
 
 from polyrl import faults
 from polyrl.batch import Batch
+from polyrl.cluster.groups import Calls, Collect, Dispatch, WorkerGroup, register
+from polyrl.cluster.roles import RoleSpec
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
-from polyrl.debug import place, setup_worker
-from polyrl.groups import Calls, Collect, Dispatch, WorkerGroup, register
-from polyrl.roles import RoleSpec
-from polyrl.timeline import Traced
+from polyrl.observe.debug import place, setup_worker
+from polyrl.observe.timeline import Traced
 
 __all__ = ["EngineGroup", "EngineWorker", "engine_env"]
 
@@ -183,14 +183,14 @@ class EngineWorker(Traced):
 
     def profile_start(self, out_dir: str, name: str) -> None:
         """Record what this worker runs from now on with its backend's profiler
-        (``polyrl.profiler``; ``RunConfig.profile_steps``) until :meth:`profile_stop`."""
-        from polyrl import profiler
+        (``polyrl.observe.profiler``; ``RunConfig.profile_steps``) until :meth:`profile_stop`."""
         from polyrl.backends.base import get_backend
+        from polyrl.observe import profiler
 
         self.recording = profiler.start(get_backend(self.backend).profiler, out_dir, name)
 
     def profile_stop(self) -> dict[str, Any]:
-        """End the recording; its trace's path and top ops (``polyrl.profiler.summary``)."""
+        """End the recording; its trace's path and top ops (``polyrl.observe.profiler.summary``)."""
         recording, self.recording = self.recording, None
         if recording is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: profile_stop without profile_start")
@@ -211,7 +211,7 @@ class EngineGroup(WorkerGroup):
     in one collective group. ``ray`` must be initialised by the caller.
 
     options: rank -> Ray actor options (resources, scheduling strategy, a
-      ``runtime_env`` with the worker's devices), e.g. ``polyrl.placement.Placement.options``;
+      ``runtime_env`` with the worker's devices), e.g. ``polyrl.cluster.placement.Placement.options``;
       default half a CPU per worker. env: extra environment for every worker.
     """
 
@@ -249,7 +249,7 @@ class EngineGroup(WorkerGroup):
 
     def submit_forward(self, batch: Batch, **kwargs: Any) -> Calls:
         """Start :meth:`forward` without waiting: forwards of roles on different devices
-        run at once (``polyrl.groups.gather``)."""
+        run at once (``polyrl.cluster.groups.gather``)."""
         return self.submit("forward", batch, **kwargs)
 
     def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:

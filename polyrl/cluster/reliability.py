@@ -46,7 +46,7 @@ class RunStopped(RuntimeError):
 
 class WorkerDied(RuntimeError):
     """A role's Ray worker died (killed, out of memory, crashed). ``where``: its node and
-    process, when known (``polyrl.groups.WorkerGroup.died``)."""
+    process, when known (``polyrl.cluster.groups.WorkerGroup.died``)."""
 
     def __init__(self, role: str, rank: int, cause: str, where: str = ""):
         at = f" on {where}" if where else ""

@@ -1,6 +1,6 @@
 """The entry points' gin layer: gin files -> a frozen, validated RunConfig -> a run.
 
-This module and polyrl/bindings.py (which names every binding problem) are the only ones
+This module and polyrl/configure/bindings.py (which names every binding problem) are the only ones
 that import gin (docs/design.md "Configuration"). The bound
 dataclasses — never gin — travel to the Ray workers.
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from polyrl.cluster.user_code import import_modules
 from polyrl.config import (
     LoraConfig,
     OptimConfig,
@@ -28,11 +29,10 @@ from polyrl.config import (
     RunConfig,
     SweepConfig,
 )
-from polyrl.user_code import import_modules
 
 __all__ = ["parse_config", "prepare", "train", "find_gin", "GIN_ROOT"]
 
-GIN_ROOT = Path(__file__).resolve().parents[1] / "gin"
+GIN_ROOT = Path(__file__).resolve().parents[2] / "gin"
 
 
 def _quiet_gin_lookups(record: logging.LogRecord) -> bool:
@@ -47,8 +47,8 @@ def _register() -> Any:
     if _quiet_gin_lookups not in logging.getLogger().filters:
         logging.getLogger().addFilter(_quiet_gin_lookups)
     from polyrl.data.tiny import TinyModelSpec
-    from polyrl.debug import DebugConfig
     from polyrl.envs import EpisodeConfig
+    from polyrl.observe.debug import DebugConfig
     from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
     for cls in (
@@ -83,7 +83,7 @@ def parse_config(
     before parsing and added to ``RunConfig.imports``, whose modules are imported too.
     """
     import_modules(imports)
-    from polyrl.bindings import bind
+    from polyrl.configure.bindings import bind
 
     _register()
     search = [GIN_ROOT, GIN_ROOT.parent]
@@ -104,9 +104,9 @@ def find_gin(name: str) -> Path:
 
 def prepare(cfg: RunConfig, reward_rows: dict | None = None) -> tuple[RunConfig, Any]:
     """Fill defaults that need the file system (the tiny model) and run every
-    validate-config check (``polyrl.validate.preflight``; ``reward_rows``: score the
+    validate-config check (``polyrl.configure.validate.preflight``; ``reward_rows``: score the
     rewards later); print its warnings."""
-    from polyrl.validate import preflight
+    from polyrl.configure.validate import preflight
 
     cfg, spec, warnings, _ = preflight(cfg, reward_rows)
     for warning in warnings:
@@ -122,19 +122,19 @@ def _components(
     import ray
     from transformers import AutoTokenizer
 
+    from polyrl.cluster.placement import Placement, trial_placement
+    from polyrl.cluster.ray_session import init_ray
+    from polyrl.cluster.roles import build_roles
+    from polyrl.configure.validate import raise_if_problems, reward_problems
     from polyrl.data.loader import source_for
-    from polyrl.debug import DebugSession
-    from polyrl.evaluation import validation_prompts
-    from polyrl.metrics import StartupLog
-    from polyrl.placement import Placement, trial_placement
-    from polyrl.ray_session import init_ray
-    from polyrl.roles import build_roles
+    from polyrl.loop.evaluation import validation_prompts
+    from polyrl.loop.metrics import StartupLog
+    from polyrl.observe.debug import DebugSession
     from polyrl.rollout import RolloutPool
-    from polyrl.validate import raise_if_problems, reward_problems
 
     startup = startup or StartupLog()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    from polyrl.validate import row_limit
+    from polyrl.configure.validate import row_limit
 
     kw = {
         "seed": cfg.seed,
@@ -193,15 +193,15 @@ def train(
     A run_dir that holds metrics or checkpoints needs ``resume`` (continue it) or
     ``overwrite`` (delete its outputs once the checks pass)."""
     from polyrl.checkpoints import check_resumable, latest_checkpoint, run_manifest
-    from polyrl.debug import for_debugging
-    from polyrl.metrics import StartupLog
-    from polyrl.reliability import (
+    from polyrl.cluster.reliability import (
         check_free_space,
         check_fresh_run_dir,
         check_run_dir,
         clear_run_outputs,
     )
-    from polyrl.trainer import LOOPS
+    from polyrl.loop.metrics import StartupLog
+    from polyrl.loop.trainer import LOOPS
+    from polyrl.observe.debug import for_debugging
 
     startup = StartupLog()  # from here to the first step (docs/training.md "Output")
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
@@ -221,7 +221,7 @@ def train(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
     )
     loop = LOOPS[spec.objective]
-    from polyrl.health import watch_pending
+    from polyrl.observe.health import watch_pending
 
     components = _components(cfg, spec, reward_rows, startup)
     trainer = loop(cfg, spec, components)

@@ -73,16 +73,16 @@ def runtime_env(imports: Iterable[str] = ()) -> dict[str, Any]:
             "PYTHONPATH": os.pathsep.join(sys.path),
             IMPORTS_ENV: ",".join(imports),
         },
-        "worker_process_setup_hook": "polyrl.user_code.setup_worker",
+        "worker_process_setup_hook": "polyrl.cluster.user_code.setup_worker",
     }
 
 
 def setup_worker() -> None:
     """Ray's worker setup hook: import the run's user modules (``POLYRL_IMPORTS``); with
     ``--debug``, ``breakpoint()`` in any worker of the run (a user's own Ray task too)
-    pauses through polyrl.debug, listening on DebugConfig.host (role ``task`` until a
+    pauses through polyrl.observe.debug, listening on DebugConfig.host (role ``task`` until a
     role worker's constructor names its role)."""
-    from polyrl.debug import setup_worker as setup_debugger
+    from polyrl.observe.debug import setup_worker as setup_debugger
 
     setup_debugger("task", 0)
     import_modules(os.environ.get(IMPORTS_ENV, "").split(","))

@@ -225,7 +225,7 @@ def _resource_problems(cfg: Any, nodes: list[dict[str, Any]]) -> list[str]:
     for n in nodes:
         for k, v in n["resources"].items():
             total[k] = total.get(k, 0.0) + v
-    from polyrl.roles import pool_shape
+    from polyrl.cluster.roles import pool_shape
 
     for name, res in cfg.pools.items():
         shape = pool_shape(res)

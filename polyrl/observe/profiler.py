@@ -9,7 +9,7 @@
   (or, on CPU, XLA's host threads) by name.
 
 ``RunConfig.profile_steps`` records the trainer roles' workers through whole steps with
-this (``polyrl.trainer``, ``EngineWorker.profile_start``); the benchmarks'
+this (``polyrl.loop.trainer``, ``EngineWorker.profile_start``); the benchmarks'
 ``--profile`` records single calls (experiments/bench/profiling.py). Imports its
 framework only when a recording starts.
 """

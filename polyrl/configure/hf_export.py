@@ -4,7 +4,7 @@
 model shape) and the run's ``operative_config.gin`` (``model_path``), loads the actor's
 checkpoint into that backend's engine in this process and writes its ``export_weights``
 with ``polyrl.backends.hf_dir.write_hf``, the writer the runs' own exports
-(``RunConfig.export_every`` / ``export_final``, ``polyrl.workers.EngineWorker.export_hf``)
+(``RunConfig.export_every`` / ``export_final``, ``polyrl.cluster.workers.EngineWorker.export_hf``)
 and the torch engine's ``save_hf`` use. Framework imports are lazy.
 """
 
@@ -21,7 +21,7 @@ __all__ = ["export_checkpoint", "read_run_config"]
 
 def read_run_config(run_dir: str | Path) -> Any:
     """The RunConfig a run was started with (its ``operative_config.gin``)."""
-    from polyrl.launch import parse_config
+    from polyrl.configure.launch import parse_config
 
     gin_file = Path(run_dir, "operative_config.gin")
     if not gin_file.is_file():
@@ -90,7 +90,7 @@ def export_checkpoint(
             "(polyrl.RunConfig.lora is None); export its full weights without the flag"
         )
     model_path = cfg.model_path
-    if model_path is None:  # the run trained the tiny model it built (polyrl.validate)
+    if model_path is None:  # the run trained the tiny model it built (polyrl.configure.validate)
         from polyrl.data.tiny import ensure_tiny_model
 
         model_path = str(ensure_tiny_model(run_dir / "models", cfg.tiny_model))

@@ -7,7 +7,7 @@ One step, as in the algorithm box::
     -> actor updates over mini-batches x epochs (and critic) -> weight sync
 
 Each arrow is a named stage of tens of lines, timed and logged as ``[phase] step N: X s``.
-Roles live in their own Ray workers (``polyrl.workers``): the reference is a separate
+Roles live in their own Ray workers (``polyrl.cluster.workers``): the reference is a separate
 frozen engine, never the actor's object (with LoRA: the actor's frozen base, scored with
 its adapters off). The run directory holds the operative config,
 ``metrics.jsonl``, TensorBoard events, checkpoints and ``summary.png``.
@@ -28,14 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from polyrl import checkpoints, reliability, shadow
-from polyrl.async_rollout import Rollouts, mismatch_metrics, staleness_bound
+from polyrl import checkpoints
 from polyrl.batch import Batch
+from polyrl.cluster import reliability
+from polyrl.cluster.groups import gather
+from polyrl.cluster.residency import turn_roles
+from polyrl.cluster.workers import EngineGroup
 from polyrl.config import RunConfig
-from polyrl.dumps import RolloutDumps
-from polyrl.groups import gather
-from polyrl.health import HealthMonitor, explained_variance, response_stats
-from polyrl.metrics import (
+from polyrl.loop.async_rollout import Rollouts, mismatch_metrics, staleness_bound
+from polyrl.loop.dumps import RolloutDumps
+from polyrl.loop.metrics import (
     PhaseTimer,
     StartupLog,
     Tracker,
@@ -44,11 +46,11 @@ from polyrl.metrics import (
     plot_run,
     read_jsonl,
 )
-from polyrl.residency import turn_roles
+from polyrl.observe import shadow
+from polyrl.observe.health import HealthMonitor, explained_variance, response_stats
+from polyrl.observe.timeline import Timeline
 from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.role_table import ENGINE_ROLES, ROLE_TABLE, Role, reference_in_actor
-from polyrl.timeline import Timeline
-from polyrl.workers import EngineGroup
 
 __all__ = ["Loop", "RLTrainer", "PreferenceTrainer", "SFTTrainer", "LOOPS"]
 
@@ -88,14 +90,14 @@ class Loop(abc.ABC):
         self.reference = self._group(Role.REFERENCE) if Role.REFERENCE in self.roles else None
         self.critic = None
         self.turns = Turns()  # RLTrainer: colocated roles take turns on shared GPUs
-        self.evaluator = None  # RLTrainer with validation data: polyrl.evaluation
+        self.evaluator = None  # RLTrainer with validation data: polyrl.loop.evaluation
         self.start_step = 0
 
     @property
     def ref_scorer(self) -> tuple[EngineGroup, dict[str, Any]] | None:
         """Who scores reference log-probs, and with which forward arguments: the reference
         role, or with LoRA the actor's frozen base with its adapters off
-        (``polyrl.roles.reference_in_actor``); None without a reference."""
+        (``polyrl.cluster.roles.reference_in_actor``); None without a reference."""
         if self.reference is not None:
             return self.reference, {}
         if reference_in_actor(self.cfg, self.spec):
@@ -128,7 +130,7 @@ class Loop(abc.ABC):
     def check_reference(self, batch: Batch, kwargs: dict[str, Any]) -> None:
         """Role isolation at run time (docs/validation.md): after the first actor update,
         the reference scores the same batch again; a warning names it if it moved."""
-        from polyrl.validate import reference_moved
+        from polyrl.observe.health import reference_moved
 
         group, extra = self.ref_scorer
         with self.turns.resident(group):
@@ -160,7 +162,7 @@ class Loop(abc.ABC):
         return out + [(Role.REWARD, i, w) for i, w in enumerate(rewards.workers if rewards else ())]
 
     def _group(self, role: str) -> EngineGroup:
-        """Start ``role`` from the run's role table (``polyrl.roles``)."""
+        """Start ``role`` from the run's role table (``polyrl.cluster.roles``)."""
         spec = self.roles[role]
         if not ROLE_TABLE[role].value_head:  # it scores tokens
             model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
@@ -386,7 +388,7 @@ class RLTrainer(Loop):
         roles, sleeps = turn_roles(cfg, self.roles, self.placement.shares, self._gpu_memory)
         self.turns = Turns(roles, self.pool, sleeps, self.timer)
         if components.val_prompts is not None:
-            from polyrl.evaluation import Evaluator
+            from polyrl.loop.evaluation import Evaluator
 
             generate = self.episodes.generate if self.episodes else self.pool.generate
             self.evaluator = Evaluator(
@@ -408,9 +410,9 @@ class RLTrainer(Loop):
         )
 
     def _stream(self, on_span: Any) -> Any:
-        """RunConfig.streaming: groups generated continuously (``polyrl.streaming``)."""
+        """RunConfig.streaming: groups generated continuously (``polyrl.loop.streaming``)."""
         from polyrl.algos.dapo import dynamic_sampling_mask
-        from polyrl.streaming import Stream
+        from polyrl.loop.streaming import Stream
 
         def accept(batch: Batch) -> tuple[Batch, np.ndarray]:
             batch = self.reward(batch)
@@ -512,7 +514,7 @@ class RLTrainer(Loop):
 
     def score(self, batch: Batch, actor_turn: contextlib.ExitStack) -> Batch:
         """Reference log-probs, old log-probs (with entropy) and values. Forwards of roles
-        that stay resident (``polyrl.residency``) run at once, each timed from their common
+        that stay resident (``polyrl.cluster.residency``) run at once, each timed from their common
         start to its own result; roles taking turns run one after another, reloaded around
         their forward (the actor stays on ``actor_turn`` for the update)."""
         kw = {"temperature": self.temperature}
@@ -563,14 +565,14 @@ class RLTrainer(Loop):
         return batch.with_columns(columns)
 
     def shadow_check(self, step: int, batch: Batch) -> dict[str, float]:
-        """The three-way check (``polyrl.shadow``, ``RunConfig.shadow_every``): the
+        """The three-way check (``polyrl.observe.shadow``, ``RunConfig.shadow_every``): the
         shadow engine (the other backend) gets the actor's weights and scores the batch;
         its log-probs, vLLM's and the actor's are compared on the first
         ``shadow_per_prompt`` responses of each prompt. Writes
         ``<run_dir>/shadow/step_<N>.json`` (metrics, verdict, worst tokens) and the batch
         with the three sides' columns (``step_<N>_batch.npz/.json``, for ``polyrl
         diagnose``)."""
-        from polyrl.async_rollout import save_batch
+        from polyrl.loop.async_rollout import save_batch
 
         if self.cfg.shadow_per_prompt is not None and "group_ids" in batch:
             per, workers = self.cfg.shadow_per_prompt, self.shadow.num_workers
@@ -731,7 +733,7 @@ class RLTrainer(Loop):
         )
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
-        if "values" in batch:  # health checks of the critic (polyrl.health)
+        if "values" in batch:  # health checks of the critic (polyrl.observe.health)
             metrics["critic/explained_variance"] = explained_variance(
                 batch["values"], returns, mask
             )
@@ -784,7 +786,7 @@ class RLTrainer(Loop):
 
 class Turns:
     """Colocated roles taking turns on shared GPUs (docs/design.md "Placement"), only where the
-    placement needs it (``polyrl.residency.turn_roles``).
+    placement needs it (``polyrl.cluster.residency.turn_roles``).
 
     A trainer role in ``roles`` lives in host memory except while a phase uses it
     (``resident``: reload, run, offload); the others stay resident. With ``sleeps`` the

@@ -21,7 +21,7 @@ result is evaluated after the call, the others before it.
 A paused process listens for a debugger (Debug Adapter Protocol, debugpy) on
 ``DebugConfig.host`` (127.0.0.1 unless you open it) and the driver prints::
 
-    [debug] actor rank 0 paused at /path/polyrl/workers.py:71; attach to 127.0.0.1:40123
+    [debug] actor rank 0 paused at /path/polyrl/cluster/workers.py:71; attach to 127.0.0.1:40123
 
 then waits, repeating ``nobody attached`` every ``report_every_s`` seconds. The paused
 frame's locals are the method's arguments (and ``step``, ``rank``, ``result``), at the
@@ -46,8 +46,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from polyrl.observe.timeline import record
 from polyrl.role_table import Role
-from polyrl.timeline import record
 
 __all__ = [
     "DebugConfig",
@@ -70,7 +70,7 @@ RESULT_ALIAS = {
     "generate": "outputs",
 }
 
-log = logging.getLogger("polyrl.debug")
+log = logging.getLogger("polyrl.observe.debug")
 
 
 def _parse_place(place: str, owner: str) -> tuple[str, str]:
@@ -371,7 +371,7 @@ def _needs_result(expr: str | None, method: str) -> bool:
 def place(method: str) -> Callable[[Callable], Callable]:
     """Decorator of a role worker method: the breakpoints, log points and post-mortem of
     ``<role>.<method>`` (role from :func:`setup_worker`), a no-op without ``--debug``;
-    and, always, the call's span for the run's timeline (``polyrl.timeline.record``)."""
+    and, always, the call's span for the run's timeline (``polyrl.observe.timeline.record``)."""
 
     def deco(fn: Callable) -> Callable:
         @functools.wraps(fn)

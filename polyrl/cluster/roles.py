@@ -3,8 +3,8 @@
 ``build_roles(cfg, spec)`` turns a RunConfig and an AlgorithmSpec into one
 :class:`RoleSpec` per role the run starts (actor, rollout, reference, critic,
 reward_model, shadow), from the role vocabulary and its facts (``polyrl.role_table``:
-which roles train, carry a value head, where their settings live). Validation (:func:`role_problems`), placement (``polyrl.placement``), the
-workers (``polyrl.workers``) and the trainer all read this table, so none of them
+which roles train, carry a value head, where their settings live). Validation (:func:`role_problems`), placement (``polyrl.cluster.placement``), the
+workers (``polyrl.cluster.workers``) and the trainer all read this table, so none of them
 decides again which roles exist or how a backend lays its processes out: that comes
 from the backend's registry entry (``polyrl.backends.base.ENGINES[...].process``).
 
@@ -102,15 +102,8 @@ class RoleSpec:
         return node, local, local_world
 
 
-def other_backend(backend: str) -> str:
-    """The registered backend that is not ``backend`` (the shadow check's, polyrl.shadow)."""
-    from polyrl.backends.base import ENGINES
-
-    return next(name for name in ENGINES if name != backend)
-
-
 def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
-    from polyrl.backends.base import get_backend
+    from polyrl.backends.base import get_backend, other_backend
 
     own, facts = cfg.role_config(name), ROLE_TABLE[Role(name)]
     parallel = own.parallel

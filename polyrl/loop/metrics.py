@@ -41,7 +41,7 @@ class PhaseTimer:
     """
 
     def __init__(self, echo: bool | None = None):
-        from polyrl.ray_session import verbose
+        from polyrl.cluster.ray_session import verbose
 
         self.echo = verbose() if echo is None else echo
         self.times: dict[str, float] = {}

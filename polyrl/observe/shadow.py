@@ -38,7 +38,7 @@ PAIRS = (("rollout", "train"), ("rollout", "shadow"), ("train", "shadow"))
 
 def sides(backend: str) -> dict[str, str]:
     """Which stack each side of the three-way check is, for a run on ``backend``."""
-    from polyrl.roles import other_backend
+    from polyrl.backends.base import other_backend
 
     return {"rollout": "vLLM", "train": backend, "shadow": other_backend(backend)}
 

@@ -398,7 +398,7 @@ def staleness_bound(cfg: Any) -> int:
 
 def async_problems(cfg: Any, spec: Any) -> list[str]:
     """Configuration problems of ``RunConfig.max_staleness`` / ``stale_policy``
-    (``polyrl.validate``)."""
+    (``polyrl.configure.validate``)."""
     problems = []
     if not isinstance(cfg.max_staleness, int) or cfg.max_staleness < 0:
         problems.append(
@@ -446,7 +446,7 @@ def async_problems(cfg: Any, spec: Any) -> list[str]:
 
 
 def streaming_problems(cfg: Any, spec: Any) -> list[str]:
-    """Problems of ``RunConfig.streaming`` / ``partial_rollout_tokens`` (``polyrl.streaming``)."""
+    """Problems of ``RunConfig.streaming`` / ``partial_rollout_tokens`` (``polyrl.loop.streaming``)."""
     chunk = cfg.partial_rollout_tokens
     if not isinstance(chunk, int) or chunk < 0:
         return [

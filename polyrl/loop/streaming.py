@@ -56,8 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.async_rollout import staleness_metrics
 from polyrl.batch import Batch
+from polyrl.loop.async_rollout import staleness_metrics
 
 __all__ = ["Stream", "CHUNK_SEED_STRIDE"]
 
@@ -112,7 +112,7 @@ class _Group:
 
 class Stream:
     """The batch of each step, from a stream of groups (module docstring). The same
-    trainer-side interface as :class:`polyrl.async_rollout.Rollouts`.
+    trainer-side interface as :class:`polyrl.loop.async_rollout.Rollouts`.
 
     pool: the :class:`RolloutPool`. source(b): data batch ``b``'s prompt rows.
     sampling(b): the :class:`SamplingSpec` of data batch ``b`` (its seed).

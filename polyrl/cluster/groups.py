@@ -1,14 +1,14 @@
 """WorkerGroup: the one class that starts, places, calls and ends a set of Ray workers.
 
 Every kind of worker of a run is a :class:`WorkerGroup`: a role's engine ranks
-(``polyrl.workers.EngineGroup``), the rollout servers (``polyrl.rollout.pool``), the
+(``polyrl.cluster.workers.EngineGroup``), the rollout servers (``polyrl.rollout.pool``), the
 reward workers (``polyrl.rewards.workers``) and the env workers (``polyrl.envs.workers``).
 Those modules only add what their role needs (an engine group's rendezvous, the rollout
 pool's retry and re-sync, ...); creation, placement, fan-out, timeouts, dead-worker
 reports and restarts live here.
 
 Creation: worker ``rank`` is ``cls(*args, rank)`` in a Ray actor whose options are
-``options(rank)`` (resources and scheduling strategy from ``polyrl.placement``, maybe
+``options(rank)`` (resources and scheduling strategy from ``polyrl.cluster.placement``, maybe
 the worker's own GPUs in ``runtime_env``), with a ``runtime_env`` that adds ``env`` and
 the test-only fault hooks (``polyrl.faults``), and ``max_restarts`` (Ray restarts a
 dead worker that often; its state is lost). ``num_workers=0`` makes one worker object
@@ -27,7 +27,7 @@ same arguments and returns every rank's result):
   ``CONCAT``: the ranks' results joined back in the order of the input (lists, or dicts
   of arrays concatenated row-wise).
 
-A worker that dies during a call raises :class:`polyrl.reliability.WorkerDied` naming
+A worker that dies during a call raises :class:`polyrl.cluster.reliability.WorkerDied` naming
 the role, the rank, its node and process, and what to check; one rank's failed
 collective caused by a dead peer is reported as the peer's death (the cause), not as the
 symptom. Callers that tolerate a failed rank (the rollout pool retries its shard, the env
@@ -49,7 +49,7 @@ import numpy as np
 
 from polyrl import faults
 from polyrl.batch import Batch
-from polyrl.reliability import WorkerDied
+from polyrl.cluster.reliability import WorkerDied
 
 __all__ = [
     "Dispatch",
@@ -128,7 +128,7 @@ class WorkerGroup:
     """``num_workers`` Ray workers of ``cls`` for ``role`` (the name its errors use);
     ``ray`` must be initialised unless ``num_workers`` is 0 (module docstring).
 
-    options: rank -> Ray actor options (``polyrl.placement``). env: environment of every
+    options: rank -> Ray actor options (``polyrl.cluster.placement``). env: environment of every
     worker. max_restarts: Ray restarts a dead worker this often. timeout_s: default limit
     of every call (None: none). ready_timeout_s: limit of :meth:`start` and :meth:`revive`.
     """
@@ -323,7 +323,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """End every worker and wait until its process is gone."""
-        from polyrl.ray_session import end_actors
+        from polyrl.cluster.ray_session import end_actors
 
         end_actors(self.workers)
         self.workers = []

@@ -11,7 +11,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HealthMonitor", "explained_variance", "response_stats", "watch_pending"]
+__all__ = [
+    "reference_moved",
+    "HealthMonitor",
+    "explained_variance",
+    "response_stats",
+    "watch_pending",
+]
 
 
 def _demands(gcs_address: str) -> dict[str, int]:
@@ -298,8 +304,8 @@ class HealthMonitor:
         return out
 
     def _three_way(self, m: dict[str, float]) -> dict[str, float]:
-        """The shadow check (``polyrl.shadow``): name the side whose log-probs disagree."""
-        from polyrl.shadow import PAIRS, odd_side
+        """The shadow check (``polyrl.observe.shadow``): name the side whose log-probs disagree."""
+        from polyrl.observe.shadow import PAIRS, odd_side
 
         side = odd_side(m, self.shadow_tolerance)
         gaps = ", ".join(f"{a}-{b} {m[f'shadow/gap_mean/{a}_{b}']:.3g}" for a, b in PAIRS)
@@ -331,3 +337,23 @@ class HealthMonitor:
                     worst, detail = ratio, f"phase {key[5:]} took {m[key]:.2f} s, which"
         slow = worst > self.slow_factor
         return {"phase_slow": self._fire("phase_slow", slow, worst, detail=detail)}
+
+
+def reference_moved(
+    before: Any, after: Any, role: str = "reference", tol: float = 1e-4
+) -> str | None:
+    """Run-time role isolation: the frozen ``role``'s log-probs of one batch, before and
+    after the first actor update. A warning when they moved (shared weights). The same
+    workers score the same batch deterministically; ``tol`` allows for GPU kernels whose
+    reductions are not bitwise reproducible."""
+    import numpy as np
+
+    diff = float(np.max(np.abs(np.asarray(before, np.float64) - np.asarray(after, np.float64))))
+    if diff <= tol:
+        return None
+    return (
+        f"WARNING: the {role} role's log-probs moved by up to {diff:.3g} after the first actor "
+        f"update (tolerance {tol:g}): the {role} is not a frozen, separate copy; check that it "
+        f"is built from RunConfig.model_path in its own workers and never receives the actor's "
+        f"weights"
+    )

@@ -4,7 +4,7 @@
   polyrl starts its own local Ray (``address="local"``: never a cluster another program
   started on the machine).
 * A local Ray's processes (GCS, raylet, agents, workers) are the driver's descendants. A
-  watchdog process (``python -m polyrl.ray_session WATCH PID``, in its own session, so
+  watchdog process (``python -m polyrl.cluster.ray_session WATCH PID``, in its own session, so
   a Ctrl-C or a SIGKILL of the driver does not reach it) records them while the driver
   lives and ends them (SIGTERM, then SIGKILL) as soon as it is gone, however it died.
 * Worker output: without ``--verbose`` every worker's stdout/stderr is copied whole
@@ -78,14 +78,14 @@ def init_ray(
     """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
     --head``, or ``auto``: docs/scaling.md), else start a private local one of
     ``num_cpus`` CPUs (never a cluster some other ``ray start`` left on the machine),
-    watched so that it ends with the driver. ``debug``: a ``polyrl.debug.DebugConfig``
+    watched so that it ends with the driver. ``debug``: a ``polyrl.observe.debug.DebugConfig``
     (docs/debugging.md); with it enabled every worker line reaches the driver.
     ``cache_dir``: ``RunConfig.cache_dir``, the compile caches of the driver and every
     worker (``polyrl.compile_cache``)."""
     import ray
 
+    from polyrl.cluster.user_code import runtime_env
     from polyrl.compile_cache import use_cache
-    from polyrl.user_code import runtime_env
 
     address = os.environ.get("RAY_ADDRESS") or "local"
     local: dict[str, Any] = {"num_cpus": local_cpus(num_cpus)} if address == "local" else {}
@@ -174,7 +174,7 @@ def _node_and_pid(_actor: Any) -> tuple[str, int]:
 
 def _start_watchdog(pid: int) -> None:
     subprocess.Popen(
-        [sys.executable, "-m", "polyrl.ray_session", "WATCH", str(pid)],
+        [sys.executable, "-m", "polyrl.cluster.ray_session", "WATCH", str(pid)],
         start_new_session=True,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -268,7 +268,7 @@ class _WorkerLogs(threading.Thread):
 def main(argv: list[str]) -> Any:
     if len(argv) == 2 and argv[0] == "WATCH":
         return _watch(int(argv[1]))
-    raise SystemExit("usage: python -m polyrl.ray_session WATCH DRIVER_PID")
+    raise SystemExit("usage: python -m polyrl.cluster.ray_session WATCH DRIVER_PID")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """gin files + ``--gin_param`` -> the bound root configurable, or every binding problem named.
 
-Part of the launcher (with ``polyrl/launch.py`` the only modules that import gin): gin's
+Part of the launcher (with ``polyrl/configure/launch.py`` the only modules that import gin): gin's
 own errors stop at the first problem and end in a traceback, so the files are first read
 statement by statement and every problem is collected — a syntax error (file, line), an
 include that does not exist, an unknown configurable or parameter (with the closest

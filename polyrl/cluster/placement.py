@@ -1,6 +1,6 @@
 """Resource pools -> Ray placement groups, and each role's share of them.
 
-A pool (``RunConfig.pools``, see ``polyrl.roles``) is a set of nodes, each giving the
+A pool (``RunConfig.pools``, see ``polyrl.cluster.roles``) is a set of nodes, each giving the
 pool the same Ray resources (``CPU``, ``GPU``, custom ones). Roles mapped to the same
 pool (``RoleConfig.pool``, ``RolloutConfig.pool``) are *colocated*: they take turns on the same devices,
 each worker asking for ``1/k`` of its devices when ``k`` roles share them (so Ray packs
@@ -33,7 +33,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from polyrl.roles import RoleSpec, pool_shape
+from polyrl.cluster.roles import RoleSpec, pool_shape
 
 __all__ = [
     "RoleShare",
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # A sweep trial's placement group id (hex) and the bundle its pools start at, for its run
-# (set by polyrl.sweep for the trial's ``polyrl train``; read by trial_placement).
+# (set by polyrl.configure.sweep for the trial's ``polyrl train``; read by trial_placement).
 TRIAL_PG_ENV = "POLYRL_TRIAL_PLACEMENT_GROUP"
 
 

@@ -169,6 +169,12 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         try:
+            # AsyncLLM.shutdown stops the engine core before it cancels its output handler,
+            # which then logs the core's death as an EngineDeadError traceback at the end
+            # of every run: cancel the handler first, on its own loop.
+            handler = getattr(self.engine, "output_handler", None)
+            if handler is not None:
+                self.call(_cancelled(handler))
             self.engine.shutdown()
         finally:
             self._stop_loop()
@@ -176,6 +182,11 @@ class AsyncEngine:
     def _stop_loop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def make_engine(kind: str, kwargs: dict[str, Any]) -> AsyncEngine | SyncEngine:

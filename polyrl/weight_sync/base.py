@@ -105,13 +105,13 @@ class Transport(abc.ABC):
         the push, raise to fail it. Default: fail."""
         raise error
 
-    def drain(
-        self, syncer: WeightSyncer, pending: list[tuple[Any, Any]], stats: SyncStats
-    ) -> list[tuple[Any, Any]]:
-        """The (server, ack ref) pairs of the last bucket, before the servers are told to
-        finish: what is left to wait for together with the finish calls. Default: all of
-        them (finish goes right behind the last bucket)."""
-        return pending
+    def drain(self, syncer: WeightSyncer, pending: list[tuple[Any, Any]], stats: SyncStats) -> None:
+        """Wait for the last bucket's (server, ack ref) pairs before the servers are told
+        to finish. The finish call must not go out earlier: a server is an asyncio actor,
+        where Ray starts a call once its arguments are local, not in the order they were
+        sent, so a finish (no arguments) could overtake a load still fetching its bucket
+        from another node, and vLLM-CPU would close the reload before the bucket arrived."""
+        syncer._get_live(pending, stats)
 
     def ensure_group(self, syncer: WeightSyncer, form: Any) -> bool:
         """On the controller, before a push: form the transport's collective group where

@@ -72,15 +72,14 @@ class Nccl(Transport):
         if ref in self._inflight:
             self._acked.add(self._inflight.pop(ref))
 
-    def drain(self, syncer: Any, pending: list, stats: Any) -> list:
-        """The group's last buckets may need resending (:meth:`recover`) before the
-        servers finish, so they are waited for first."""
+    def drain(self, syncer: Any, pending: list, stats: Any) -> None:
+        """As the base class, and a failure there goes to :meth:`recover` (the group's
+        last buckets may need resending before the servers finish)."""
         try:
             syncer._get_live(pending, stats)
         except Exception as error:
             self.recover(syncer, error)
         self.begin()
-        return []
 
     def recover(self, syncer: Any, error: Exception) -> None:
         """The broadcast group failed mid-push (``error``: a member's connection reset, a

@@ -143,8 +143,9 @@ class WeightSyncer:
         everyone = self.servers
         self.strategy.begin()
         try:
-            # Not waited for on its own: Ray runs one caller's calls to an actor in order,
-            # so each server begins before it loads, and its answer comes with bucket 0's.
+            # Not waited for on its own: a call without arguments starts when it arrives,
+            # so each server begins before bucket 0 (whose bucket it fetches first) loads,
+            # and its answer comes with bucket 0's.
             pending: list[tuple[Any, Any]] = self._on_live("begin_weight_update")
             keep: Any = None  # the previous bucket's device buffer, alive until loaded
             for bucket in buckets:
@@ -156,9 +157,8 @@ class WeightSyncer:
                     self.strategy.recover(self, error)
                     sent, buf = [], None
                 pending, keep = sent, buf
-            # finish right behind the last bucket, unless the transport must land it first
-            pending = self.strategy.drain(self, pending, stats)
-            self._get_live(pending + self._on_live("finish_weight_update", version), stats)
+            self.strategy.drain(self, pending, stats)  # the last bucket lands before finish
+            self._get_live(self._on_live("finish_weight_update", version), stats)
             del keep
         finally:
             alive = {id(s) for s in self.servers}

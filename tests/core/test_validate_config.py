@@ -228,6 +228,9 @@ CASES = [
      "EpisodeConfig.max_episode_tokens=300 is more than the model's max_position_embeddings=256"),
     ("episodes-with-remax", MULTITURN, ["include 'gin/algos/remax.gin'"],
      "RunConfig.algorithm (ReMax's greedy baseline) is not supported with RunConfig.episodes"),
+    ("episodes-on-the-sync-engine", MULTITURN, ["polyrl.RolloutConfig.engine = 'sync'"],
+     "RolloutConfig.engine='sync': RunConfig.episodes runs every episode's turns in flight "
+     "together, which needs the asynchronous engine; set RolloutConfig.engine = 'async'"),
     ("max-turns-zero", MULTITURN, ["polyrl.EpisodeConfig.max_turns = 0"],
      "EpisodeConfig.max_turns=0 must be >= 1"),
 ]  # fmt: skip

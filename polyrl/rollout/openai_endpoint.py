@@ -8,9 +8,12 @@ client"). A call is recorded under the episode named by its base URL,
 ``calls()``):
 
 - the messages go through the chat template with the request's ``tools`` (the tokenizer's
-  ``apply_chat_template``) and are sampled through ``RolloutPool.generate_ids``, the
-  episode loop's path: calls that arrive together (agents of many episodes at once) go to
-  the servers in one batch;
+  ``apply_chat_template``) and are sampled by the rollout servers. On the asynchronous
+  engine (the default) each call is its own request on its episode's server
+  (``RolloutPool.generate_on``, the episode loop's path: the server's prefix cache holds
+  the episode's earlier calls), so an agent's call never waits for another agent's; on
+  the synchronous engine the calls that arrive together go to the servers in one batch
+  (``RolloutPool.generate_ids``);
 - the turn's text is parsed with ``polyrl.envs.parsers`` (``tool_parser``, "hermes") into
   OpenAI ``tool_calls`` when the request offered tools;
 - the episode keeps exact token ids as :class:`~polyrl.rollout.episodes.EpisodeRunner`
@@ -361,7 +364,9 @@ class AgentEndpoint:
         index = e.index * self.config.max_turns + turn if self.spec is not None else 0
         request = (index, prompt, min(budget, limit or budget))
         try:
-            r = await self._generate(request, spec)
+            # plain /v1 calls take the servers in turn
+            at = e.index if key != DEFAULT else len(self.episodes[DEFAULT].calls)
+            r = await self._generate(request, spec, at)
         except Exception as err:  # the servers failed (the pool retried once): HTTP 500
             e.end("agent_error", f"the rollout servers failed: {type(err).__name__}: {err}")
             raise
@@ -445,8 +450,13 @@ class AgentEndpoint:
         return message, "tool_calls" if parsed.calls and finish == "stop" else finish
 
     # ---------------------------------------------------------- generation
-    async def _generate(self, request: tuple, spec: SamplingSpec) -> dict[str, Any]:
-        """One sample; calls that arrive while a batch is out go in the next batch."""
+    async def _generate(self, request: tuple, spec: SamplingSpec, episode: int) -> dict[str, Any]:
+        """One sample: on the asynchronous engine a request of its own on the episode's
+        server (as the episode loop picks it); on the synchronous one, calls that arrive
+        while a batch is out go in the next batch."""
+        if self.pool.config.engine == "async":
+            (r,) = await self.pool.generate_on(episode % len(self.pool.servers), [request], spec)
+            return r
         future = asyncio.get_running_loop().create_future()
         self.pending.append((request, spec, future))
         if not self.draining:

@@ -70,7 +70,13 @@ def test_env_worker_killed_mid_episode_ends_only_its_episodes(ray_session, token
         spec = SamplingSpec(n=1, max_tokens=4, seed=3)
         batch = runner.generate(_prompts("test/killer", extras), spec)
         assert list(batch["finish_reason"]) == ["done", "env_worker_died"] * 3
-        assert list(batch["scores"]) == [1.5, 0.5] * 3  # the dead ones keep turn 0's reward
+        scores = batch["scores"]
+        assert list(scores[0::2]) == [1.5] * 3 and scores[1] == 0.5  # the killer keeps turn 0's
+        # episodes run their turns concurrently: 3 and 5 died in whichever step their env
+        # was in, and each keeps the rewards of the steps its env finished
+        for row in (3, 5):
+            done = [t["reward"] for t in batch["turns"][row] if "reward" in t]
+            assert len(done) <= 1 and scores[row] == pytest.approx(sum(done))
         assert all("env worker 1 died" in t[-1]["error"] for t in batch["turns"][1::2])
         # Ray restarted worker 1: the next batch plays out everywhere
         batch = runner.generate(_prompts("test/killer", [{}] * 6), spec)

@@ -88,6 +88,61 @@ def test_endpoint_serves_the_openai_client(pool, tokenizer):
         endpoint.close()
 
 
+def test_an_agents_calls_do_not_wait_for_another_agents_call(pool, tokenizer):
+    """On the asynchronous engine each call is its own request: agent B makes three
+    one-token calls, one after the other, while agent A's single call samples 96 tokens
+    (a seed whose reply runs to the limit), and B is done first. When calls were batched,
+    B's first call waited for A's whole batch."""
+    endpoint = AgentEndpoint(pool, tokenizer, EpisodeConfig(max_episode_tokens=128))
+    messages = [{"role": "user", "content": "secret"}]
+    try:
+        probe = openai.OpenAI(base_url=endpoint.base_url(), api_key="x", max_retries=0)
+        seed = next(
+            s
+            for s in range(60)
+            if probe.chat.completions.create(
+                model="polyrl", messages=messages, max_tokens=96, seed=s
+            )
+            .choices[0]
+            .finish_reason
+            == "length"
+        )
+
+        async def both() -> tuple[list[float], float]:
+            loop = asyncio.get_running_loop()
+            a = openai.AsyncOpenAI(base_url=endpoint.base_url("a"), api_key="x", max_retries=0)
+            b = openai.AsyncOpenAI(base_url=endpoint.base_url("b"), api_key="x", max_retries=0)
+
+            async def long_call() -> float:
+                reply = await a.chat.completions.create(
+                    model="polyrl", messages=messages, max_tokens=96, seed=seed
+                )
+                assert reply.usage.completion_tokens == 96
+                return loop.time()
+
+            async def short_calls() -> list[float]:
+                done, history = [], list(messages)
+                for k in range(3):
+                    reply = await b.chat.completions.create(
+                        model="polyrl", messages=history, max_tokens=1, seed=k
+                    )
+                    history += [reply.choices[0].message.model_dump(exclude_none=True)]
+                    history += [{"role": "user", "content": "+"}]
+                    done.append(loop.time())
+                return done
+
+            long_task = asyncio.ensure_future(long_call())
+            await asyncio.sleep(0.05)  # A's request is in flight first
+            short = await short_calls()
+            return short, await long_task
+
+        short, long = asyncio.run(both())
+        assert short[-1] < long, (short, long)
+        assert [len(c["token_ids"]) for c in endpoint.episodes["b"].calls] == [1, 1, 1]
+    finally:
+        endpoint.close()
+
+
 def test_tool_calls_in_the_reply_and_back():
     """A turn with a hermes call becomes OpenAI tool_calls; the client's echo of that
     reply (as the client's model object) and a tool result extend the episode."""

@@ -53,7 +53,7 @@ def _drive(cluster: str, mode: str, run_dir: Path) -> dict:
     "backend",
     [
         "torch_fsdp",
-        "jax_pjit",
+        pytest.param("jax_pjit", marks=pytest.mark.slow),  # the same placement, other backend
         # the broadcast group (gloo on CPU) from the actor's rank 0 on a worker node to
         # the server on the head
         pytest.param("torch_fsdp:nccl", marks=pytest.mark.slow),

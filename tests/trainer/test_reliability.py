@@ -89,7 +89,8 @@ def _samples(run: Path) -> dict[int, list[tuple[int, str]]]:
 @pytest.mark.parametrize(
     "backend, kills, total",
     [
-        ("jax_pjit", ("step", "save"), 8),
+        # default tier: test_trainer's killed run and the dead-worker test below
+        pytest.param("jax_pjit", ("step", "save"), 8, marks=pytest.mark.slow),
         pytest.param("torch_fsdp", ("step", "save", "step"), 11, marks=pytest.mark.slow),
         pytest.param("jax_pjit", ("step", "save", "step"), 11, marks=pytest.mark.slow),
     ],

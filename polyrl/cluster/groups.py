@@ -245,8 +245,13 @@ class WorkerGroup:
         """Call ``method`` as the workers' start-up (within ``ready_timeout_s``); if they
         do not come up, end the group and raise an error that says what each worker asked
         for, what Ray has, and ``fix``."""
+        return self.started(self.submit(method, *args), fix)
+
+    def started(self, calls: Calls, fix: str = "") -> Any:
+        """Wait for a start-up call submitted earlier (``submit``: the caller started
+        other work meanwhile) as :meth:`start` waits for its own."""
         try:
-            return self.call(method, *args, timeout_s=self.ready_timeout_s)
+            return calls.result(self.ready_timeout_s)
         except TimeoutError:
             raise self._not_started(fix) from None
         except WorkerDied as e:

@@ -163,9 +163,11 @@ def _components(
     if spec.objective == "rl":
         share = placement.shares["rollout"]
         with startup.phase("rollout servers"):
+            # vLLM starts while the trainer starts its roles; RLTrainer waits for it after
             pool = RolloutPool(
                 dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
                 placement=lambda i: placement.options("rollout", i),
+                wait=False,
             )
     return SimpleNamespace(
         tokenizer=tokenizer,

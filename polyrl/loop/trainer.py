@@ -72,8 +72,11 @@ class Loop(abc.ABC):
         self.tokenizer, self.prompts = components.tokenizer, components.prompts
         self.placement, self.pool = components.placement, components.pool
         self.roles = components.roles
-        # Score exactly the ids the rollout can sample (see ModelConfig.sampling_vocab_size).
-        self.vocab = self.pool.sampling_vocab_size if self.pool is not None else None
+        # Score exactly the ids the rollout can sample (see ModelConfig.sampling_vocab_size),
+        # known before the servers are up: the roles start while vLLM does.
+        self.vocab = (
+            self.pool.planned_sampling_vocab(len(self.tokenizer)) if self.pool is not None else None
+        )
         self.run_dir = Path(cfg.run_dir)
         self.startup = getattr(components, "startup", None) or StartupLog()
         self.timer = PhaseTimer()
@@ -367,6 +370,8 @@ class RLTrainer(Loop):
             self._group(Role.REWARD_MODEL) if Role.REWARD_MODEL in self.roles else None
         )
         self.shadow = self._group(Role.SHADOW) if Role.SHADOW in self.roles else None
+        with self.startup.phase("rollout servers"):  # started with the roles above
+            self.pool.ready()
         self.rewards = RewardPool(
             cfg.reward_workers, cfg.reward_timeout_s, self.placement.light_options
         )

@@ -38,7 +38,7 @@ import numpy as np
 from polyrl.batch import Batch, from_token_lists
 from polyrl.cluster.groups import WorkerGroup
 from polyrl.rollout.sampling import OVERLONG_POLICIES, RolloutConfig, SamplingSpec
-from polyrl.rollout.server import RolloutServer, StaleWeightsError, server_env
+from polyrl.rollout.server import RolloutServer, StaleWeightsError, sampling_vocab, server_env
 from polyrl.weight_sync import SyncStats, WeightSyncer
 
 __all__ = ["RolloutPool", "PROMPT_KEY", "apply_overlong_policy"]
@@ -86,6 +86,7 @@ class RolloutPool:
     placement: server index -> Ray actor options (resources and scheduling strategy,
       e.g. ``polyrl.cluster.placement.Placement.options("rollout", i)``), replacing the
       resources derived from the config; how a server joins a colocated GPU pool.
+    wait: wait for the servers to start (False: the caller calls :meth:`ready` later).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class RolloutPool:
         config: RolloutConfig,
         *,
         placement: Callable[[int], dict[str, Any]] | None = None,
+        wait: bool = True,
     ):
         import ray
 
@@ -113,15 +115,46 @@ class RolloutPool:
         # other episodes' turns get through meanwhile).
         self.generate_method = "generate_async" if config.engine == "async" else "generate"
         self.group = self._start_servers()
-        self.infos = self.group.start(
-            "info",
+        self._starting: Any = self.group.submit("info")
+        self._planned_vocab: int | None = None
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until every server has started (within ``ready_timeout_s``) and read their
+        start-up facts. ``RolloutPool(wait=False)`` leaves this to its caller, which starts
+        the trainer's roles while vLLM starts (``polyrl.loop.trainer``)."""
+        if self._starting is None:
+            return
+        self.infos = self.group.started(
+            self._starting,
             fix="If resources are short, lower RolloutConfig.num_cpus/num_servers; otherwise "
             "raise RolloutConfig.ready_timeout_s",
         )
+        self._starting = None
         first = self.infos[0]
         self.pad_token_id = int(first["pad_token_id"])
         self.eos_token_id = int(first["eos_token_id"])
         self.sampling_vocab_size = int(first["sampling_vocab_size"])
+        if self._planned_vocab not in (None, self.sampling_vocab_size):
+            raise RuntimeError(
+                f"the rollout servers sample from {self.sampling_vocab_size} token ids "
+                f"(tokenizer {first['tokenizer_size']}, model {first['model_vocab_size']}), "
+                f"the trainer's roles were built for {self._planned_vocab}: the servers' "
+                f"model or tokenizer is not RolloutConfig.model_path's "
+                f"({self.config.model_path})"
+            )
+
+    def planned_sampling_vocab(self, tokenizer_size: int) -> int:
+        """The servers' ``sampling_vocab_size`` before they have started, from the model's
+        config.json and the tokenizer's size (the trainer builds its roles with it while
+        vLLM starts); :meth:`ready` checks the servers agree."""
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(self.config.model_path)
+        model_vocab = int(hf.get_text_config().vocab_size)
+        self._planned_vocab = sampling_vocab(tokenizer_size, model_vocab, self.config)
+        return self._planned_vocab
 
     @property
     def servers(self) -> list[Any]:

@@ -43,7 +43,7 @@ from polyrl.observe.timeline import Traced, record
 from polyrl.rollout.engines import make_engine
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
-__all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "server_env"]
+__all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "sampling_vocab", "server_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,13 @@ def allowed_token_ids(
     return None
 
 
+def sampling_vocab(tokenizer_size: int, model_vocab: int, config: RolloutConfig) -> int:
+    """How many token ids a server samples from (the trainer scores as many:
+    ``ModelConfig.sampling_vocab_size``): the tokenizer's where :func:`allowed_token_ids`
+    restricts sampling to them, else the model's whole vocabulary."""
+    return tokenizer_size if allowed_token_ids(tokenizer_size, model_vocab, config) else model_vocab
+
+
 def sampled_log_probs(logprobs: Any, token_ids: np.ndarray) -> np.ndarray:
     """float32 [len(token_ids)]: the log-prob of each sampled token from vLLM's flat
     log-probs (``SamplingParams(flat_logprobs=True, logprobs=0)``), where each position's
@@ -178,7 +185,9 @@ class RolloutServer(Traced):
         self.model_vocab_size = int(self.engine.model_config.get_vocab_size())
         self.tokenizer_size = len(tokenizer)
         self._allowed = allowed_token_ids(self.tokenizer_size, self.model_vocab_size, config)
-        self.sampling_vocab_size = self.tokenizer_size if self._allowed else self.model_vocab_size
+        self.sampling_vocab_size = sampling_vocab(
+            self.tokenizer_size, self.model_vocab_size, config
+        )
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )

@@ -46,6 +46,28 @@ def test_generate_layout_order_and_log_probs(pool, padded_model_dir):
     np.testing.assert_allclose(lp, ref, atol=LOGPROB_ATOL, rtol=0)
 
 
+def test_the_trainer_knows_the_sampling_vocabulary_before_the_servers_start(pool):
+    """The padded model (64 embedding rows, 58 tokens: conftest) samples from the 58;
+    RolloutPool.planned_sampling_vocab says so from config.json and the tokenizer, and a
+    server that answers otherwise stops the start-up with both numbers."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from polyrl.rollout.server import sampling_vocab
+
+    tokenizer = AutoTokenizer.from_pretrained(pool.config.model_path)
+    assert pool.planned_sampling_vocab(len(tokenizer)) == pool.sampling_vocab_size == 58
+    unrestricted = dataclasses.replace(pool.config, restrict_to_tokenizer=False)
+    assert sampling_vocab(58, 64, unrestricted) == 64
+    pool._planned_vocab, pool._starting = 57, pool.group.submit("info")
+    try:
+        with pytest.raises(RuntimeError, match="sample from 58 token ids .* built for 57"):
+            pool.ready()
+    finally:
+        pool._planned_vocab, pool._starting = None, None
+
+
 def test_text_decoded_once_equals_vllm_detokenizing_each_token(pool):
     """The servers ask vLLM for no text (its engine loop would detokenize every new token
     of every request) and decode each response once; the text is vLLM's own."""

@@ -86,6 +86,9 @@ VLLM_SCRIPT = textwrap.dedent(
 )
 
 
+# slow: the default tier loads the tiny model in vLLM in every rollout test
+# (test_pool.py::test_synced_weights_match_transformers compares it with transformers)
+@pytest.mark.slow
 def test_model_loads_in_vllm_and_matches_transformers(tiny_model_dir, tokenizer):
     """vLLM (CPU build, fp32, greedy) generates, and its log-probs of what it generated
     equal transformers' log-softmax at the same positions."""

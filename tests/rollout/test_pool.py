@@ -300,6 +300,9 @@ def test_server_killed_during_weight_push_is_resynced_before_it_generates(
         assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected
 
 
+# slow: the asynchronous engine (the default) always runs its core in its own process,
+# so every default-tier push takes this path
+@pytest.mark.slow
 def test_engine_core_in_its_own_process_loads_pushed_weights(ray_session, padded_model_dir):
     """``in_process_engine=False``: the engine core (and its worker) runs in another process,
     so a push reaches the worker as safetensors bytes through ``collective_rpc``, the path a

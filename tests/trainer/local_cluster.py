@@ -172,9 +172,10 @@ def local_cluster(
         for p in reversed(procs):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5  # then SIGKILL: nothing of the cluster is kept
         for p in procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
         for _ in range(2):  # stragglers that left the groups (Ray workers, agents)
             for pid in _ours(temp_dir):
                 with contextlib.suppress(ProcessLookupError):

@@ -70,6 +70,9 @@ def reward_override():
     REWARDS.update(saved)
 
 
+# slow: the default tier's quiet run is test_run_lifetime.py's; the warnings' rules are
+# tests/core/test_health.py's
+@pytest.mark.slow
 def test_healthy_demo_is_silent_and_dumps(tmp_path, capsys, reward_override):
     reward_override(_copy_checked_by_a_ray_task)
     rows = _run(tmp_path, "polyrl.RunConfig.total_steps = 12")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from polyrl.loop.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = "import os\nimport min_digit  # noqa: F401\nopen(f'imported.{os.getpid()}', 'w').close()\n"
 
 
+# slow: the default tier has what workers get (tests/core/test_user_code.py) and a run
+# with --import (test_multiturn.py::test_openai_client_agent_trains_through_polyrl_train)
+@pytest.mark.slow
 def test_train_with_an_own_task_imports_it_in_driver_and_workers(tmp_path):
     shutil.copy(ROOT / "experiments" / "own_task" / "min_digit.py", tmp_path)
     (tmp_path / "probe.py").write_text(PROBE)

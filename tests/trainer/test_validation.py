@@ -36,6 +36,8 @@ def _training(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(skip)}
 
 
+# slow: two runs; the default tier validates in test_multiturn.py's run
+@pytest.mark.slow
 def test_validation_logs_val_metrics_and_leaves_training_unchanged(ray_session, tmp_path):
     plain = _run(GRPO, tmp_path / "plain", "polyrl.RunConfig.tensorboard = False")
     val = _run(

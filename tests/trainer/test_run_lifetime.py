@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,12 @@ def test_killed_driver_leaves_no_process_and_the_run_was_quiet(tmp_path):
     out = proc.stdout.read()
     assert "Failed to load weights" not in out and "ERROR:root" not in out, out
     assert "(RolloutServer" not in out and "[generate]" not in out, out  # quiet by default
+    # one line of start-up times; the servers start while the roles do, and no second of
+    # it is counted in two phases ("other", the rest of the total, is not negative)
+    (startup,) = [line for line in out.splitlines() if "s before the first step" in line]
+    parts = dict(re.findall(r", ([a-z ]+) (-?[0-9.]+) s", startup))
+    assert {"rollout servers", "actor workers", "reference workers"} <= set(parts), startup
+    assert float(parts["other"]) >= 0, startup
     steps = [line for line in out.splitlines() if "] step " in line and "/1000" in line]
     assert len(steps) >= 4 and steps[0].startswith("[") and "step 1/1000" in steps[0]
     assert (

@@ -51,7 +51,7 @@ class WorkerDied(RuntimeError):
     def __init__(self, role: str, rank: int, cause: str, where: str = ""):
         at = f" on {where}" if where else ""
         super().__init__(
-            f"role {str(role)!r} worker (rank {rank}) died{at}: {cause}. Check its output for a "
+            f"role {role!r} worker (rank {rank}) died{at}: {cause}. Check its output for a "
             f"traceback (worker-*-<pid>.err in the run's logs/ directory, or in Ray's session "
             f"logs on that node, /tmp/ray/session_latest/logs) and the node's memory (Ray's "
             f"OOM killer reports its kills in that node's raylet.out)"

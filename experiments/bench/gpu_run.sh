@@ -46,6 +46,13 @@
 #               random 0.5B shape; not in the default list; ~7 minutes)
 #   rollout_7b  the rollout bench on a random Qwen2.5-7B-shape model (random_model.py),
 #               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
+#   shadow      the three-way log-prob check's cost per step on the GRPO experiment
+#               (shadow_cost.py; SHADOW_STEPS, default 12, SHADOW_EVERY, default 5; not in the
+#               default list)
+#   lora_sync   a LoRA actor's weights to vLLM, merged vs vLLM adapters, 1.5B shape (lora_sync.py;
+#               not in the default list)
+#   lora_7b     train_step.py on the Qwen2.5-7B shape with LoRA, one GPU, per backend (SUITE;
+#               not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out),
 #   GRPO_STEPS (timed steps per GRPO run, default 4; the first is left out of the means, and
@@ -231,6 +238,25 @@ for s in $sections; do
     timeout 540 python3 experiments/bench/rollout.py --model $M7 --json "$OUT/bench_rollout_7b.json" \
       --gpu-memory-utilization 0.85 --repeats ${ROLLOUT_7B_REPEATS:-2} ${ROLLOUT_ARGS:-} \
       2> "$OUT/rollout_7b.log" | tee -a "$OUT/summary.txt" ;;
+  shadow)
+    # the three-way log-prob check's cost per step on the GRPO experiment (shadow_cost.py):
+    # SHADOW_STEPS steps (default 12) with the check every SHADOW_EVERY (default 5)
+    model
+    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/shadow_cost.py --gin gin/experiments/gpu_grpo_0p5b.gin \
+      --steps ${SHADOW_STEPS:-12} --every ${SHADOW_EVERY:-5} --gin_param "polyrl.RunConfig.model_path = '$M'" \
+      --json "$OUT/bench_shadow.json" 2> "$OUT/shadow.log" | tee -a "$OUT/summary.txt" ;;
+  lora_sync)
+    # a LoRA actor's weights to vLLM, merged (polyrl's way) vs vLLM adapters, 1.5B shape (lora_sync.py)
+    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/lora_sync.py --work /tmp/bench/lora_sync --hidden 1536 \
+      --layers 28 --heads 12 --kv-heads 2 --intermediate 8960 --vocab 151936 --dtype bfloat16 \
+      --prompts 64 --prompt-len 64 --new-tokens 128 --json "$OUT/bench_lora_sync.json" 2> "$OUT/lora_sync.log" \
+      | tee -a "$OUT/summary.txt" ;;
+  lora_7b)
+    # the Qwen2.5-7B shape's update with LoRA (rank 16, every projection) on one GPU, per backend
+    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp+lora,jax_pjit+lora} \
+      --hidden 3584 --layers 28 --heads 28 --kv-heads 4 --intermediate 18944 --vocab 152064 \
+      --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 $ckpt \
+      --steps 3 --warmup 1 --json "$OUT/bench_lora_7b.json" 2> "$OUT/lora_7b.log" | tee -a "$OUT/summary.txt" ;;
   attention_tests)
     # JAX_PLATFORMS set: the test session pins JAX to the CPU only when it is unset
     JAX_PLATFORMS=cuda,cpu timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/backends/torch_fsdp/test_attention.py \
@@ -257,7 +283,7 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool shadow lora_sync lora_7b first_torch first_jax async_engine rollout_7b compile_tests)" ;;
   esac
   pack_logs "$s"
 done

@@ -67,8 +67,17 @@ def layout_key(weights: Weights, metas: Sequence[Sequence[Any]] | None = None) -
     """What a plan depends on: the flat buffer's metadata when there is one (names, dtypes,
     shapes, offsets), else each tensor's name, dtype and shape."""
     if metas is not None:
-        return ("flat", tuple(tuple(m) for m in metas))
+        return ("flat", _frozen(metas))
     return ("list", tuple((n, t.dtype, tuple(t.shape)) for n, t in weights))
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with every list or tuple in it a tuple: hashable. The metadata reaches an
+    engine core in another process (vLLM's async engine) through msgpack, which turns
+    each tuple, a shape too, into a list."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 @dataclasses.dataclass

@@ -165,6 +165,27 @@ def test_layout_change_relearns_and_moved_parameters_invalidate(
     assert planner.stats["learned"] > first
 
 
+def test_metadata_through_the_async_engines_serializer_reuses_the_plan(
+    parallel, tiny_model_dir, hf_weights
+):
+    """vLLM's async engine hands a bucket's metadata to its engine-core process through
+    msgpack, which turns every tuple (a shape too) into a list: the planner must still key
+    its plans by them and replay the plan learned from the first push."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder()
+    ref, ref_load, planned, counted, planner = _pair(tiny_model_dir, "float32")
+    for buckets in _pushes(hf_weights, 3, torch.float32, 96 * 1024):
+        for weights, flat, metas in buckets:
+            sent = decoder.decode(encoder.encode(metas))
+            assert isinstance(sent[0][2], list)  # what the engine core receives
+            ref_load(weights)
+            planner.load(unpack_flat(flat, sent), flat, sent)
+        _assert_identical(ref, planned)
+    assert planner.stats["learned"] == len(buckets)  # learned on the first push only
+    assert planner.stats["planned"] == 2 * len(buckets)
+
+
 def test_loaders_it_cannot_plan_fall_back(parallel, tiny_model_dir, hf_weights):
     """A loader that computes (here: scales) keeps load_weights for its tensor; one that
     rebinds ``param.data`` (invisible to the recorder) refuses the whole layout; a

@@ -41,16 +41,23 @@ def one_run(args) -> dict:
             *args.gin_param,
         ):
             cmd += ["--gin_param", binding]
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        # its progress lines to our stderr: a run cut by a time-out shows how far it got
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr)
         rows = read_jsonl(Path(tmp, "run", "metrics.jsonl"))
     checks = [r["time/shadow"] for r in rows if "time/shadow" in r]
-    plain = [r["time/step"] for r in rows if "time/shadow" not in r][1:]  # step 1 warms up
+    plain_rows = [r for r in rows if "time/shadow" not in r][1:]  # step 1 warms up
+    plain = [r["time/step"] for r in plain_rows]
     step_s = statistics.median(plain)
+    phases = sorted({k for r in plain_rows for k in r if k.startswith("time/")})
     warm = statistics.median(checks[1:] or checks)
     return {
         "step_s_median_without_check": step_s,
         "check_s_each": checks,
         "check_s_warm_median": warm,
+        # each phase's median over the same steps (the step time's breakdown)
+        "phases_s_median_without_check": {
+            k[5:]: statistics.median(r[k] for r in plain_rows if k in r) for k in phases
+        },
         # every check at the warm median, spread over the steps
         "cost_pct_of_step": 100 * warm / args.every / step_s,
         "cost_pct_with_first_check": 100 * sum(checks) / len(rows) / step_s,
@@ -79,6 +86,11 @@ def main(argv=None) -> dict:
             f"run {i}: step {r['step_s_median_without_check']:.3f} s, check (warm median) "
             f"{r['check_s_warm_median']:.3f} s, first check {r['check_s_each'][0]:.2f} s, cost "
             f"{r['cost_pct_of_step']:.2f}% of a step at every {args.every}"
+        )
+        phases = r["phases_s_median_without_check"].items()
+        print(
+            "  phases (median s, steps without a check): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in phases)
         )
     print(
         f"cost per step at every {args.every}: {out['cost_pct_of_step_mean']:.2f}% "

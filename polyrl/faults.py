@@ -23,6 +23,9 @@ Points and where they fire:
   listed (0-based) forward calls (roles that do not train: the reference);
 * ``kill_in_push@rollout:<i>=<version>``: rollout server ``i`` SIGKILLs itself before
   loading the 3rd bucket of the weight push that brings it ``version``;
+* ``kill_in_generate@rollout:<i>=<calls>``: rollout server ``i`` SIGKILLs itself as its
+  listed (0-based) generate calls arrive, with the requests of its other calls in flight
+  (only in its first life: not again after Ray restarts it);
 * ``fail_write@run_dir=0`` / ``disk_full@run_dir=0``: the start-up probe of the run dir
   fails with ``ENOSPC`` / sees 0 bytes free;
 * ``temperature_scale@<backend>=<percent>``: every forward of that backend's engines

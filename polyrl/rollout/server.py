@@ -204,6 +204,7 @@ class RolloutServer(Traced):
         # then: vLLM's reset walks every KV block (~3 ms on an H200).
         self._cached_prefixes = False
         self.boot_id = uuid.uuid4().hex  # changes when Ray restarts the actor
+        self.generate_calls = 0  # calls of generate / generate_async since start
         # Tensors may ride inside collective_rpc arguments only when the workers live
         # in this process (uniprocess executor); otherwise vLLM turns them into lists.
         # The asynchronous engine's core is always a process of its own.
@@ -296,6 +297,8 @@ class RolloutServer(Traced):
         self, requests: Sequence[tuple], spec: SamplingSpec, expected_version: int | None
     ) -> tuple[list, list]:
         self._check_version(expected_version)
+        self._die_in_generate()
+        self.generate_calls += 1
         self._cached_prefixes = True
         return vllm_requests(requests, spec, self._allowed)
 
@@ -320,6 +323,16 @@ class RolloutServer(Traced):
             }
             for out, c, t, text in zip(outputs, completions, ids, texts)
         ]
+
+    def _die_in_generate(self) -> None:
+        """Test-only (``polyrl.faults``): server ``i`` dies as its generate call number
+        ``N`` (0-based) arrives, taking every request it holds with it, when
+        ``kill_in_generate@rollout:<i>=<N>`` is set; once: not after Ray restarts it."""
+        if faults.active("kill_in_generate", self.generate_calls, f"rollout:{self.index}"):
+            import ray
+
+            if not ray.get_runtime_context().was_current_actor_reconstructed:
+                faults.kill_self()
 
     def _check_version(self, expected: int | None) -> None:
         if self.updating:

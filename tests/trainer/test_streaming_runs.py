@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from polyrl import faults
 from polyrl.configure.launch import train
 from polyrl.loop.metrics import read_jsonl
 
@@ -92,3 +93,32 @@ def test_grpo_learns_streaming(ray_session, tmp_path, backend, n):
     assert rewards[:2].mean() < 2 * 0.042, rewards[:5]
     assert rewards[-5:].mean() > (0.25 if n < 4 else 0.2), rewards
     assert max(r["rollout/staleness_max"] for r in rows) <= n
+
+
+def test_a_server_killed_mid_stream_loses_only_its_groups(
+    ray_session, tmp_path, monkeypatch, caplog
+):
+    """Two servers, one-token chunks of the 4-token responses, staleness 0 (one data batch
+    in flight, one call per server a round). Server 1 dies as its 6th call arrives, in a
+    round of step 2 (its calls 0-3 are step 1's four rounds), while server 0 samples
+    the round's other half. Only the groups with a sample on server 1 are lost (at most
+    half the step's 8, plus one the split may cut); the others finish, Ray restarts the
+    server, the pool re-syncs it from version 0 to 1, and every step trains a full batch."""
+    monkeypatch.setenv(faults.ENV, "kill_in_generate@rollout:1=5")
+    with caplog.at_level("WARNING", logger="polyrl.rollout.pool"):
+        rows = _run(
+            tmp_path / "killed",
+            *STREAM,
+            "polyrl.RunConfig.max_staleness = 0",
+            "polyrl.RunConfig.partial_rollout_tokens = 1",
+            "polyrl.RunConfig.prompts_per_step = 8",
+            "polyrl.RolloutConfig.num_servers = 2",
+            steps=3,
+        )
+    assert "rollout server 1 failed" in caplog.text
+    assert "rollout server 1 is at weight version 0" in caplog.text  # restarted, re-synced
+    lost = [r.get("async/lost_groups", 0.0) for r in rows]
+    assert lost[0] == 0 and 1 <= sum(lost) <= 8 // 2 + 1, lost
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["rollout/staleness_max"] == 0 for r in rows)
+    assert all(np.isfinite(r["actor/loss"]) for r in rows)

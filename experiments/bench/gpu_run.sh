@@ -48,9 +48,10 @@
 #               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
 #   shadow      the three-way log-prob check's cost per step on the GRPO experiment
 #               (shadow_cost.py; SHADOW_STEPS, default 12, SHADOW_EVERY, default 5; not in the
-#               default list)
+#               default list; on a fresh machine the run starts in ~135 s and its first step
+#               takes ~90 s: 8 steps did not finish in 330 s, give it SECTION_TIMEOUT=540)
 #   lora_sync   a LoRA actor's weights to vLLM, merged vs vLLM adapters, 1.5B shape (lora_sync.py;
-#               not in the default list)
+#               not in the default list; two cold vLLM starts: over 200 s, give it 420)
 #   lora_7b     train_step.py on the Qwen2.5-7B shape with LoRA, one GPU, per backend (SUITE;
 #               not in the default list)
 #   (attention, ragged and attention_tests are not in the default list: ~7 minutes each)

@@ -459,6 +459,11 @@ def streaming_problems(cfg: Any, spec: Any) -> list[str]:
                 f"RunConfig.partial_rollout_tokens={chunk} needs RunConfig.streaming=True "
                 f"(partial rollouts are resumed by the stream); set both, or 0"
             ]
+        if cfg.rollout is not None and cfg.rollout.continue_in_place:
+            return [
+                "RolloutConfig.continue_in_place=True needs RunConfig.streaming=True (only "
+                "the stream pushes weights while requests are in flight); set both, or False"
+            ]
         return []
     unsupported = (
         (spec.objective != "rl", f"algorithm {spec.name!r} ({spec.objective}) has no rollouts"),

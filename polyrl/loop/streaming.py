@@ -240,22 +240,25 @@ class Stream:
         snapshot: Callable[[], Callable[[], dict[str, float]]] | None = None,
     ) -> dict[str, float]:
         """Push weight ``version`` once the round in flight has finished (the generator
-        starts no other meanwhile). With ``snapshot`` and a round in flight (and not
+        starts no other meanwhile); with ``RolloutConfig.continue_in_place`` at once,
+        the round's requests paused in the servers while it lands. With ``snapshot`` and a round in flight (and not
         ``required``), the copy goes to the generator, which pushes it before its next
         round (``async/sync_deferred`` = 1). Returns ``push``'s metrics and the ``async/``
         metrics since the last call (:meth:`_report`)."""
+        in_place = self.pool.config.continue_in_place  # the round in flight is paused
         with self._cond:
             self._snapshot = None
-            if self._busy and not required and snapshot is not None:
+            if self._busy and not required and snapshot is not None and not in_place:
                 with self.phase("snapshot_weights"):
                     self._snapshot = (snapshot(), version)
                 return {"async/sync_deferred": 1.0} | self._report()
             self._push_waiting = True
             with self.phase("generate"):
                 t0 = time.perf_counter()
-                while self._busy:
+                while self._busy and not in_place:
                     self._cond.wait()
                 self._stats["wait_s"] += time.perf_counter() - t0
+                self._stats["pushed_in_flight"] += float(self._busy)
             self._cond.release()
             try:
                 with self.phase("sync_weights"):
@@ -285,7 +288,8 @@ class Stream:
         """The ``async/`` metrics since the last call (``generate_s``: rounds' wall time,
         ``rounds``, ``gen_idle_s``: the generator waited for admission or a push,
         ``wait_s``: the trainer waited, ``lost_groups`` / ``aborted_stale``: groups a dead
-        server lost / aborted for staleness, ``pushed_ahead``, ``in_flight``: samples in
+        server lost / aborted for staleness, ``pushed_ahead``, ``pushed_in_flight``: pushes
+        that paused a round in flight (``continue_in_place``), ``in_flight``: samples in
         flight now); each round as a ``generate_ahead`` span on the timeline."""
         with self._cond:
             out = {f"async/{k}": v for k, v in self._stats.items()}
@@ -396,7 +400,10 @@ class Stream:
                     continue
                 s.ids += np.asarray(r["token_ids"]).tolist()
                 s.log_probs.append(np.asarray(r["log_probs"], np.float32))
-                s.versions += [int(r["version"])] * len(r["token_ids"])
+                versions = r.get("token_versions")  # continue_in_place: per token
+                if versions is None:
+                    versions = [int(r["version"])] * len(r["token_ids"])
+                s.versions += list(map(int, versions))
                 s.texts.append(r["text"])
                 s.chunks += 1
                 if r["finish_reason"] != "length" or len(s.ids) >= spec.max_tokens:
@@ -457,7 +464,8 @@ class Stream:
             self._busy = self._push_waiting = False
             self._snapshot: tuple[Callable[[], dict[str, float]], int] | None = None
             keys = ("generate_s", "rounds", "gen_idle_s", "wait_s", "lost_groups")
-            self._stats = dict.fromkeys((*keys, "aborted_stale", "pushed_ahead"), 0.0)
+            extra = ("aborted_stale", "pushed_ahead", "pushed_in_flight")
+            self._stats = dict.fromkeys((*keys, *extra), 0.0)
 
 
 def multi_version_metrics(batch: Batch) -> dict[str, float]:

@@ -12,7 +12,11 @@ many callers at once (``submit``), which is what lets every episode run its own 
   ``RequestOutputKind.FINAL_ONLY`` (one output object per request, none per token); a
   batch is all of them gathered at once, so the engine schedules them as ``LLM.generate``
   would. A request that a caller gives up on, or that :meth:`AsyncEngine.abort` stops,
-  ends with ``finish_reason="abort"`` and the tokens sampled so far.
+  ends with ``finish_reason="abort"`` and the tokens sampled so far. With
+  ``track_versions`` (``RolloutConfig.continue_in_place``) a request streams its
+  cumulative output instead, so that the engine knows how many tokens each request in
+  flight holds when :meth:`AsyncEngine.resume` brings a new weight version: the final
+  output then carries ``polyrl_token_versions``, the version of each sampled token.
 * :class:`SyncEngine` (``engine="sync"``): ``vllm.LLM``, one batch at a time, the engine
   core in the server's process unless ``RolloutConfig.in_process_engine=False``.
 
@@ -79,7 +83,13 @@ class AsyncEngine:
 
     concurrent = True
 
-    def __init__(self, kwargs: dict[str, Any]):
+    def __init__(self, kwargs: dict[str, Any], track_versions: bool = False):
+        self.track_versions = track_versions
+        self.version = 0  # the weights' version, set by resume
+        # per request in flight, with track_versions: tokens received so far, and the
+        # (tokens received, version) at which each version took over
+        self.received: dict[str, int] = {}
+        self.switches: dict[str, list[tuple[int, int]]] = {}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(
             target=self.loop.run_forever, name="polyrl-vllm-async", daemon=True
@@ -119,17 +129,28 @@ class AsyncEngine:
         """One request's final ``RequestOutput``."""
         from vllm.sampling_params import RequestOutputKind
 
-        params.output_kind = RequestOutputKind.FINAL_ONLY
+        track = self.track_versions
+        params.output_kind = RequestOutputKind.CUMULATIVE if track else RequestOutputKind.FINAL_ONLY
         rid = f"polyrl-{next(self.ids)}"
         self.inflight[rid] = 1
         self.idle.clear()
+        if track:
+            self.received[rid], self.switches[rid] = 0, [(0, self.version)]
         try:
             final = None
             async for out in self.engine.generate(prompt, params, rid):
                 final = out
+                if track:
+                    self.received[rid] = len(out.outputs[0].token_ids)
+            if track and final is not None:
+                final.polyrl_token_versions = _token_versions(
+                    len(final.outputs[0].token_ids), self.switches[rid]
+                )
             return final
         finally:
             del self.inflight[rid]
+            self.received.pop(rid, None)
+            self.switches.pop(rid, None)
             if not self.inflight:
                 self.idle.set()
 
@@ -161,6 +182,35 @@ class AsyncEngine:
 
         self.call(wait())
 
+    def pause(self) -> None:
+        """Hold every request in flight where it is (its KV cache kept) and start none
+        until :meth:`resume`: the weights can change under them."""
+        self.call(self.engine.pause_generation(mode="keep", clear_cache=False))
+
+    def resume(self, version: int) -> None:
+        """Go on after :meth:`pause` with weight ``version``: the tokens each request in
+        flight samples from now on are that version's."""
+
+        async def go() -> None:
+            # pause_generation returned after the engine core's last outputs were handed
+            # to the requests' queues; let every request take its own before counting
+            for _ in range(3):
+                await asyncio.sleep(0)
+            for rid, switches in self.switches.items():
+                switches.append((self.received[rid], version))
+            self.version = version
+            await self.engine.resume_generation()
+
+        self.call(go())
+
+    def tokens_in_flight(self) -> list[int]:
+        """With ``track_versions``: the tokens each request in flight has sampled so far."""
+
+        async def read() -> list[int]:
+            return list(self.received.values())
+
+        return self.call(read())
+
     def abort(self) -> int:
         """Stop every request in flight: each ends with ``finish_reason="abort"`` and
         the tokens sampled so far. Returns how many there were."""
@@ -191,9 +241,23 @@ async def _cancelled(task: asyncio.Task) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def make_engine(kind: str, kwargs: dict[str, Any]) -> AsyncEngine | SyncEngine:
-    """The engine of ``RolloutConfig.engine`` (``"async"`` or ``"sync"``)."""
-    return AsyncEngine(kwargs) if kind == "async" else SyncEngine(kwargs)
+def _token_versions(length: int, switches: list[tuple[int, int]]) -> Any:
+    """The version of each of ``length`` tokens: ``switches`` lists (tokens received,
+    version) from the request's start, each version owning the tokens from its count on."""
+    import numpy as np
+
+    versions = np.empty(length, dtype=np.int32)
+    for start, version in switches:
+        versions[start:] = version
+    return versions
+
+
+def make_engine(
+    kind: str, kwargs: dict[str, Any], track_versions: bool = False
+) -> AsyncEngine | SyncEngine:
+    """The engine of ``RolloutConfig.engine`` (``"async"`` or ``"sync"``); the
+    asynchronous one with ``track_versions`` for ``RolloutConfig.continue_in_place``."""
+    return AsyncEngine(kwargs, track_versions) if kind == "async" else SyncEngine(kwargs)
 
 
 class _RawPromptWarning(logging.Filter):

@@ -137,6 +137,11 @@ class RolloutConfig:
     engine: "async" (vLLM's ``AsyncLLM``: whole batches and many episodes' requests in
       flight at once; its engine core is always a process of its own) or "sync"
       (``vllm.LLM``, one batch per call; single-turn only). docs/rollout.md "Engines".
+    continue_in_place: a weight push pauses the requests in flight instead of waiting
+      for them to end: they keep their KV cache, take the new weights and go on, so
+      their later tokens are sampled by the new version (each result's
+      ``token_versions`` says which token came from which). Needs ``engine="async"``;
+      used by ``RunConfig.streaming`` (docs/training.md "Streaming and partial rollouts").
     in_process_engine: run the synchronous engine's core in the server's process
       (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights then reach the workers as tensors.
     num_cpus / num_gpus: Ray resources per server (None: 0.5 CPU on CPU hosts, 1 CPU
@@ -179,6 +184,7 @@ class RolloutConfig:
     env: tuple[tuple[str, str], ...] = ()
     pool: str = DEFAULT_POOL
     engine: str = "async"
+    continue_in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.overlong_prompt not in OVERLONG_POLICIES:
@@ -190,6 +196,12 @@ class RolloutConfig:
             raise ValueError(
                 f"RolloutConfig.engine={self.engine!r} is not one of {list(ENGINES)}"
                 f"{did_you_mean(self.engine, ENGINES)}"
+            )
+        if self.continue_in_place and self.engine != "async":
+            raise ValueError(
+                "RolloutConfig.continue_in_place=True pauses requests in flight during a "
+                f"weight push, which RolloutConfig.engine={self.engine!r} cannot do; set "
+                "RolloutConfig.engine='async'"
             )
         if self.num_servers < 1 or self.tensor_parallel_size < 1:
             raise ValueError(

@@ -180,7 +180,9 @@ class RolloutServer(Traced):
         # vLLM's CPU worker sets VLLM_DIST_IDENT in its own process; one inherited from a
         # driver that ran vLLM in-process is stale, and vLLM warns about it at start.
         os.environ.pop("VLLM_DIST_IDENT", None)
-        self.engine = make_engine(config.engine, engine_kwargs(config, self.on_gpu))
+        self.engine = make_engine(
+            config.engine, engine_kwargs(config, self.on_gpu), config.continue_in_place
+        )
         tokenizer = self.tokenizer = self.engine.tokenizer
         self.model_vocab_size = int(self.engine.model_config.get_vocab_size())
         self.tokenizer_size = len(tokenizer)
@@ -199,6 +201,8 @@ class RolloutServer(Traced):
         self.reset_in_update = False  # the last update's begin reset the prefix cache
         self.update_span = [0.0, 0.0]  # its begin's start and finish's end, wall clock
         self._dropped_weights = False  # slept at level 2: weights must be re-synced
+        self._paused = False  # requests held in flight by a weight update (continue_in_place)
+        self._stale_prefixes = False  # cached KV of older weights that could not be reset yet
         # KV blocks may hold prefixes computed with the current weights: set by generate,
         # cleared by a prefix-cache reset (sleep resets too). A weight update resets only
         # then: vLLM's reset walks every KV block (~3 ms on an H200).
@@ -255,7 +259,9 @@ class RolloutServer(Traced):
         Returns per request: ``token_ids`` (int32 [len]), ``log_probs`` (float32 [len],
         processed log-probs of the sampled tokens), ``finish_reason`` ("stop" |
         "length" | "abort" | ...), ``text`` (None unless ``spec.detokenize``),
-        ``version``, ``cached_tokens`` (prompt tokens the prefix cache held).
+        ``version``, ``token_versions`` (int32 [len], each token's weight version, with
+        ``RolloutConfig.continue_in_place``; else None), ``cached_tokens`` (prompt tokens
+        the prefix cache held).
         Arrays, not lists: Ray sends them as buffers, and the pool copies them into its
         padded batch row by row without converting a Python int per token.
         """
@@ -299,6 +305,9 @@ class RolloutServer(Traced):
         self._check_version(expected_version)
         self._die_in_generate()
         self.generate_calls += 1
+        if self._stale_prefixes and not self.engine.inflight:
+            self._stale_prefixes = False  # an update in flight left the old weights' KV
+            self._reset_prefix_cache()
         self._cached_prefixes = True
         return vllm_requests(requests, spec, self._allowed)
 
@@ -312,17 +321,24 @@ class RolloutServer(Traced):
             if spec.detokenize
             else [None] * len(ids)
         )
-        return [
-            {
-                "token_ids": t,
-                "log_probs": sampled_log_probs(c.logprobs, t),
-                "finish_reason": c.finish_reason,
-                "text": text,
-                "version": self.version,
-                "cached_tokens": int(out.num_cached_tokens or 0),
-            }
-            for out, c, t, text in zip(outputs, completions, ids, texts)
-        ]
+        results = []
+        for out, c, t, text in zip(outputs, completions, ids, texts):
+            # continue_in_place: a request that a weight update paused holds tokens of two
+            # versions (the engine's count); "version" is then its oldest token's
+            versions = getattr(out, "polyrl_token_versions", None)
+            tracked = versions is not None and len(versions) > 0
+            results.append(
+                {
+                    "token_ids": t,
+                    "log_probs": sampled_log_probs(c.logprobs, t),
+                    "finish_reason": c.finish_reason,
+                    "text": text,
+                    "version": int(versions.min()) if tracked else self.version,
+                    "token_versions": versions,
+                    "cached_tokens": int(out.num_cached_tokens or 0),
+                }
+            )
+        return results
 
     def _die_in_generate(self) -> None:
         """Test-only (``polyrl.faults``): server ``i`` dies as its generate call number
@@ -357,11 +373,17 @@ class RolloutServer(Traced):
         self.reset_in_update = False
         self.update_span = [time.time(), 0.0]
         with self._timed("begin"):
-            if self.engine.concurrent:  # requests started before the update end first
+            if self.config.continue_in_place:  # requests in flight wait, KV kept
+                self.engine.pause()
+                self._paused = True
+            elif self.engine.concurrent:  # requests started before the update end first
                 self.engine.drain(self.config.request_timeout_s)
             if not self.on_gpu:  # vLLM-CPU's layer-wise reload (worker_ext); none on GPU
                 self.engine.rpc("polyrl_begin_update")
-            self._reset_prefix_cache()
+            if self.engine.concurrent and self.engine.inflight:
+                self._stale_prefixes = True  # reset at the next call with none in flight
+            else:
+                self._reset_prefix_cache()
 
     def _reset_prefix_cache(self) -> None:
         """Drop the cached prefixes, if any (e.g. none after sleep or a previous reset)."""
@@ -429,6 +451,15 @@ class RolloutServer(Traced):
             payload = slots if self.direct_rpc else pickle.dumps(slots)
             return sum(self.engine.rpc("polyrl_load_bucket_ipc", args=(payload, metas)))
 
+    def tokens_in_flight(self) -> list[int]:
+        """Tokens sampled so far by each request in flight (``continue_in_place``: the
+        engine counts them to know which version sampled which token)."""
+        if not self.config.continue_in_place:
+            raise RuntimeError(
+                "RolloutServer.tokens_in_flight counts only with RolloutConfig.continue_in_place=True"
+            )
+        return self.engine.tokens_in_flight()
+
     def num_workers(self) -> int:
         return self.config.tensor_parallel_size
 
@@ -463,6 +494,9 @@ class RolloutServer(Traced):
                 self.engine.rpc("polyrl_finish_update")
         self.version = int(version)
         self.updating = False
+        if self._paused:  # the held requests go on, their next tokens of this version
+            self._paused = False
+            self.engine.resume(self.version)
         self.update_span[1] = time.time()
         return self.version
 

@@ -37,7 +37,9 @@ class MiniPool:
 
     def __init__(self, round_s=lambda k: 0.0, max_tokens=16, fail=()):
         self.version, self.round_s, self.fail = 0, round_s, set(fail)
-        self.config = types.SimpleNamespace(prompt_limit=16, overlong_prompt="error")
+        self.config = types.SimpleNamespace(
+            prompt_limit=16, overlong_prompt="error", continue_in_place=False
+        )
         self.pad_token_id, self.sampling_vocab_size = 0, 50
         self.rounds, self.in_round, self.max_tokens = 0, False, max_tokens
         self.pushed = []
@@ -245,6 +247,15 @@ def test_validate_config_checks_streaming():
     assert "RunConfig.partial_rollout_tokens=8 needs RunConfig.streaming=True" in p
     (p,) = streaming_problems(RunConfig(run_dir="r", partial_rollout_tokens=-1), grpo)
     assert "RunConfig.partial_rollout_tokens=-1 must be an integer >= 0" in p
+    in_place = RolloutConfig(None, continue_in_place=True)
+    (p,) = streaming_problems(RunConfig(run_dir="r", rollout=in_place), grpo)
+    assert "RolloutConfig.continue_in_place=True needs RunConfig.streaming=True" in p
+    assert streaming_problems(RunConfig(run_dir="r", streaming=True, rollout=in_place), grpo) == []
+    with pytest.raises(
+        ValueError,
+        match="continue_in_place=True .*engine='sync' cannot .* set RolloutConfig.engine='async'",
+    ):
+        RolloutConfig(None, engine="sync", continue_in_place=True)
     (p,) = streaming_problems(RunConfig(run_dir="r", streaming=True), remax)
     assert "RunConfig.streaming=True is not supported here: ReMax" in p
     (p,) = streaming_problems(RunConfig(run_dir="r", streaming=True), dpo)

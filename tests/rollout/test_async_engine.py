@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from rollout_reference import prompts_batch
+from rollout_reference import load_hf, prompts_batch, push
 
 from polyrl.batch import Batch
 from polyrl.envs import Env, EpisodeConfig, StepResult, register_env
@@ -162,6 +162,73 @@ def test_single_turn_samples_equal_the_synchronous_engine(pool, sync_pool):
     np.testing.assert_array_equal(a["responses"], s["responses"])
     np.testing.assert_allclose(a["rollout_log_probs"], s["rollout_log_probs"], atol=1e-5)
     assert list(a["finish_reason"]) == list(s["finish_reason"])
+
+
+@pytest.fixture(scope="module")
+def in_place_pool(pool):
+    """One server whose weight pushes pause the requests in flight (continue_in_place)."""
+    import dataclasses
+
+    from polyrl.rollout import RolloutPool
+
+    p = RolloutPool(dataclasses.replace(pool.config, num_servers=1, continue_in_place=True))
+    yield p
+    p.shutdown()
+
+
+def _pushed_in_flight(pool, requests, spec, model) -> list[dict]:
+    """``requests`` on the server, and ``model`` pushed once each has sampled 16 tokens."""
+    import ray
+
+    server = pool.servers[0]
+    ref = server.generate_async.remote(requests, spec, expected_version=pool.version)
+    deadline = time.monotonic() + 60
+    while True:
+        counts = ray.get(server.tokens_in_flight.remote())
+        if len(counts) == len(requests) and min(counts) >= 16:
+            break
+        assert time.monotonic() < deadline and not ray.wait([ref], timeout=0)[0], counts
+        time.sleep(0.005)
+    push(pool, model)
+    return ray.get(ref, timeout=120)
+
+
+def test_a_push_in_flight_continues_the_requests_with_the_new_weights(
+    in_place_pool, padded_model_dir
+):
+    """continue_in_place: requests in flight pause during a push and go on with the new
+    weights, each token tagged with the version that sampled it. The same weights pushed
+    mid-request give exactly the tokens and log-probs of an undisturbed run (nothing lost
+    or re-sampled at the pause); other weights keep every token before the switch and
+    change the log-probs from the switch on."""
+    import ray
+
+    pool = in_place_pool
+    spec = SamplingSpec(max_tokens=240, ignore_eos=True, detokenize=False, seed=3)
+    requests = [(i, p) for i, p in enumerate(prompts_batch([8] * 4, seed=5)["prompt_ids"])]
+    alone = ray.get(pool.servers[0].generate_async.remote(requests, spec, pool.version))
+    assert all((r["token_versions"] == pool.version).all() for r in alone)
+
+    v0 = pool.version
+    same = _pushed_in_flight(pool, requests, spec, load_hf(padded_model_dir))
+    for r, a in zip(same, alone, strict=True):
+        switch = int(np.argmax(r["token_versions"] == v0 + 1))
+        assert 16 <= switch < 240 and r["version"] == v0, r["token_versions"]
+        assert (r["token_versions"][:switch] == v0).all()
+        assert (r["token_versions"][switch:] == v0 + 1).all()
+        np.testing.assert_array_equal(r["token_ids"], a["token_ids"])
+        np.testing.assert_array_equal(r["log_probs"], a["log_probs"])
+
+    other = _pushed_in_flight(pool, requests, spec, load_hf(padded_model_dir, seed=7))
+    for r, a in zip(other, alone, strict=True):
+        switch = int(np.argmax(r["token_versions"] == v0 + 2))
+        assert 16 <= switch < 240 and r["version"] == v0 + 1
+        np.testing.assert_array_equal(r["token_ids"][:switch], a["token_ids"][:switch])
+        np.testing.assert_array_equal(r["log_probs"][:switch], a["log_probs"][:switch])
+        assert r["log_probs"][switch] != a["log_probs"][switch]  # the new weights sampled it
+    # with nothing in flight the next call resets the old weights' prefixes first
+    after = ray.get(pool.servers[0].generate_async.remote(requests[:1], spec, pool.version))
+    assert after[0]["cached_tokens"] == 0 and (after[0]["token_versions"] == v0 + 2).all()
 
 
 def test_episodes_need_the_asynchronous_engine(sync_pool, tokenizer):

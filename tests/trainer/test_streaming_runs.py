@@ -56,6 +56,31 @@ def test_partial_rollouts_reach_the_trainer_with_two_versions(ray_session, tmp_p
     assert all(np.isfinite(r["actor/loss"]) for r in rows)
 
 
+@pytest.mark.slow  # 50 s; the default tier has the server's own case
+# (tests/rollout/test_async_engine.py, a push in the middle of 240-token requests)
+def test_pushes_in_flight_continue_the_round_in_place(ray_session, tmp_path):
+    """continue_in_place with whole requests (no chunks) of 32 tokens at staleness 1: the
+    pushes land while a round is in flight (async/pushed_in_flight) instead of waiting
+    for it, so the rows of those rounds carry two versions (rollout/multi_version_rows)
+    and the trainer gets them; no row is staler than 1."""
+    rows = _run(
+        tmp_path / "in_place",
+        *STREAM,
+        "polyrl.RunConfig.max_staleness = 1",
+        "polyrl.RolloutConfig.continue_in_place = True",
+        "polyrl.SamplingSpec.max_tokens = 32",
+        "polyrl.SamplingSpec.ignore_eos = True",
+        "polyrl.RunConfig.prompts_per_step = 8",
+        'polyrl.RunConfig.algo_overrides = {"kl_loss_coef": 0.001, "tis_cap": 2.0}',
+        steps=4,
+    )
+    assert len(rows) == 4
+    assert sum(r["async/pushed_in_flight"] for r in rows) > 0, rows
+    assert sum(r["rollout/multi_version_rows"] for r in rows) > 0, rows
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    assert all(np.isfinite(r["actor/loss"]) for r in rows)
+
+
 @pytest.mark.slow
 def test_staleness_0_streaming_equals_the_synchronous_loop(ray_session, tmp_path):
     """max_staleness 0 on the stream: data batch k's groups, seeded and split over the

@@ -467,10 +467,6 @@ def streaming_problems(cfg: Any, spec: Any) -> list[str]:
         return []
     unsupported = (
         (spec.objective != "rl", f"algorithm {spec.name!r} ({spec.objective}) has no rollouts"),
-        (
-            cfg.episodes is not None,
-            "multi-turn episodes (RunConfig.episodes) run in an episode loop of their own",
-        ),
         (spec.needs_greedy_baseline, "ReMax's greedy baseline is sampled per batch"),
     )
     out = [
@@ -479,6 +475,12 @@ def streaming_problems(cfg: Any, spec: Any) -> list[str]:
         for bad, why in unsupported
         if bad
     ]
+    if cfg.episodes is not None and chunk:
+        out.append(
+            f"RunConfig.partial_rollout_tokens={chunk} with multi-turn episodes "
+            f"(RunConfig.episodes): the stream samples an episode's turns whole (a push lands "
+            f"between two turns); set RunConfig.partial_rollout_tokens=0"
+        )
     if cfg.rollout is None:  # no rollout role (preference or SFT runs): reported above
         return out
     actor, rollout = cfg.actor.pool, cfg.rollout.pool

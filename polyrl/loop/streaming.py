@@ -32,6 +32,14 @@ Dynamic sampling (DAPO): ``accept`` scores a set of complete groups and says whi
 to keep; the stream takes groups until ``P`` are kept (at most ``max_gen_batches * P``
 looked at), and the groups filtered out are replaced by admission, as refills are.
 
+Multi-turn episodes (``RunConfig.episodes``, ``episodes=`` an ``EpisodeRunner``): every
+sample is an episode, and a round is one turn of every unfinished episode (each on its
+own server, then its env's step), so a weight push lands between two turns of an episode
+and its turns may be sampled by several versions (per token in the batch, -1 on the
+observations); a group starts its episodes (resets their envs) in its first round and is
+complete when all of them have ended. A turn whose server fails is retried on another
+(``RolloutPool.generate_on``): nothing is lost.
+
 A server that dies mid-round loses only the samples it held: their groups are
 discarded (``async/lost_groups``) and the server is re-synced before the next round.
 
@@ -97,17 +105,19 @@ class _Group:
     data_batch: int
     row: Batch  # the prompt's row (its prompt_ids after the overlong policy)
     start_version: int
-    samples: list[_Sample]
+    samples: list[Any]  # _Sample, or Episode (multi-turn; none until its first round)
+    row_index: int = 0  # the prompt's row in its data batch
 
     @property
     def done(self) -> bool:
-        return all(s.finish is not None for s in self.samples)
+        return bool(self.samples) and all(s.finish is not None for s in self.samples)
 
     @property
     def oldest(self) -> int:
-        """The oldest policy version of its tokens (its staleness is counted from it)."""
-        versions = [min(s.versions) for s in self.samples if s.versions]
-        return min(versions, default=self.start_version)
+        """The oldest policy version of its sampled tokens (its staleness counts from it;
+        an episode's observation tokens carry -1)."""
+        sampled = [[v for v in s.versions if v >= 0] for s in self.samples]
+        return min((min(v) for v in sampled if v), default=self.start_version)
 
 
 class Stream:
@@ -136,8 +146,10 @@ class Stream:
         decode: Callable[[list[int]], str] | None = None,
         on_span: Callable[[str, float, float, int], None] | None = None,
         phase: Callable[[str], Any] = lambda name: contextlib.nullcontext(),
+        episodes: Any = None,
     ):
         self.pool, self.source, self.sampling = pool, source, sampling
+        self.episodes = episodes  # an EpisodeRunner: every sample a multi-turn episode
         self.per_step, self.total_steps = prompts_per_step, total_steps
         self.limit, self.stale_policy, self.chunk = max_staleness, stale_policy, chunk_tokens
         self.response_len, self.accept, self.max_gen_batches = response_len, accept, max_gen_batches
@@ -360,8 +372,10 @@ class Stream:
                 self._cursor += 1
                 continue
             data_batch, i, row = self._rows.pop(0)
-            samples = [_Sample(i * self._n + j) for j in range(self._n)]
-            self._active.append(_Group(self._started, data_batch, row, self._version, samples))
+            # an episode group's episodes start (their envs reset) in its first round
+            samples = [] if self.episodes else [_Sample(i * self._n + j) for j in range(self._n)]
+            group = _Group(self._started, data_batch, row, self._version, samples, i)
+            self._active.append(group)
             self._started += 1
 
     def _abort_stale(self) -> None:
@@ -375,11 +389,58 @@ class Stream:
             self._discarded += len(late)
 
     def _round(self) -> None:
-        """One request per unfinished sample of every active group (one
-        ``generate_lossy`` call per data batch, all submitted at once)."""
+        """One request per unfinished sample of every active group, or one turn of every
+        unfinished episode."""
         t0 = time.perf_counter()
         with self._cond:
             groups = list(self._active)
+        lost = self._turns(groups) if self.episodes is not None else self._requests(groups)
+        with self._cond:
+            for g in groups:
+                if id(g) in lost:
+                    self._active.remove(g)
+                    self._stats["lost_groups"] += 1
+                    self._discarded += 1
+                elif g.done:
+                    self._active.remove(g)
+                    self._buffer.append(g)
+            self._stats["generate_s"] += time.perf_counter() - t0
+            self._stats["rounds"] += 1
+            self._spans.append((t0, time.perf_counter() - t0))
+            self._busy = False
+            self._cond.notify_all()
+
+    def _turns(self, groups: list[_Group]) -> set[int]:
+        """One turn of every unfinished episode of ``groups``, all in flight at once (each
+        on its episode's server: ``EpisodeRunner.play_turn``); the episodes of a new group
+        start first. A failed turn is retried on another server (``generate_on``), so no
+        group is lost; groups that ended are finished (envs closed, drift checked)."""
+        import asyncio
+
+        runner = self.episodes
+        for g in groups:
+            if not g.samples:
+                g.samples = runner.start(g.row, self.sampling(g.data_batch), g.row_index)
+
+        async def play() -> None:
+            await asyncio.gather(
+                *(
+                    runner.play_turn(e, len(e.turns), self.sampling(g.data_batch))
+                    for g in groups
+                    for e in g.samples
+                    if e.finish is None
+                )
+            )
+
+        asyncio.run(play())
+        for g in groups:
+            if g.done:
+                runner.finish(g.samples)
+        return set()
+
+    def _requests(self, groups: list[_Group]) -> set[int]:
+        """One request per unfinished sample of ``groups`` (one ``generate_lossy`` call per
+        data batch, all submitted at once). Returns the groups (``id``) a dead server lost."""
         calls: dict[int, tuple[list[tuple], Any, list[_Sample]]] = {}
         for g in groups:
             spec = self.sampling(g.data_batch)
@@ -408,20 +469,7 @@ class Stream:
                 s.chunks += 1
                 if r["finish_reason"] != "length" or len(s.ids) >= spec.max_tokens:
                     s.finish = r["finish_reason"]
-        with self._cond:
-            for g in groups:
-                if any(id(s) in lost for s in g.samples):
-                    self._active.remove(g)
-                    self._stats["lost_groups"] += 1
-                    self._discarded += 1
-                elif g.done:
-                    self._active.remove(g)
-                    self._buffer.append(g)
-            self._stats["generate_s"] += time.perf_counter() - t0
-            self._stats["rounds"] += 1
-            self._spans.append((t0, time.perf_counter() - t0))
-            self._busy = False
-            self._cond.notify_all()
+        return {id(g) for g in groups if any(id(s) in lost for s in g.samples)}
 
     # ------------------------------------------------------------ the batch
     @property
@@ -433,6 +481,8 @@ class Stream:
         ``rollout_token_versions`` [N, R] int32 (-1 on padding)."""
         spec = self.sampling(groups[0].data_batch)
         rep = Batch.concat([g.row for g in groups]).repeat(self._n)
+        if self.episodes is not None:  # its token versions too (-1 on observations)
+            return self.episodes.assemble(rep, [e for g in groups for e in g.samples], spec)
         results = [s.result(self.decode) for g in groups for s in g.samples]
         batch = self.pool.assemble(rep, results, spec, [], None, self.response_len)
         versions = np.full(batch["responses"].shape, -1, np.int32)

@@ -439,6 +439,7 @@ class RLTrainer(Loop):
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             on_span,
             self.timer.phase,
+            self.episodes,
         )
 
     def _gpu_memory(self, role: str) -> list[dict[str, Any] | None]:

@@ -91,22 +91,19 @@ class EpisodeRunner:
         """``spec.n`` episodes of each row of ``prompts`` (meta ``prompt``, ``data_source``,
         ``ground_truth``, ``extra_info``) as one batch (module docstring). ``response_len``:
         the response width (default ``max_episode_tokens``)."""
-        prompts.require("prompt", "data_source", who="EpisodeRunner.generate")
-        episodes = self._reset(prompts, spec)
+        episodes = self.start(prompts, spec)
         asyncio.run(self._play(episodes, spec))
-        self.envs.close([e.key for e in episodes if e.finish != "done"])
-        _check_sampled(episodes, self.config)
-        if self.config.check_drift:
-            for e in episodes:
-                self._check_drift(e)
-        width = self.config.max_episode_tokens if response_len is None else response_len
-        return self._assemble(prompts.repeat(spec.n), episodes, spec, width)
+        self.finish(episodes)
+        return self.assemble(prompts.repeat(spec.n), episodes, spec, response_len)
 
-    def _reset(self, prompts: Batch, spec: SamplingSpec) -> list[Episode]:
-        """The episodes of ``prompts``; those of OpenAI-client agents are played to their
-        end here (``polyrl.rollout.openai_endpoint``), the envs' are reset."""
+    def start(self, prompts: Batch, spec: SamplingSpec, first_row: int = 0) -> list[Episode]:
+        """The episodes of ``prompts`` (rows ``first_row``... of their data batch: episode
+        ``(first_row + i) * n + j`` is row ``i``'s sample ``j``, which seeds its turns);
+        those of OpenAI-client agents are played to their end here
+        (``polyrl.rollout.openai_endpoint``), the envs' are reset."""
         from polyrl.envs.agents import AGENTS
 
+        prompts.require("prompt", "data_source", who="EpisodeRunner")
         episodes, n = [], spec.n
         for i in range(len(prompts)):
             row = {
@@ -115,7 +112,8 @@ class EpisodeRunner:
                 if k in prompts
             }
             for j in range(n):  # (a batch may run while another does: async, validation)
-                episodes.append(Episode(i * n + j, self.started, {**row, "sample": j}))
+                index = (first_row + i) * n + j
+                episodes.append(Episode(index, self.started, {**row, "sample": j}))
                 self.started += 1
         played = [e for e in episodes if e.row["data_source"] in AGENTS]
         if played:
@@ -140,31 +138,46 @@ class EpisodeRunner:
         self.endpoint.spec = spec  # validation samples with its own spec
         run_agents(self.endpoint, episodes)
 
+    def finish(self, episodes: list[Episode]) -> None:
+        """Ended episodes: their envs closed unless done; the template drift checked."""
+        self.envs.close([e.key for e in episodes if e.finish != "done"])
+        if self.config.check_drift:
+            for e in episodes:
+                self._check_drift(e)
+
     async def _play(self, episodes: list[Episode], spec: SamplingSpec) -> None:
         await asyncio.gather(*(self._episode(e, spec) for e in episodes if e.finish is None))
 
     async def _episode(self, e: Episode, spec: SamplingSpec) -> None:
-        """One episode's turns until it ends: sample (its exact ids so far, on its own
-        server), step its env, append the observation. Turn ``t`` of episode ``i`` is
-        seeded by ``i * max_turns + t``, whatever the other episodes do."""
-        limit, max_turns = self.config.max_episode_tokens, self.config.max_turns
-        server = e.index % len(self.pool.servers)
-        for turn in range(max_turns):
+        """One episode's turns until it ends, whatever the other episodes do."""
+        for turn in range(self.config.max_turns):
             if e.finish is not None:
                 return
-            request = (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length)
-            (r,) = await self.pool.generate_on(server, [request], spec)
-            sampled = self._sampled(e, turn, r)
-            # how much of this turn's prompt the server's prefix cache held
-            e.turns[-1].update(
-                prompt_tokens=len(request[1]), cached_tokens=r.get("cached_tokens", 0)
-            )
-            self._observe(e, turn, await self.envs.step_one(e.key, sampled))
+            await self.play_turn(e, turn, spec)
+
+    async def play_turn(self, e: Episode, turn: int, spec: SamplingSpec) -> None:
+        """Turn ``turn`` of ``e``: sample it (its exact ids so far, on its own server, whose
+        prefix cache holds its earlier turns), step its env, append the observation.
+        Turn ``t`` of episode ``i`` is seeded by ``i * max_turns + t``."""
+        limit, max_turns = self.config.max_episode_tokens, self.config.max_turns
+        request = (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length)
+        (r,) = await self.pool.generate_on(e.index % len(self.pool.servers), [request], spec)
+        sampled = self._sampled(e, turn, r)
+        # how much of this turn's prompt the server's prefix cache held
+        e.turns[-1].update(prompt_tokens=len(request[1]), cached_tokens=r.get("cached_tokens", 0))
+        self._observe(e, turn, await self.envs.step_one(e.key, sampled))
 
     def _sampled(self, e: Episode, turn: int, r: Mapping[str, Any]) -> Turn:
         """Append a sampled turn to ``e``; the :class:`Turn` its env steps with."""
         ids = [int(t) for t in r["token_ids"]]
-        e.append("sampled", turn, ids, r["log_probs"], int(r["version"]))
+        versions = r.get("token_versions")  # per token when a push continued it in place
+        e.append(
+            "sampled",
+            turn,
+            ids,
+            r["log_probs"],
+            int(r["version"]) if versions is None else versions,
+        )
         text = r["text"]
         if text is None:  # SamplingSpec.detokenize=False
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -220,9 +233,13 @@ class EpisodeRunner:
             )
 
     # --------------------------------------------------------------- the batch
-    def _assemble(
-        self, rep: Batch, episodes: list[Episode], spec: SamplingSpec, width: int
+    def assemble(
+        self, rep: Batch, episodes: list[Episode], spec: SamplingSpec, width: int | None = None
     ) -> Batch:
+        """Ended ``episodes`` (the rows of ``rep``, prompts repeated) as one batch, the
+        responses ``width`` tokens wide (default ``max_episode_tokens``)."""
+        _check_sampled(episodes, self.config)
+        width = self.config.max_episode_tokens if width is None else width
         seq = from_token_lists(
             [e.prompt_ids for e in episodes],
             [e.ids for e in episodes],

@@ -102,12 +102,14 @@ class Episode:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.ids)
 
-    def append(self, kind: str, turn: int, ids: Sequence[int], log_probs: Any, version: int):
+    def append(self, kind: str, turn: int, ids: Sequence[int], log_probs: Any, version: int | Any):
+        """``version``: of every token, or per token (a turn a push continued in place)."""
         start = self.length
         self.ids.extend(int(t) for t in ids)
         self.sampled.extend([int(kind == "sampled")] * len(ids))
         self.log_probs.extend(np.asarray(log_probs, np.float64).tolist())
-        self.versions.extend([version] * len(ids))
+        per_token = np.ndim(version) > 0
+        self.versions.extend(map(int, version) if per_token else [int(version)] * len(ids))
         self.segments.append((kind, turn, start, self.length))
 
     def end(self, reason: str, detail: str = "") -> None:

@@ -16,6 +16,7 @@ import pytest
 from polyrl.algos import get_algorithm
 from polyrl.batch import Batch
 from polyrl.config import OptimConfig, RoleConfig, RunConfig
+from polyrl.envs import EpisodeConfig
 from polyrl.loop.async_rollout import async_problems, streaming_problems
 from polyrl.loop.streaming import CHUNK_SEED_STRIDE, Stream, multi_version_metrics
 from polyrl.rollout import SamplingSpec
@@ -247,6 +248,14 @@ def test_validate_config_checks_streaming():
     assert "RunConfig.partial_rollout_tokens=8 needs RunConfig.streaming=True" in p
     (p,) = streaming_problems(RunConfig(run_dir="r", partial_rollout_tokens=-1), grpo)
     assert "RunConfig.partial_rollout_tokens=-1 must be an integer >= 0" in p
+    turns = RunConfig(run_dir="r", streaming=True, episodes=EpisodeConfig())
+    assert streaming_problems(turns, grpo) == []  # multi-turn episodes stream by turns
+    chunked = RunConfig(
+        run_dir="r", streaming=True, episodes=EpisodeConfig(), partial_rollout_tokens=4
+    )
+    (p,) = streaming_problems(chunked, grpo)
+    assert "RunConfig.partial_rollout_tokens=4 with multi-turn episodes" in p
+    assert "set RunConfig.partial_rollout_tokens=0" in p
     in_place = RolloutConfig(None, continue_in_place=True)
     (p,) = streaming_problems(RunConfig(run_dir="r", rollout=in_place), grpo)
     assert "RolloutConfig.continue_in_place=True needs RunConfig.streaming=True" in p

@@ -147,3 +147,34 @@ def test_a_server_killed_mid_stream_loses_only_its_groups(
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rollout/staleness_max"] == 0 for r in rows)
     assert all(np.isfinite(r["actor/loss"]) for r in rows)
+
+
+def test_multi_turn_episodes_stream_by_turns(ray_session, tmp_path):
+    """The guessing game (gin/experiments/tiny_multiturn.gin: up to 4 turns, an env step
+    between two) on the stream at staleness 1: each round is one turn of every unfinished
+    episode, groups are batched as their episodes end, and the trainer gets whole
+    episodes (turns, observation tokens masked, env rewards) with no row staler than 1."""
+    run_dir = tmp_path / "turns"
+    train(
+        ["gin/experiments/tiny_multiturn.gin"],
+        [
+            f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
+            "polyrl.RunConfig.tensorboard = False",
+            "polyrl.RunConfig.total_steps = 3",
+            "polyrl.RunConfig.dump_every = 1",
+            *STREAM,
+            "polyrl.RunConfig.max_staleness = 1",
+        ],
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 1 <= r["episode/turns_mean"] <= 4
+        finished = sum(v for k, v in r.items() if k.startswith("episode/finish/"))
+        assert finished == pytest.approx(1.0)
+        assert 0 < r["episode/observation_token_share"] < 1
+        assert r["rollout/staleness_max"] <= 1 and np.isfinite(r["actor/loss"])
+    # the rounds are turns: a step's groups need as many rounds as their longest episode
+    assert max(r["async/rounds"] for r in rows) >= 2
+    dumped = (run_dir / "rollouts.jsonl").read_text().splitlines()
+    assert any('"turns"' in line for line in dumped)

@@ -8,6 +8,7 @@ a push changes the served log-probs to those of the pushed model).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -40,6 +41,27 @@ class Race(Env):
             time.sleep(SLOW_S)
         STEPS.append((self.sample, turn.index, time.monotonic()))
         if turn.index == 2:
+            return StepResult(reward=1.0, done=True)
+        return StepResult([{"role": "user", "content": "go on"}], reward=0.0)
+
+
+SLOW_STEP = threading.Event()
+
+
+@register_env("test/turns")
+class Turns(Env):
+    """``extra_info["turns"]`` turns; the step of turn ``extra_info["slow_turn"]`` sleeps
+    ``SLOW_S / 6`` (an env in the driver), setting ``SLOW_STEP`` as it starts."""
+
+    def reset(self, row):
+        self.turns, self.slow = row["extra_info"]["turns"], row["extra_info"]["slow_turn"]
+        return super().reset(row)
+
+    def step(self, turn):
+        if turn.index == self.slow:
+            SLOW_STEP.set()
+            time.sleep(SLOW_S / 6)
+        if turn.index + 1 == self.turns:
             return StepResult(reward=1.0, done=True)
         return StepResult([{"role": "user", "content": "go on"}], reward=0.0)
 
@@ -119,6 +141,56 @@ def test_episodes_run_their_own_turns_on_exact_ids(pool, tokenizer):
         for turn in batch["turns"][row][1:]:  # the earlier turns' KV was reused
             assert turn["cached_tokens"] >= BLOCK and turn["cached_tokens"] % BLOCK == 0, turn
     assert batch.info["episode_metrics"]["episode/prefix_cache_share"] > 0
+
+
+def test_episodes_stream_by_turns_and_a_push_lands_between_two(pool, tokenizer, padded_model_dir):
+    """The stream with multi-turn episodes (polyrl.loop.streaming, episodes=): data batch
+    0 is a 2-turn episode group, batch 1 a 4-turn one whose third env step is slow. At
+    staleness 1 both start at version 0; the push after step 0 waits for the round in
+    flight (batch 1's third turn), so batch 1's last turn is sampled by version 1 and its
+    first three by version 0: the trainer gets per-token versions (-1 on observation
+    tokens), and both episodes of the group count as multi-version rows."""
+    from polyrl.loop.streaming import Stream
+
+    assert pool.version == 0
+    SLOW_STEP.clear()
+    chat, v1 = ChatTokens(tokenizer), pool.version + 1
+    messages = [{"role": "user", "content": "copy: 12345"}]
+
+    def source(index):
+        return Batch(
+            {"prompt_index": np.arange(1)},
+            {
+                "prompt": [messages],
+                "data_source": ["test/turns"],
+                "extra_info": [{"turns": 2 + 2 * index, "slow_turn": 2}],
+                "prompt_ids": [chat.prompt(messages)],
+            },
+        )
+
+    spec = SamplingSpec(n=2, max_tokens=4, seed=0)
+    config = EpisodeConfig(max_turns=4, max_episode_tokens=120, env_workers=0)
+    runner = EpisodeRunner(pool, EnvPool(0, 30), tokenizer, config)
+    stream = Stream(pool, source, lambda index: spec, 1, 2, 1, episodes=runner)
+    try:
+        first, m0 = stream.take(0)
+        assert SLOW_STEP.wait(60)  # the round of batch 1's third turn is in flight
+        stream.sync(lambda: push(pool, load_hf(padded_model_dir)) or {}, v1)
+        second, m1 = stream.take(1)
+    finally:
+        stream.discard()
+        runner.shutdown()
+    assert list(first["num_turns"]) == [2, 2] and list(second["num_turns"]) == [4, 4]
+    assert m0["rollout/multi_version_rows"] == 0 and m1["rollout/multi_version_rows"] == 2
+    for row in range(2):
+        versions = second["rollout_token_versions"][row]
+        sampled = second["response_mask"][row] > 0
+        length = second["response_lengths"][row]
+        assert (versions[:length][~sampled[:length]] == -1).all()  # observation tokens
+        turn_of = [t["tokens"] for t in second["turns"][row]]  # sampled tokens per turn
+        by_turn = np.split(versions[:length][sampled[:length]], np.cumsum(turn_of)[:-1])
+        assert [set(v.tolist()) for v in by_turn] == [{0}, {0}, {0}, {v1}], by_turn
+    assert m1["rollout/staleness_max"] == 1
 
 
 def test_abort_ends_requests_in_flight_and_the_server_goes_on(pool):

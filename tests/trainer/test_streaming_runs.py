@@ -149,6 +149,8 @@ def test_a_server_killed_mid_stream_loses_only_its_groups(
     assert all(np.isfinite(r["actor/loss"]) for r in rows)
 
 
+@pytest.mark.slow  # 46 s; the default tier has the stream's own case on real vLLM
+# (tests/rollout/test_async_engine.py, a push between two turns of an episode group)
 def test_multi_turn_episodes_stream_by_turns(ray_session, tmp_path):
     """The guessing game (gin/experiments/tiny_multiturn.gin: up to 4 turns, an env step
     between two) on the stream at staleness 1: each round is one turn of every unfinished
@@ -178,3 +180,29 @@ def test_multi_turn_episodes_stream_by_turns(ray_session, tmp_path):
     assert max(r["async/rounds"] for r in rows) >= 2
     dumped = (run_dir / "rollouts.jsonl").read_text().splitlines()
     assert any('"turns"' in line for line in dumped)
+
+
+@pytest.mark.slow
+def test_guessing_game_learns_streaming(ray_session, tmp_path):
+    """The guessing game learns on the stream by turns at staleness 2 with TIS and masked
+    IS, by the margin its synchronous test asks (tests/trainer/test_multiturn.py)."""
+    from test_multiturn import MARGIN, STEPS
+
+    run_dir = tmp_path / "learn"
+    train(
+        ["gin/experiments/tiny_multiturn.gin"],
+        [
+            f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
+            "polyrl.RunConfig.tensorboard = False",
+            f"polyrl.RunConfig.total_steps = {STEPS}",
+            *STREAM,
+            "polyrl.RunConfig.max_staleness = 2",
+            'polyrl.RunConfig.algo_overrides = {"kl_loss_coef": 0.001, "tis_cap": 2.0, '
+            '"is_mask_low": 0.5, "is_mask_high": 2.0}',
+        ],
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rewards = np.array([r["reward/mean"] for r in rows])
+    assert len(rewards) == STEPS
+    assert rewards[-5:].mean() > rewards[:5].mean() + MARGIN, rewards
+    assert max(r["rollout/staleness_max"] for r in rows) <= 2

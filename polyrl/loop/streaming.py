@@ -33,12 +33,14 @@ to keep; the stream takes groups until ``P`` are kept (at most ``max_gen_batches
 looked at), and the groups filtered out are replaced by admission, as refills are.
 
 Multi-turn episodes (``RunConfig.episodes``, ``episodes=`` an ``EpisodeRunner``): every
-sample is an episode, and a round is one turn of every unfinished episode (each on its
-own server, then its env's step), so a weight push lands between two turns of an episode
-and its turns may be sampled by several versions (per token in the batch, -1 on the
-observations); a group starts its episodes (resets their envs) in its first round and is
-complete when all of them have ended. A turn whose server fails is retried on another
-(``RolloutPool.generate_on``): nothing is lost.
+sample is an episode that plays its own turns (each on its own server, then its env's
+step) as a task of one event loop in the generator's thread, as the episode loop does; a
+group starts its episodes (resets their envs) once admitted and is complete when all of
+them have ended. A push waits only for the turns being sampled: no new turn's request
+starts meanwhile, an env step in flight goes on, so an episode's turns may be sampled by
+several versions (per token in the batch, -1 on the observations). A turn whose server
+fails is retried on another (``RolloutPool.generate_on``): nothing is lost. With
+``stale_policy="drop"`` a stale group still in flight plays on and is dropped at ``take``.
 
 A server that dies mid-round loses only the samples it held: their groups are
 discarded (``async/lost_groups``) and the server is re-synced before the next round.
@@ -316,12 +318,100 @@ class Stream:
     # ------------------------------------------------------------ the generator
     def _generate(self) -> None:
         try:
-            while self._next_round():
-                self._round()
+            if self.episodes is None:
+                while self._next_round():
+                    self._round()
+            else:
+                self._run_episodes()
         except BaseException as e:  # re-raised by take() in the trainer
             with self._cond:
                 self._error, self._busy = e, False
                 self._cond.notify_all()
+
+    # ---------------------------------------------------- multi-turn episodes
+    def _run_episodes(self) -> None:
+        """Episode mode: every episode a task of one event loop that lives as long as
+        the stream, playing its own turns; a *wave* runs the loop until a push waits (the
+        trainer's, or a handed copy) and no turn's request is in flight (the tasks then wait, an env step in flight goes
+        on), so a push lands between two turns of an episode without waiting for the
+        others' turns."""
+        import asyncio
+
+        loop = asyncio.new_event_loop()
+        try:
+            while self._next_round():
+                loop.run_until_complete(self._wave())
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
+            loop.close()
+
+    async def _wave(self) -> None:
+        """Start the admitted groups' episodes, batch the groups whose episodes have all
+        ended, admit more as the bound allows; until a push waits with no request in
+        flight, the stream stops, or nothing is left to play."""
+        import asyncio
+
+        t0, runner = time.perf_counter(), self.episodes
+        while True:
+            for task in [t for t in self._tasks if t.done()]:
+                self._tasks.discard(task)
+                task.result()  # an episode's error ends the stream: take() raises it
+            with self._cond:
+                if not self._push_waiting:
+                    self._admit()
+                fresh = [g for g in self._active if not g.samples]
+                ended = [g for g in self._active if g.done]
+            for g in fresh:  # its envs reset (agents' episodes played) off the loop
+                spec = self.sampling(g.data_batch)
+                g.samples = await asyncio.to_thread(runner.start, g.row, spec, g.row_index)
+                self._tasks.update(
+                    asyncio.ensure_future(self._play(e, spec))
+                    for e in g.samples
+                    if e.finish is None
+                )
+            for g in ended:
+                await asyncio.to_thread(runner.finish, g.samples)
+            with self._cond:
+                for g in ended:
+                    self._active.remove(g)
+                    self._buffer.append(g)
+                if ended:
+                    self._cond.notify_all()
+                pause = self._holding and not self._requests_in_flight
+                if self._stop or pause or not (self._active or self._tasks):
+                    break
+            await asyncio.sleep(0.005)
+        with self._cond:
+            self._stats["generate_s"] += time.perf_counter() - t0
+            self._stats["rounds"] += 1
+            self._spans.append((t0, time.perf_counter() - t0))
+            self._busy = False
+            self._cond.notify_all()
+
+    @property
+    def _holding(self) -> bool:
+        """A push waits: the trainer's, or a copy handed to the generator."""
+        return self._push_waiting or self._snapshot is not None
+
+    async def _play(self, e: Any, spec: Any) -> None:
+        """One episode's turns; each turn's request waits while a push does (the env
+        step after it does not hold the push up)."""
+        import asyncio
+
+        runner = self.episodes
+        for turn in range(runner.config.max_turns):
+            if e.finish is not None:
+                return
+            while self._holding:
+                await asyncio.sleep(0.005)
+            self._requests_in_flight += 1
+            try:
+                sampled = await runner.sample_turn(e, turn, spec)
+            finally:
+                self._requests_in_flight -= 1
+            await runner.step_env(e, turn, sampled)
 
     def _next_round(self) -> bool:
         """Wait until there is a round to run (pushing a handed copy first); False when
@@ -380,8 +470,8 @@ class Stream:
 
     def _abort_stale(self) -> None:
         """With ``stale_policy="drop"``: groups in flight that can no longer make the bound."""
-        if self.stale_policy != "drop":
-            return
+        if self.stale_policy != "drop" or self.episodes is not None:
+            return  # (episode groups in flight play on; take() drops them if stale)
         late = [g for g in self._active if self._version - g.oldest > self.limit]
         if late:
             self._active = [g for g in self._active if g not in late]
@@ -389,12 +479,11 @@ class Stream:
             self._discarded += len(late)
 
     def _round(self) -> None:
-        """One request per unfinished sample of every active group, or one turn of every
-        unfinished episode."""
+        """One request per unfinished sample of every active group."""
         t0 = time.perf_counter()
         with self._cond:
             groups = list(self._active)
-        lost = self._turns(groups) if self.episodes is not None else self._requests(groups)
+        lost = self._requests(groups)
         with self._cond:
             for g in groups:
                 if id(g) in lost:
@@ -409,34 +498,6 @@ class Stream:
             self._spans.append((t0, time.perf_counter() - t0))
             self._busy = False
             self._cond.notify_all()
-
-    def _turns(self, groups: list[_Group]) -> set[int]:
-        """One turn of every unfinished episode of ``groups``, all in flight at once (each
-        on its episode's server: ``EpisodeRunner.play_turn``); the episodes of a new group
-        start first. A failed turn is retried on another server (``generate_on``), so no
-        group is lost; groups that ended are finished (envs closed, drift checked)."""
-        import asyncio
-
-        runner = self.episodes
-        for g in groups:
-            if not g.samples:
-                g.samples = runner.start(g.row, self.sampling(g.data_batch), g.row_index)
-
-        async def play() -> None:
-            await asyncio.gather(
-                *(
-                    runner.play_turn(e, len(e.turns), self.sampling(g.data_batch))
-                    for g in groups
-                    for e in g.samples
-                    if e.finish is None
-                )
-            )
-
-        asyncio.run(play())
-        for g in groups:
-            if g.done:
-                runner.finish(g.samples)
-        return set()
 
     def _requests(self, groups: list[_Group]) -> set[int]:
         """One request per unfinished sample of ``groups`` (one ``generate_lossy`` call per
@@ -512,6 +573,8 @@ class Stream:
             self._active: list[_Group] = []
             self._buffer: list[_Group] = []
             self._busy = self._push_waiting = False
+            self._tasks: set[Any] = set()  # episode mode: one asyncio task per episode
+            self._requests_in_flight = 0  # episode mode: turns being sampled
             self._snapshot: tuple[Callable[[], dict[str, float]], int] | None = None
             keys = ("generate_s", "rounds", "gen_idle_s", "wait_s", "lost_groups")
             extra = ("aborted_stale", "pushed_ahead", "pushed_in_flight")

@@ -156,15 +156,23 @@ class EpisodeRunner:
             await self.play_turn(e, turn, spec)
 
     async def play_turn(self, e: Episode, turn: int, spec: SamplingSpec) -> None:
-        """Turn ``turn`` of ``e``: sample it (its exact ids so far, on its own server, whose
-        prefix cache holds its earlier turns), step its env, append the observation.
-        Turn ``t`` of episode ``i`` is seeded by ``i * max_turns + t``."""
+        """Turn ``turn`` of ``e``: :meth:`sample_turn`, then :meth:`step_env`."""
+        await self.step_env(e, turn, await self.sample_turn(e, turn, spec))
+
+    async def sample_turn(self, e: Episode, turn: int, spec: SamplingSpec) -> Turn:
+        """Sample turn ``turn`` of ``e``: its exact ids so far, on its own server (whose
+        prefix cache holds its earlier turns). Turn ``t`` of episode ``i`` is seeded by
+        ``i * max_turns + t``."""
         limit, max_turns = self.config.max_episode_tokens, self.config.max_turns
         request = (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length)
         (r,) = await self.pool.generate_on(e.index % len(self.pool.servers), [request], spec)
         sampled = self._sampled(e, turn, r)
         # how much of this turn's prompt the server's prefix cache held
         e.turns[-1].update(prompt_tokens=len(request[1]), cached_tokens=r.get("cached_tokens", 0))
+        return sampled
+
+    async def step_env(self, e: Episode, turn: int, sampled: Turn) -> None:
+        """Step ``e``'s env with its sampled turn and append the observation."""
         self._observe(e, turn, await self.envs.step_one(e.key, sampled))
 
     def _sampled(self, e: Episode, turn: int, r: Mapping[str, Any]) -> Turn:

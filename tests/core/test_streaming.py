@@ -249,7 +249,7 @@ def test_validate_config_checks_streaming():
     (p,) = streaming_problems(RunConfig(run_dir="r", partial_rollout_tokens=-1), grpo)
     assert "RunConfig.partial_rollout_tokens=-1 must be an integer >= 0" in p
     turns = RunConfig(run_dir="r", streaming=True, episodes=EpisodeConfig())
-    assert streaming_problems(turns, grpo) == []  # multi-turn episodes stream by turns
+    assert streaming_problems(turns, grpo) == []  # multi-turn episodes stream
     chunked = RunConfig(
         run_dir="r", streaming=True, episodes=EpisodeConfig(), partial_rollout_tokens=4
     )

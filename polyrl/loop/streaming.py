@@ -107,7 +107,7 @@ class _Group:
     data_batch: int
     row: Batch  # the prompt's row (its prompt_ids after the overlong policy)
     start_version: int
-    samples: list[Any]  # _Sample, or Episode (multi-turn; none until its first round)
+    samples: list[Any]  # _Sample, or Episode (multi-turn; none until the stream starts them)
     row_index: int = 0  # the prompt's row in its data batch
 
     @property
@@ -255,9 +255,9 @@ class Stream:
     ) -> dict[str, float]:
         """Push weight ``version`` once the round in flight has finished (the generator
         starts no other meanwhile); with ``RolloutConfig.continue_in_place`` at once,
-        the round's requests paused in the servers while it lands. With ``snapshot`` and a round in flight (and not
-        ``required``), the copy goes to the generator, which pushes it before its next
-        round (``async/sync_deferred`` = 1). Returns ``push``'s metrics and the ``async/``
+        the round's requests paused in the servers while it lands. With ``snapshot`` and
+        a round in flight (and not ``required``), the copy goes to the generator, which
+        pushes it before its next round (``async/sync_deferred`` = 1). Returns ``push``'s metrics and the ``async/``
         metrics since the last call (:meth:`_report`)."""
         in_place = self.pool.config.continue_in_place  # the round in flight is paused
         with self._cond:
@@ -332,9 +332,9 @@ class Stream:
     def _run_episodes(self) -> None:
         """Episode mode: every episode a task of one event loop that lives as long as
         the stream, playing its own turns; a *wave* runs the loop until a push waits (the
-        trainer's, or a handed copy) and no turn's request is in flight (the tasks then wait, an env step in flight goes
-        on), so a push lands between two turns of an episode without waiting for the
-        others' turns."""
+        trainer's, or a handed copy) and no turn's request is in flight (the tasks then
+        wait, an env step in flight goes on), so a push lands between two turns of an
+        episode without waiting for the others' turns."""
         import asyncio
 
         loop = asyncio.new_event_loop()
@@ -462,7 +462,7 @@ class Stream:
                 self._cursor += 1
                 continue
             data_batch, i, row = self._rows.pop(0)
-            # an episode group's episodes start (their envs reset) in its first round
+            # an episode group's episodes start (their envs reset) in the stream's loop
             samples = [] if self.episodes else [_Sample(i * self._n + j) for j in range(self._n)]
             group = _Group(self._started, data_batch, row, self._version, samples, i)
             self._active.append(group)

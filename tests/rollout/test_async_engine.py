@@ -45,14 +45,14 @@ class Race(Env):
         return StepResult([{"role": "user", "content": "go on"}], reward=0.0)
 
 
-SLOW_STEP, SLOW_DONE = threading.Event(), threading.Event()
+SLOW_STEP, RELEASE, SLOW_DONE = threading.Event(), threading.Event(), threading.Event()
 
 
 @register_env("test/turns")
 class Turns(Env):
     """``extra_info["turns"]`` turns; the step of turn ``extra_info["slow_turn"]`` sleeps
-    ``SLOW_S`` (an env in the driver), setting ``SLOW_STEP`` as it starts and
-    ``SLOW_DONE`` as it ends."""
+    until the test sets ``RELEASE`` (at most 60 s; an env in the driver), setting
+    ``SLOW_STEP`` as it starts and ``SLOW_DONE`` as it ends."""
 
     def reset(self, row):
         self.turns, self.slow = row["extra_info"]["turns"], row["extra_info"]["slow_turn"]
@@ -61,7 +61,7 @@ class Turns(Env):
     def step(self, turn):
         if turn.index == self.slow:
             SLOW_STEP.set()
-            time.sleep(SLOW_S)
+            RELEASE.wait(60)
             SLOW_DONE.set()
         if turn.index + 1 == self.turns:
             return StepResult(reward=1.0, done=True)
@@ -156,8 +156,8 @@ def test_episodes_stream_and_a_push_lands_between_two_turns(pool, tokenizer, pad
     from polyrl.loop.streaming import Stream
 
     assert pool.version == 0
-    SLOW_STEP.clear()
-    SLOW_DONE.clear()
+    for event in (SLOW_STEP, RELEASE, SLOW_DONE):
+        event.clear()
     chat, v1 = ChatTokens(tokenizer), pool.version + 1
     messages = [{"role": "user", "content": "copy: 12345"}]
 
@@ -181,8 +181,10 @@ def test_episodes_stream_and_a_push_lands_between_two_turns(pool, tokenizer, pad
         assert SLOW_STEP.wait(60)  # an episode of batch 1 is in its slow env step
         stream.sync(lambda: push(pool, load_hf(padded_model_dir)) or {}, v1)
         assert not SLOW_DONE.is_set()  # the push landed while that env step went on
+        RELEASE.set()
         second, m1 = stream.take(1)
     finally:
+        RELEASE.set()
         stream.discard()
         runner.shutdown()
     assert list(first["num_turns"]) == [2, 2] and list(second["num_turns"]) == [4, 4]

@@ -38,6 +38,10 @@ class PhaseTimer:
     Phases may overlap (forwards of roles on different GPUs run at once: :meth:`record`
     takes a span measured by the caller), so the step's framework overhead is the step
     time outside the *union* of its compute phases' spans, not step time minus their sum.
+
+    Inside :meth:`watching` (a run's first step), a phase still running after ``wait_s``
+    prints one ``[start-up] step 1 waiting for update_actor (5 s so far ...)`` line, so
+    the first step's compiles and warm-ups are never silent and say where the time goes.
     """
 
     def __init__(self, echo: bool | None = None):
@@ -49,13 +53,29 @@ class PhaseTimer:
         self.step, self.t0 = 0, time.perf_counter()
         # Called as listener(phase, start perf_counter, seconds, step), e.g. Timeline.add.
         self.listeners: list[Callable[[str, float, float, int], Any]] = []
+        self.wait_s: float | None = None  # set by watching()
+        self.waits: dict[str, threading.Timer] = {}  # phase -> its pending waiting line
 
     def start_step(self, step: int) -> None:
         self.step, self.times, self.spans = step, {}, []
         self.t0 = time.perf_counter()
 
+    def begin(self, name: str) -> float:
+        """Phase ``name`` starts now (its :meth:`record` ends it); returns its start."""
+        if self.wait_s is not None and name not in self.waits:
+            line = (
+                f"[start-up] step {self.step} waiting for {name} ({self.wait_s:g} s so far: "
+                "a first call compiles or warms up)"
+            )
+            self.waits[name] = timer = threading.Timer(self.wait_s, print, (line,), {"flush": True})
+            timer.daemon = True
+            timer.start()
+        return time.perf_counter()
+
     def record(self, name: str, t0: float, dt: float) -> None:
         """A span of phase ``name`` that began at ``time.perf_counter()`` value ``t0``."""
+        if (timer := self.waits.pop(name, None)) is not None:
+            timer.cancel()
         self.times[name] = self.times.get(name, 0.0) + dt
         self.spans.append((name, t0, t0 + dt))
         for listener in self.listeners:
@@ -65,11 +85,24 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0 = self.begin(name)
         try:
             yield
         finally:
             self.record(name, t0, time.perf_counter() - t0)
+
+    @contextlib.contextmanager
+    def watching(self, wait_s: float, when: bool = True) -> Iterator[None]:
+        """Phases begun inside print a waiting line once they run past ``wait_s``
+        (``when=False``: nothing)."""
+        self.wait_s = wait_s if when else None
+        try:
+            yield
+        finally:
+            self.wait_s = None
+            for timer in self.waits.values():
+                timer.cancel()
+            self.waits.clear()
 
     def metrics(self, compute: tuple[str, ...] = ()) -> dict[str, float]:
         """``time/<phase>`` for every phase so far, ``time/step`` (since
@@ -89,8 +122,8 @@ class StartupLog:
 
     ``with log.phase("rollout servers"):`` times one start-up phase; one still running
     after ``wait_s`` prints ``[start-up] waiting for rollout servers (5 s so far)`` once,
-    so a long start is never silent. :meth:`watch` does only that (the first step's
-    warm-up; ``when=False``: nothing). :meth:`done` prints one line with the total and every phase's time and
+    so a long start is never silent. :meth:`watch` does only that (the initial validation).
+    :meth:`done` prints one line with the total and every phase's time and
     returns them as metrics (``startup/total_s``, ``startup/<phase>_s``) for the first
     step's row, which :func:`phase_summary` reports.
     """
@@ -100,13 +133,10 @@ class StartupLog:
         self.times: dict[str, float] = {}
 
     @contextlib.contextmanager
-    def watch(self, what: str, when: bool = True) -> Iterator[None]:
+    def watch(self, what: str) -> Iterator[None]:
         def waiting() -> None:
             print(f"[start-up] waiting for {what} ({self.wait_s:g} s so far)", flush=True)
 
-        if not when:
-            yield
-            return
         timer = threading.Timer(self.wait_s, waiting)
         timer.daemon = True
         timer.start()

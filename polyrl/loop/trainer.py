@@ -191,16 +191,16 @@ class Loop(abc.ABC):
         )
         evaluator, total = self.evaluator, self.cfg.total_steps
         guard = reliability.NonFiniteGuard(self.cfg.max_nonfinite_steps)
-        startup, watch = self.startup.done(), self.startup.watch  # logged with the first step
+        startup = self.startup.done()  # logged with the first step
         try:
             # Row N of metrics.jsonl is the state after N steps: step N's training metrics
             # and the validation of the weights it left (row 0: the initial weights').
             if evaluator and self.start_step == 0 and total > 0:
-                with watch("the validation of the initial weights (vLLM warms up)"):
+                with self.startup.watch("the validation of the initial weights (vLLM warms up)"):
                     tracker.log(0, evaluator.evaluate(0))
             for step in range(self.start_step, total):
                 first = step == self.start_step
-                with watch(f"step {step + 1} (first calls warm up)", when=first):
+                with self.timer.watching(self.startup.wait_s, when=first):
                     metrics, done = self._profiled(step), step + 1
                 metrics |= startup if first else {}
                 if evaluator and (evaluator.due(done) or done == total):
@@ -534,12 +534,11 @@ class RLTrainer(Loop):
             )
             if group is not None
         }
-        t0 = time.perf_counter()
-        pending = {
-            name: group.submit_forward(batch, **args)
-            for name, (group, args) in calls.items()
-            if not self.turns.takes_turns(group)
-        }
+        t0, pending = time.perf_counter(), {}
+        for name, (group, args) in calls.items():
+            if not self.turns.takes_turns(group):
+                self.timer.begin(name)  # recorded from t0 when it returns
+                pending[name] = group.submit_forward(batch, **args)
         outs, actor_resident = {}, False
         with concurrent.futures.ThreadPoolExecutor(1) as waiter:
             # Their finish times are read as they come, while the turns below run.

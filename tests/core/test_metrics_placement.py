@@ -177,8 +177,6 @@ def test_start_up_log_names_what_it_waits_for(capsys):
         time.sleep(0.3)  # 6x the wait: the waiting line has long been printed
     with log.phase("checks"):
         pass
-    with log.watch("step 1", when=False):
-        time.sleep(0.1)
     metrics = log.done()
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "[start-up] waiting for rollout servers (0.05 s so far)"
@@ -188,6 +186,42 @@ def test_start_up_log_names_what_it_waits_for(capsys):
         r"other 0\.\d s",
         out[1],
     ), out[1]
-    assert len(out) == 2  # nothing for the quick phase or the unwatched step
+    assert len(out) == 2  # nothing for the quick phase
     assert set(metrics) == {"startup/total_s", "startup/rollout_servers_s", "startup/checks_s"}
-    assert metrics["startup/total_s"] >= 0.4 and metrics["startup/rollout_servers_s"] >= 0.3
+    assert metrics["startup/total_s"] >= 0.3 and metrics["startup/rollout_servers_s"] >= 0.3
+
+
+def test_the_first_step_names_the_phases_it_waits_for(capsys):
+    """Issue 32: a first step that takes long (compiles) says which phase it is in: one
+    line per phase still running after the wait, for forwards in flight (begin/record) as
+    for timed blocks; nothing for quick phases or later steps."""
+    import time
+
+    from polyrl.loop.metrics import PhaseTimer
+
+    def lines_once(*want: str) -> list[str]:  # wait for the timer threads' lines
+        out, deadline = "", time.monotonic() + 30
+        while not all(w in out for w in want) and time.monotonic() < deadline:
+            out += capsys.readouterr().out
+            time.sleep(0.01)
+        return out.splitlines()
+
+    timer, tail = PhaseTimer(echo=False), "(0.05 s so far: a first call compiles or warms up)"
+    with timer.watching(0.05):
+        timer.start_step(1)
+        with timer.phase("generate"):
+            pass
+        t0 = timer.begin("reference")  # a forward in flight beside the actor's
+        with timer.phase("old_log_probs"):
+            first = lines_once("for old_log_probs", "for reference")
+        timer.record("reference", t0, time.perf_counter() - t0)
+    assert sorted(first) == [
+        f"[start-up] step 1 waiting for old_log_probs {tail}",
+        f"[start-up] step 1 waiting for reference {tail}",
+    ]
+    assert timer.times.keys() == {"generate", "reference", "old_log_probs"}
+    with timer.watching(0.05, when=False):
+        timer.start_step(2)
+        with timer.phase("update_actor"):
+            time.sleep(0.3)
+    assert capsys.readouterr().out == ""

@@ -612,6 +612,14 @@ class RunConfig:
     # Former fields -> the bindings that replace them (polyrl.configure.bindings names them).
     moved: ClassVar = staticmethod(_moved)
 
+    def __post_init__(self) -> None:
+        # RolloutConfig.engine = "auto": the asynchronous engine only where the run needs
+        # requests in flight beside others (episodes, the stream); a single-turn batch
+        # samples faster on LLM.generate (docs/rollout.md "Engines")
+        if self.rollout is not None and hasattr(self.rollout, "for_run"):
+            needs = self.episodes is not None or self.streaming or self.rollout.continue_in_place
+            object.__setattr__(self, "rollout", self.rollout.for_run(needs))
+
     def role_config(self, role: str) -> RoleConfig:
         """``role``'s own settings (its RunConfig field, ``polyrl.role_table``): a
         RoleConfig, the rollout's RolloutConfig; the shadow's, unless bound, are the

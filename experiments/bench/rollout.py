@@ -77,6 +77,12 @@ def main(argv=None) -> None:
         default=1,
         help="RolloutConfig.in_process_engine of the servers and of the direct engine",
     )
+    p.add_argument(
+        "--engine",
+        choices=("sync", "async"),
+        default="sync",
+        help="RolloutConfig.engine of the servers (sync: what a single-turn run's 'auto' picks)",
+    )
     p.add_argument("--num-cpus", type=int, default=os.cpu_count())
     p.add_argument("--json", help="write the result here")
     p.add_argument(
@@ -102,6 +108,7 @@ def main(argv=None) -> None:
             max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
             in_process_engine=bool(args.in_process_engine),
+            engine=args.engine,
             num_gpus=0.5 if on_gpu else None,  # the direct engine takes the other half
         )
     )

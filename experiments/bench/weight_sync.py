@@ -366,7 +366,7 @@ class DirectEngine:
         from polyrl.rollout.engines import make_engine
         from polyrl.rollout.server import allowed_token_ids, engine_kwargs
 
-        self.engine = make_engine(config.engine, engine_kwargs(config, on_gpu))
+        self.engine = make_engine(config.asynchronous, engine_kwargs(config, on_gpu))
         vocab = int(self.engine.model_config.get_vocab_size())
         self.allowed = allowed_token_ids(len(self.engine.tokenizer), vocab, config)
 
@@ -441,7 +441,7 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
         .options(
             num_cpus=res["num_cpus"],
             num_gpus=res["num_gpus"],
-            runtime_env={"env_vars": server_env(pool.config)},
+            runtime_env={"env_vars": server_env(pool.config, res["num_gpus"] > 0)},
         )
         .remote(pool.config, _on_gpu())
     )

@@ -636,11 +636,11 @@ def episode_problems(cfg: RunConfig, spec: Any) -> list[str]:
     if ep is None:
         return []
     out = []
-    if cfg.rollout.engine != "async":
+    if cfg.rollout.engine == "sync":
         out.append(
             f"RolloutConfig.engine={cfg.rollout.engine!r}: RunConfig.episodes runs every "
             f"episode's turns in flight together, which needs the asynchronous engine; set "
-            f"RolloutConfig.engine = 'async' (the default)"
+            f"RolloutConfig.engine = 'async' or 'auto' (the default)"
         )
     if ep.max_episode_tokens > cfg.rollout.max_model_len:
         out.append(

@@ -17,8 +17,9 @@ many callers at once (``submit``), which is what lets every episode run its own 
   cumulative output instead, so that the engine knows how many tokens each request in
   flight holds when :meth:`AsyncEngine.resume` brings a new weight version: the final
   output then carries ``polyrl_token_versions``, the version of each sampled token.
-* :class:`SyncEngine` (``engine="sync"``): ``vllm.LLM``, one batch at a time, the engine
-  core in the server's process unless ``RolloutConfig.in_process_engine=False``.
+* :class:`SyncEngine` (``engine="sync"``, and what ``"auto"`` picks for a single-turn
+  run): ``vllm.LLM``, one batch at a time, the engine core in the server's process on a
+  GPU and in a process of its own on CPU (``RolloutConfig.in_process_engine``).
 
 Token ids in (``{"prompt_token_ids": [...]}``), token ids and flat log-probs out: neither
 engine tokenizes or detokenizes (``SamplingSpec.vllm_kwargs``).
@@ -253,11 +254,11 @@ def _token_versions(length: int, switches: list[tuple[int, int]]) -> Any:
 
 
 def make_engine(
-    kind: str, kwargs: dict[str, Any], track_versions: bool = False
+    asynchronous: bool, kwargs: dict[str, Any], track_versions: bool = False
 ) -> AsyncEngine | SyncEngine:
-    """The engine of ``RolloutConfig.engine`` (``"async"`` or ``"sync"``); the
+    """The engine of ``RolloutConfig.engine`` (``RolloutConfig.asynchronous``); the
     asynchronous one with ``track_versions`` for ``RolloutConfig.continue_in_place``."""
-    return AsyncEngine(kwargs, track_versions) if kind == "async" else SyncEngine(kwargs)
+    return AsyncEngine(kwargs, track_versions) if asynchronous else SyncEngine(kwargs)
 
 
 class _RawPromptWarning(logging.Filter):

@@ -67,7 +67,7 @@ class EpisodeRunner:
 
     def __init__(self, pool: Any, envs: Any, tokenizer: Any, config: EpisodeConfig):
         engine = getattr(getattr(pool, "config", None), "engine", "async")
-        if engine != "async":
+        if engine == "sync":
             raise ValueError(
                 f"RolloutConfig.engine={engine!r}: multi-turn episodes run many requests in "
                 f"flight on the asynchronous engine; set RolloutConfig.engine='async'"

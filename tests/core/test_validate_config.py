@@ -230,7 +230,8 @@ CASES = [
      "RunConfig.algorithm (ReMax's greedy baseline) is not supported with RunConfig.episodes"),
     ("episodes-on-the-sync-engine", MULTITURN, ["polyrl.RolloutConfig.engine = 'sync'"],
      "RolloutConfig.engine='sync': RunConfig.episodes runs every episode's turns in flight "
-     "together, which needs the asynchronous engine; set RolloutConfig.engine = 'async'"),
+     "together, which needs the asynchronous engine; set RolloutConfig.engine = 'async' or "
+     "'auto' (the default)"),
     ("max-turns-zero", MULTITURN, ["polyrl.EpisodeConfig.max_turns = 0"],
      "EpisodeConfig.max_turns=0 must be >= 1"),
 ]  # fmt: skip

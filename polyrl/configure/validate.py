@@ -58,6 +58,14 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
         f"actor: {cfg.mini_batch_prompts * n} {unit} / dp {par.dp_size} = {per_rank} per rank "
         f"= {-(-per_rank // par.micro_batch_size)} micro-batch(es) of <= {par.micro_batch_size}",
     ]
+    if spec.objective == "rl" and cfg.rollout is not None:
+        r = cfg.rollout
+        kind = "asynchronous" if r.asynchronous else "synchronous"
+        lines.append(
+            f"rollout: {r.num_servers} server(s) x tensor_parallel {r.tensor_parallel_size}, "
+            f"vLLM's {kind} engine (RolloutConfig.engine={r.engine!r}; 'auto' takes 'async' "
+            "for episodes or streaming, else 'sync')"
+        )
     if dataset_rows is not None:
         used = cfg.total_steps * cfg.prompts_per_step
         lines.append(

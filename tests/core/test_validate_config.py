@@ -312,6 +312,12 @@ FIXES = [
      "WARNING RunConfig.train_files: {data}/long.parquet: 32 of 32 prompts are over the prompt "
      "limit (32 tokens) and will be dropped"),
     ("multi-turn", MULTITURN, [], "roles: actor, rollout, reference"),
+    ("multi-turn: its engine", MULTITURN, [],
+     "rollout: 1 server(s) x tensor_parallel 1, vLLM's asynchronous engine "
+     "(RolloutConfig.engine='async'; 'auto' takes 'async' for episodes or streaming, else 'sync')"),
+    ("single-turn: its engine", GRPO, [],
+     "rollout: 1 server(s) x tensor_parallel 1, vLLM's synchronous engine "
+     "(RolloutConfig.engine='sync';"),
     ("datasets: preference file for DPO", DPO,
      ["polyrl.RunConfig.train_files = ['{data}/pairs.parquet']"],
      "data: total_steps 20 x prompts_per_step 32 = 640 prompts over 64 rows = 10.00 passes"),

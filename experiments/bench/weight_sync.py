@@ -441,7 +441,7 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
         .options(
             num_cpus=res["num_cpus"],
             num_gpus=res["num_gpus"],
-            runtime_env={"env_vars": server_env(pool.config, res["num_gpus"] > 0)},
+            runtime_env={"env_vars": server_env(pool.config)},
         )
         .remote(pool.config, _on_gpu())
     )

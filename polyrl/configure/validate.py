@@ -63,8 +63,8 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
         kind = "asynchronous" if r.asynchronous else "synchronous"
         lines.append(
             f"rollout: {r.num_servers} server(s) x tensor_parallel {r.tensor_parallel_size}, "
-            f"vLLM's {kind} engine (RolloutConfig.engine={r.engine!r}; 'auto' takes 'async' "
-            "for episodes or streaming, else 'sync')"
+            f"vLLM's {kind} engine (RolloutConfig.engine={r.engine!r}; 'auto' takes 'sync' "
+            "for single-turn runs on GPUs, else 'async')"
         )
     if dataset_rows is not None:
         used = cfg.total_steps * cfg.prompts_per_step

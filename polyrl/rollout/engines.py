@@ -18,8 +18,8 @@ many callers at once (``submit``), which is what lets every episode run its own 
   flight holds when :meth:`AsyncEngine.resume` brings a new weight version: the final
   output then carries ``polyrl_token_versions``, the version of each sampled token.
 * :class:`SyncEngine` (``engine="sync"``, and what ``"auto"`` picks for a single-turn
-  run): ``vllm.LLM``, one batch at a time, the engine core in the server's process on a
-  GPU and in a process of its own on CPU (``RolloutConfig.in_process_engine``).
+  run on GPUs): ``vllm.LLM``, one batch at a time, the engine core in the server's
+  process unless ``RolloutConfig.in_process_engine=False``.
 
 Token ids in (``{"prompt_token_ids": [...]}``), token ids and flat log-probs out: neither
 engine tokenizes or detokenizes (``SamplingSpec.vllm_kwargs``).

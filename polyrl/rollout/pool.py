@@ -195,7 +195,7 @@ class RolloutPool:
             (c,),
             num_workers=c.num_servers,
             options=self.placement or (lambda i: res),
-            env=server_env(c, res["num_gpus"] > 0),
+            env=server_env(c),
             max_restarts=c.max_restarts,
             timeout_s=c.request_timeout_s,
             ready_timeout_s=c.ready_timeout_s,

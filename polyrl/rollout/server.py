@@ -54,9 +54,9 @@ class StaleWeightsError(RuntimeError):
     """A server's weights are not the version the caller expects (restarted or mid-update)."""
 
 
-def server_env(config: RolloutConfig, on_gpu: bool) -> dict[str, str]:
+def server_env(config: RolloutConfig) -> dict[str, str]:
     """Environment of a server process (Ray ``runtime_env``; also set before vLLM imports)."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process(on_gpu) else "1"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process_engine else "1"}
     env.update(dict(config.env))
     return env
 
@@ -175,7 +175,7 @@ class RolloutServer(Traced):
         self.config = config
         self.index = index
         self.on_gpu = torch.cuda.is_available()
-        for key, value in server_env(config, self.on_gpu).items():
+        for key, value in server_env(config).items():
             os.environ.setdefault(key, value)
         # vLLM's CPU worker sets VLLM_DIST_IDENT in its own process; one inherited from a
         # driver that ran vLLM in-process is stale, and vLLM warns about it at start.
@@ -214,7 +214,7 @@ class RolloutServer(Traced):
         # The asynchronous engine's core is always a process of its own.
         self.direct_rpc = (
             not config.asynchronous
-            and config.in_process(self.on_gpu)
+            and config.in_process_engine
             and config.tensor_parallel_size == 1
         )
 

@@ -295,21 +295,26 @@ def test_validate_config_checks_streaming():
     assert "polyrl.RolloutConfig.pool" in p
 
 
+GPU_POOL = 'polyrl.RunConfig.pools = {"shared": {"CPU": 2, "GPU": 1}}'
+
+
 @pytest.mark.parametrize(
     ("gin_file", "params", "engine"),
     [
-        ("tiny_grpo.gin", [], "sync"),  # one batch a step: LLM.generate
+        ("gpu_grpo_0p5b.gin", [], "sync"),  # one batch a step on a GPU: LLM.generate
+        ("tiny_grpo.gin", [GPU_POOL], "sync"),
+        ("tiny_grpo.gin", [GPU_POOL, "polyrl.RunConfig.streaming = True"], "async"),
+        ("tiny_grpo.gin", [], "async"),  # CPU: the engine core in a process of its own
         ("tiny_multiturn.gin", [], "async"),  # episodes' turns in flight together
-        ("tiny_grpo.gin", ["polyrl.RunConfig.streaming = True"], "async"),
-        ("tiny_grpo.gin", ["polyrl.RolloutConfig.engine = 'async'"], "async"),  # as chosen
+        ("gpu_grpo_0p5b.gin", ["polyrl.RolloutConfig.engine = 'async'"], "async"),  # as bound
         ("tiny_multiturn.gin", ["polyrl.RolloutConfig.engine = 'sync'"], "sync"),  # refused later
     ],
 )
 def test_the_default_engine_is_chosen_by_what_the_run_needs(tmp_path, gin_file, params, engine):
-    """RolloutConfig.engine = "auto" (issue 33): single-turn runs sample on the synchronous
-    engine, which a batch of the GRPO experiment ran at 7.98 s on one H200 where the
-    asynchronous took 16.30 s; runs with requests in flight beside others get the
-    asynchronous one; an engine that is bound stays."""
+    """RolloutConfig.engine = "auto" (issue 33): single-turn runs on GPUs sample on the
+    synchronous engine, which a batch of the GRPO experiment ran at 7.98 s on one H200
+    where the asynchronous took 16.30 s; runs with requests in flight beside others, and
+    CPU pools, get the asynchronous one; an engine that is bound stays."""
     from polyrl.configure.launch import parse_config
 
     cfg, _ = parse_config(
@@ -318,4 +323,3 @@ def test_the_default_engine_is_chosen_by_what_the_run_needs(tmp_path, gin_file, 
     assert cfg.rollout.engine == engine
     bare = RolloutConfig(None)  # a pool outside a run can do everything
     assert bare.engine == "auto" and bare.asynchronous
-    assert [bare.in_process(True), bare.in_process(False)] == [True, False]

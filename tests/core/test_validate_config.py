@@ -312,10 +312,11 @@ FIXES = [
      "WARNING RunConfig.train_files: {data}/long.parquet: 32 of 32 prompts are over the prompt "
      "limit (32 tokens) and will be dropped"),
     ("multi-turn", MULTITURN, [], "roles: actor, rollout, reference"),
-    ("multi-turn: its engine", MULTITURN, [],
+    ("CPU: its engine", GRPO, [],
      "rollout: 1 server(s) x tensor_parallel 1, vLLM's asynchronous engine "
-     "(RolloutConfig.engine='async'; 'auto' takes 'async' for episodes or streaming, else 'sync')"),
-    ("single-turn: its engine", GRPO, [],
+     "(RolloutConfig.engine='async'; 'auto' takes 'sync' for single-turn runs on GPUs, else "
+     "'async')"),
+    ("synchronous engine, bound", GRPO, ["polyrl.RolloutConfig.engine = 'sync'"],
      "rollout: 1 server(s) x tensor_parallel 1, vLLM's synchronous engine "
      "(RolloutConfig.engine='sync';"),
     ("datasets: preference file for DPO", DPO,

@@ -42,7 +42,7 @@ def layout(run_dir: str, params: list[str]) -> dict[str, list[dict]]:
         for name, role in roles.items():
             options = lambda rank, n=name: placement.options(n, rank)  # noqa: E731
             if name == "rollout":  # as RolloutPool starts them
-                cls, arg, env = ServerStandIn, (cfg.rollout,), server_env(cfg.rollout, False)
+                cls, arg, env = ServerStandIn, (cfg.rollout,), server_env(cfg.rollout)
             else:  # as EngineGroup starts them (engines not started)
                 cls, arg, env = EngineWorker, (role.backend,), engine_env(role, options, None)
             group = WorkerGroup(

@@ -89,10 +89,12 @@ def test_endpoint_serves_the_openai_client(pool, tokenizer):
 
 
 def test_an_agents_calls_do_not_wait_for_another_agents_call(pool, tokenizer):
-    """On the asynchronous engine each call is its own request: agent B makes three
+    """On the asynchronous engine each call is its own request: agent B makes two
     one-token calls, one after the other, while agent A's single call samples 96 tokens
     (a seed whose reply runs to the limit), and B is done first. When calls were batched,
-    B's first call waited for A's whole batch."""
+    B's first call waited for A's whole batch. (Three calls of B took as long as A's 96
+    tokens once on the loaded 2-core machine, 0.45 ms behind: two leave a margin and
+    still fail batching, which makes B's first call wait for all of A.)"""
     endpoint = AgentEndpoint(pool, tokenizer, EpisodeConfig(max_episode_tokens=128))
     messages = [{"role": "user", "content": "secret"}]
     try:
@@ -122,7 +124,7 @@ def test_an_agents_calls_do_not_wait_for_another_agents_call(pool, tokenizer):
 
             async def short_calls() -> list[float]:
                 done, history = [], list(messages)
-                for k in range(3):
+                for k in range(2):
                     reply = await b.chat.completions.create(
                         model="polyrl", messages=history, max_tokens=1, seed=k
                     )
@@ -138,7 +140,7 @@ def test_an_agents_calls_do_not_wait_for_another_agents_call(pool, tokenizer):
 
         short, long = asyncio.run(both())
         assert short[-1] < long, (short, long)
-        assert [len(c["token_ids"]) for c in endpoint.episodes["b"].calls] == [1, 1, 1]
+        assert [len(c["token_ids"]) for c in endpoint.episodes["b"].calls] == [1, 1]
     finally:
         endpoint.close()
 

@@ -6,7 +6,8 @@ Inductor directory too; ``warm``: the directory as the run before left it), and
 timestamps every line the run prints. For each run it reports the seconds from the
 command's start to the run's header line (``[polyrl] run ...``: parsing, validation), to
 each start-up line the run prints (``[start-up] ...``), and to the first progress
-line (``step 1/N``), plus step 1's phase times from ``metrics.jsonl``. Not a test;
+line (``step 1/N``), plus step 1's phase times from ``metrics.jsonl`` and the start-up
+timings the vLLM servers logged (weights, compile, CUDA graphs, engine). Not a test;
 numbers go to stdout and ``--json``.
 
     python experiments/bench/first_step.py --runs cold,warm                   # tiny, CPU
@@ -33,6 +34,12 @@ from pathlib import Path
 
 GOAL_WARM_S = 60.0
 PROGRESS = re.compile(r"\] step 1/\d+")
+# vLLM's own start-up timings, as its servers log them (under the run's logs/)
+VLLM_TIMES = re.compile(
+    r"(Loading weights took|Model loading took|torch\.compile takes|Dynamo bytecode transform"
+    r"|Compiling a graph|Graph capturing finished|init engine|Memory profiling takes"
+    r"|Available KV cache memory).*"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,6 +100,17 @@ def one_run(args, kind: str, cache: Path, run_dir: Path) -> dict:
     if metrics.exists():
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     step1 = next((r for r in rows if "time/step" in r), {})
+    vllm = (
+        sorted(
+            {
+                m.group(0)[:160]
+                for f in (run_dir / "logs").glob("*")
+                for m in VLLM_TIMES.finditer(f.read_text(errors="replace"))
+            }
+        )
+        if (run_dir / "logs").is_dir()
+        else []
+    )
     if rc or first is None:
         sys.stderr.write("\n".join(line for _, line in lines[-40:]) + "\n")
     return {
@@ -102,6 +120,7 @@ def one_run(args, kind: str, cache: Path, run_dir: Path) -> dict:
         "start_lines": starts,
         "to_first_step_s": first,
         "step1_phases_s": {k[5:]: v for k, v in step1.items() if k.startswith("time/")},
+        "vllm_start": vllm,
     }
 
 
@@ -123,7 +142,9 @@ def main(argv=None) -> None:
             f"{first or float('nan'):>13.1f}  {phases}"
         )
         for t, line in r["start_lines"]:
-            print(f"         {t:>7.1f}  {line[:100]}")
+            print(f"         {t:>7.1f}  {line[:300]}")
+        for line in r["vllm_start"]:
+            print(f"         vLLM: {line}")
     warm = [r["to_first_step_s"] for r in results if r["kind"] == "warm" and r["to_first_step_s"]]
     if warm:
         verdict = "met" if max(warm) <= GOAL_WARM_S else "MISSED"

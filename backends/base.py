@@ -114,6 +114,16 @@ class TrainEngine(Protocol):
         weights and optimizer state stay bit-identical, ``nonfinite_skipped`` is 1.
         """
 
+    def warm_up(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> None:
+        """Prepare what ``getattr(self, method)(batch, *args, **kwargs)`` will run
+        (``method``: "forward" or "train_step"), so that call finds its programs compiled:
+        the trainer calls it while the rollout servers start (``RunConfig.warm_up``).
+        Changes no weight, optimizer state, step or RNG, and keeps little device memory
+        (a colocated vLLM sizes its KV cache meanwhile). torch: the ``torch.compile``
+        graphs, traced on a few rows (they are shape-generic; eager engines have nothing
+        to prepare); JAX: every jitted program for ``batch``'s padded shapes, lowered and
+        compiled ahead without running."""
+
     def export_weights(self, bucket_bytes: int, trained_only: bool = False) -> Iterator[Bucket]:
         """Full tensors under HF names (with LoRA: the merged ``W + scale * B @ A`` under
         the base names) in buckets of about ``bucket_bytes``; never more

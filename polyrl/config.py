@@ -540,6 +540,12 @@ class RunConfig:
       torch Inductor/Triton, JAX's persistent cache, vLLM's compile cache), shared safely
       by concurrent runs; a warm cache shortens the first step. None or "": each
       framework's own default (JAX then keeps nothing).
+    warm_up: each engine role prepares its first step's programs while the rollout
+      servers start (``TrainEngine.warm_up``: torch's compiled graphs on a few rows of a
+      placeholder batch, JAX's jitted programs compiled ahead for its padded shapes),
+      so step 1 does not compile; changes no number. Single-turn runs without streaming
+      (multi-turn episodes and the stream shape their batches otherwise: they compile in
+      step 1). False: every program compiles on its first call.
     """
 
     run_dir: str
@@ -608,6 +614,7 @@ class RunConfig:
     episodes: object = None
     debug: object = None
     cache_dir: str | None = "~/.cache/polyrl"
+    warm_up: bool = True
 
     # Former fields -> the bindings that replace them (polyrl.configure.bindings names them).
     moved: ClassVar = staticmethod(_moved)

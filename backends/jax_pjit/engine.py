@@ -44,7 +44,13 @@ from polyrl.backends.jax_pjit import (
     sharding,
 )
 from polyrl.backends.jax_pjit.models import CausalLM, TransformerConfig
-from polyrl.backends.jax_pjit.shapes import micro_rows, pack_rows, pad_batch, padded_cost
+from polyrl.backends.jax_pjit.shapes import (
+    REQUIRED,
+    micro_rows,
+    pack_rows,
+    pad_batch,
+    padded_cost,
+)
 from polyrl.backends.jax_pjit.weights import export_buckets, load_hf_params, read_hf_config
 from polyrl.batch import Batch
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
@@ -334,8 +340,21 @@ class JaxPjitEngine:
         entropy: bool = False,
         adapters: bool = True,
     ) -> dict[str, np.ndarray]:
+        fn = self._forward_fn(entropy, adapters)
+        self._check_loaded()
+        check_temperature(temperature)
+        temp = jnp.float32(temperature)
+        # the model's columns alone: the program's inputs do not change with what else
+        # the batch holds (rewards, advantages, ... added between two forwards of a step)
+        parts = [
+            (idx, jax.tree.map(distributed.local_rows, fn(self.frozen, self.params, c, temp)))
+            for idx, c in self._micro_batches(batch.select(*REQUIRED))
+        ]
+        return micro_batch.scatter(parts, *batch["responses"].shape)
+
+    def _forward_fn(self, entropy: bool, adapters: bool):
         adapters = adapters or self.model_cfg.lora is None
-        fn = self._jit(
+        return self._jit(
             ("forward", entropy, adapters),
             lambda frozen, params, arrays, temp: self._outputs(
                 frozen, params, arrays, temp, entropy, adapters
@@ -343,14 +362,6 @@ class JaxPjitEngine:
             in_shardings=(self.frozen_shardings, self.param_shardings, self._rows, self._rep),
             out_shardings=self._rows,
         )
-        self._check_loaded()
-        check_temperature(temperature)
-        temp = jnp.float32(temperature)
-        parts = [
-            (idx, jax.tree.map(distributed.local_rows, fn(self.frozen, self.params, c, temp)))
-            for idx, c in self._micro_batches(batch)
-        ]
-        return micro_batch.scatter(parts, *batch["responses"].shape)
 
     # ----------------------------------------------------------------- training
     def _grad_step(self, loss_fn: LossFn, entropy: bool):
@@ -420,6 +431,52 @@ class JaxPjitEngine:
             donate_argnums=(0, 1),
         )
 
+    def _zero_grads(self):
+        return self._jit(
+            "zero_grads",
+            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
+            out_shardings=self.param_shardings,
+        )
+
+    def warm_up(self, method: str, batch: Batch, *args, **kwargs) -> None:
+        """Lower and compile ahead (``jit(...).lower(...).compile()``) every program
+        ``method`` runs on ``batch``: its micro-batches' padded shapes and, for
+        "train_step", the gradient zeroing and the optimizer's apply. Nothing runs, so no
+        activation memory and no state change; the call itself then finds each program in
+        JAX's caches (the persistent one too, across runs)."""
+        self._check_loaded()
+        temp = jnp.float32(kwargs.get("temperature", 1.0))
+        if method == "forward":
+            batch = batch.select(*REQUIRED)
+        shapes = {}  # one compilation per distinct micro-batch shape
+        for _, chunk in self._micro_batches(batch):
+            shapes.setdefault(tuple((k, v.shape, v.dtype.name) for k, v in chunk.items()), chunk)
+        if method == "forward":
+            fn = self._forward_fn(kwargs.get("entropy", False), kwargs.get("adapters", True))
+            for chunk in shapes.values():
+                fn.lower(self.frozen, self.params, chunk, temp).compile()
+            return
+        if method != "train_step":
+            raise ValueError(f"warm_up: {method!r} is not 'forward' or 'train_step'")
+        if self.tx is None:
+            raise RuntimeError(f"warm_up: the frozen {self.model_cfg.role!r} role does not train")
+        (loss_fn,) = args
+        grads = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, jnp.float32, sharding=s),
+            self.params,
+            self.param_shardings,
+        )
+        self._zero_grads().lower(self.params).compile()
+        step = self._grad_step(loss_fn, kwargs.get("entropy", False))
+        counts = jax.device_put(np.ones(2, np.float32), self._rep)
+        for chunk in shapes.values():
+            step.lower(
+                self.frozen, self.params, grads, chunk, counts, temp, self._dropout_key(0)
+            ).compile()
+        self._apply_step().lower(
+            self.params, self.opt_state, grads, jnp.float32(0.0), jnp.bool_(True)
+        ).compile()
+
     def _dropout_key(self, micro: int) -> jax.Array | None:
         """LoRA dropout's key for micro-batch ``micro`` of this update: a function of the
         step, so a resumed run draws the same masks (no RNG state to checkpoint)."""
@@ -452,12 +509,7 @@ class JaxPjitEngine:
             raise ValueError("train_step: response_mask sums to 0 (no response token to train on)")
         chunks = [chunk for _, chunk in self._micro_batches(batch)]
         step = self._grad_step(loss_fn, entropy)
-        zeros = self._jit(
-            "zero_grads",
-            lambda p: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-            out_shardings=self.param_shardings,
-        )
-        grads, parts = zeros(self.params), []
+        grads, parts = self._zero_grads()(self.params), []
         counts_dev, temp = jax.device_put(counts, self._rep), jnp.float32(temperature)
         for i, chunk in enumerate(chunks):
             key = self._dropout_key(i)

@@ -259,17 +259,61 @@ class TorchFSDPEngine:
             raise ValueError(
                 "train_step: response_mask sums to 0 on every rank (no response token to train on)"
             )
+        return self._apply_update(self._gradients(batch, loss_fn, ctx, entropy), ctx)
+
+    def _gradients(
+        self, batch: Batch, loss_fn: LossFn, ctx: LossContext, entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward over ``batch``'s micro-batches, gradients accumulated in
+        the parameters' ``grad``; the sums of the loss and its metrics."""
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         with lora.seeded_dropout(self.cfg.lora, self.step, self.env.rank, self.env.device):
             for _, mb in self._micro_batches(self._group_rows(batch)):
                 inputs = self._to_device(mb)
-                loss, metrics = loss_fn(self._outputs(inputs, temperature, entropy), inputs, ctx)
+                outputs = self._outputs(inputs, ctx.temperature, entropy)
+                loss, metrics = loss_fn(outputs, inputs, ctx)
                 loss.backward()
                 for key, value in {"loss": loss, **metrics}.items():
                     value = torch.as_tensor(value, dtype=torch.float64).detach()
                     sums[key] = sums.get(key, 0) + value.to(self.env.device)
-        return self._apply_update(sums, ctx)
+        return sums
+
+    def warm_up(self, method: str, batch: Batch, *args, **kwargs) -> None:
+        """``torch.compile`` traces each compiled region on its first call and its graphs
+        are shape-generic (``compiling``), so ``method`` on two rows of ``batch`` compiles
+        what the whole batch will run. With padding in the batch it runs twice: on its
+        shortest and longest sequence, and on the longest twice (no padding), since
+        transformers gives the layers an attention mask for a micro-batch with padding
+        and none for one without (two graphs; a step's micro-batches can be of both
+        kinds). The gradients it makes are dropped and the RNG restored. An eager engine
+        has nothing to prepare."""
+        if not self.cfg.compile:
+            return
+        if method not in ("forward", "train_step"):
+            raise ValueError(f"warm_up: {method!r} is not 'forward' or 'train_step'")
+        lengths = (batch["attention_mask"] != 0).sum(1)
+        longest = int(np.argmax(lengths))
+        pairs = [(longest, longest)]
+        if lengths.min() < lengths.max():
+            pairs.append((int(np.argmin(lengths)), longest))
+        cuda = self.env.device.type == "cuda"
+        with torch.random.fork_rng(devices=[self.env.device] if cuda else []):
+            for pair in pairs:
+                rows = batch.take(list(pair))
+                if method == "forward":
+                    self.forward(rows, *args, **kwargs)
+                    continue
+                self._check_usable("warm_up")
+                (loss_fn,) = args
+                mask = rows["response_mask"].astype(np.float32)
+                ctx = self._loss_context(mask, kwargs.get("temperature", 1.0))
+                try:
+                    self._gradients(rows, loss_fn, ctx, kwargs.get("entropy", False))
+                finally:
+                    self.optimizer.zero_grad(set_to_none=True)
+        if cuda:  # what the few rows cached goes back (a colocated vLLM measures the GPU)
+            torch.cuda.empty_cache()
 
     def _inject_faults(self, sums: dict[str, torch.Tensor]) -> None:
         """Test-only (``polyrl.faults``): NaN loss and/or gradients in this update."""

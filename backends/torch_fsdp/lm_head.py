@@ -68,6 +68,7 @@ class ChunkedLMHead(nn.Module):
         self.weight = head.weight
         self.chunk_tokens = chunk_tokens
         self._score = compiling.compiled(_score_chunk) if compile else _score_chunk
+        self._compiled = compile
         self._target: _Target | None = None
 
     @contextlib.contextmanager
@@ -95,19 +96,25 @@ class ChunkedLMHead(nn.Module):
         chunks = []
         for start in range(0, b * t, self.chunk_tokens):
             part = slice(start, start + self.chunk_tokens)
+            hidden_part, ids_part = flat[part], ids[part]
+            if self._compiled:
+                # Copies, not views (a chunk's hidden states: E / V of its logits, 1% at
+                # a 150k vocabulary): dynamo guards a view's size against its base's, so
+                # a micro-batch of one chunk and one of several compiled a graph each.
+                hidden_part, ids_part = hidden_part.clone(), ids_part.clone()
             if train:
                 chunks.append(
                     checkpoint(
                         self._score,
-                        flat[part],
+                        hidden_part,
                         self.weight,
-                        ids[part],
+                        ids_part,
                         target,
                         use_reentrant=False,
                     )
                 )
             else:
-                chunks.append(self._score(flat[part], self.weight, ids[part], target))
+                chunks.append(self._score(hidden_part, self.weight, ids_part, target))
         # A copy, not a view: FSDP2 warns that in-place ops on a returned view would skip
         # its pre-backward hook ([B, T, 2] floats: negligible).
         return torch.cat(chunks).reshape(b, t, -1).clone()

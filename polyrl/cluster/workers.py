@@ -19,6 +19,7 @@ engines, so worker 0's are returned); the rest run on every worker.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,6 +61,14 @@ class EngineWorker(Traced):
         self.engine = get_engine(self.backend)()
         self.engine.init(model, optim, parallel)
         return True
+
+    @register(Dispatch.SPLIT, Collect.FIRST)
+    def warm_up(self, batch: Batch, method: str, *args: Any, **kwargs: Any) -> float:
+        """``TrainEngine.warm_up``: prepare what ``method`` will run on batches shaped like
+        this shard (the trainer's first step); the seconds it took."""
+        t0 = time.perf_counter()
+        self.engine.warm_up(method, batch, *args, **kwargs)
+        return time.perf_counter() - t0
 
     @register(Dispatch.SPLIT, Collect.CONCAT)
     @place("forward")
@@ -213,6 +222,8 @@ class EngineGroup(WorkerGroup):
     options: rank -> Ray actor options (resources, scheduling strategy, a
       ``runtime_env`` with the worker's devices), e.g. ``polyrl.cluster.placement.Placement.options``;
       default half a CPU per worker. env: extra environment for every worker.
+    wait: return once every worker has built its engine; False returns at once, and
+      :meth:`ready` waits (roles then start side by side).
     """
 
     def __init__(
@@ -221,6 +232,7 @@ class EngineGroup(WorkerGroup):
         options: Callable[[int], dict[str, Any]] | None = None,
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 600.0,
+        wait: bool = True,
     ):
         from polyrl.backends.base import GroupSlot
 
@@ -242,7 +254,21 @@ class EngineGroup(WorkerGroup):
             process.group_env(GroupSlot(rank, world, *spec.slot(rank), addr, port))
             for rank in range(world)
         ]
-        self.start("start", envs, spec.model, spec.optim, spec.parallel)
+        self._starting = self.submit("start", envs, spec.model, spec.optim, spec.parallel)
+        if wait:
+            self.ready()
+
+    def ready(self) -> None:
+        """Wait until every worker has built its engine (``wait=False``: the caller
+        started other roles meanwhile); a worker that fails to start ends the group."""
+        if self._starting is not None:
+            self.started(self._starting)
+            self._starting = None
+
+    def submit_warm_up(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> Calls:
+        """Start ``EngineWorker.warm_up`` for ``method(batch, *args, **kwargs)`` without
+        waiting; each worker gets the shard the real call would give it."""
+        return self.submit("warm_up", batch, method, *args, **kwargs)
 
     def forward(self, batch: Batch, **kwargs: Any) -> dict[str, np.ndarray]:
         return self.submit_forward(batch, **kwargs).result()

@@ -19,6 +19,7 @@ import abc
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import shutil
 import time
@@ -89,23 +90,29 @@ class Loop(abc.ABC):
         )
         self.dumps = RolloutDumps(self.run_dir, self.tokenizer, cfg.dump_every, cfg.dump_samples)
         self.actor_loss = spec.make_actor_loss()
-        self.actor = self._group(Role.ACTOR)
-        self.reference = self._group(Role.REFERENCE) if Role.REFERENCE in self.roles else None
-        self.critic = None
+        self.reference = self.critic = self.reward_model = self.shadow = None
+        self.warming: list[tuple[Role, Any]] = []  # RunConfig.warm_up's calls in flight
+        self._start_engines()
         self.turns = Turns()  # RLTrainer: colocated roles take turns on shared GPUs
         self.evaluator = None  # RLTrainer with validation data: polyrl.loop.evaluation
         self.start_step = 0
 
     @property
-    def ref_scorer(self) -> tuple[EngineGroup, dict[str, Any]] | None:
-        """Who scores reference log-probs, and with which forward arguments: the reference
-        role, or with LoRA the actor's frozen base with its adapters off
+    def ref_scoring(self) -> tuple[Role, dict[str, Any]] | None:
+        """Which role scores reference log-probs, and with which forward arguments: the
+        reference, or with LoRA the actor's frozen base with its adapters off
         (``polyrl.cluster.roles.reference_in_actor``); None without a reference."""
-        if self.reference is not None:
-            return self.reference, {}
+        if Role.REFERENCE in self.roles:
+            return Role.REFERENCE, {}
         if reference_in_actor(self.cfg, self.spec):
-            return self.actor, {"adapters": False}
+            return Role.ACTOR, {"adapters": False}
         return None
+
+    @property
+    def ref_scorer(self) -> tuple[EngineGroup, dict[str, Any]] | None:
+        """:attr:`ref_scoring` with the role's worker group."""
+        found = self.ref_scoring
+        return None if found is None else (getattr(self, found[0]), found[1])
 
     @abc.abstractmethod
     def step(self, step: int) -> dict[str, float]:
@@ -164,14 +171,50 @@ class Loop(abc.ABC):
         rewards = getattr(self, "rewards", None)
         return out + [(Role.REWARD, i, w) for i, w in enumerate(rewards.workers if rewards else ())]
 
-    def _group(self, role: str) -> EngineGroup:
-        """Start ``role`` from the run's role table (``polyrl.cluster.roles``)."""
-        spec = self.roles[role]
-        if not ROLE_TABLE[role].value_head:  # it scores tokens
-            model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
-            spec = dataclasses.replace(spec, model=model)
-        with self.startup.phase(f"{role} workers"):
-            return EngineGroup(spec, lambda rank: self.placement.options(role, rank))
+    def _start_engines(self) -> None:
+        """Start every engine role of the run (``polyrl.cluster.roles``) side by side, then
+        wait for each in start-up order; each role is the attribute named as it is. The
+        time the driver spends on a role's start is its start-up phase."""
+        first = self.first_calls() if self.cfg.warm_up else {}
+        starting = {}
+        for role in (r for r in self.roles if ROLE_TABLE[r].kind == "engine"):
+            spec = self.roles[role]
+            if not ROLE_TABLE[role].value_head:  # it scores tokens
+                model = dataclasses.replace(spec.model, sampling_vocab_size=self.vocab)
+                spec = dataclasses.replace(spec, model=model)
+            with self.startup.phase(f"{role} workers"):
+                options = functools.partial(self.placement.options, role)
+                starting[role] = EngineGroup(spec, options, wait=False)
+        for role, group in starting.items():
+            with self.startup.phase(f"{role} workers"):
+                group.ready()
+            setattr(self, role, group)
+            for method, batch, args, kwargs in first.get(role, []):
+                self.warming.append((role, group.submit_warm_up(method, batch, *args, **kwargs)))
+
+    def first_calls(self) -> dict[Role, list[tuple[str, Batch, tuple, dict[str, Any]]]]:
+        """Each engine role's calls of the first step, ``(method, batch, args, kwargs)``
+        on batches of its shapes and columns, for ``RunConfig.warm_up`` to prepare while
+        the rest starts (``TrainEngine.warm_up``); none here (a loop that knows them says)."""
+        return {}
+
+    def warmed_up(self) -> None:
+        """Wait for the warm-ups started with the roles (the start-up phase "warm-up")."""
+        if not self.warming:
+            return
+        with self.startup.phase("warm-up"):
+            for role, calls in self.warming:
+                try:
+                    calls.result()
+                except reliability.WorkerDied:
+                    raise
+                except Exception as e:
+                    raise RuntimeError(
+                        f"the {role} role's warm-up of its first step failed ({e}); the step "
+                        "itself would run the same programs. To compile them in step 1 "
+                        "instead, set polyrl.RunConfig.warm_up = False"
+                    ) from e
+        self.warming = []
 
     # ------------------------------------------------------------------ the loop
     def run(
@@ -361,17 +404,13 @@ class RLTrainer(Loop):
     """Runs ``cfg.total_steps`` steps of an ``objective == "rl"`` algorithm."""
 
     def __init__(self, cfg: RunConfig, spec: Any, components: Any):
-        super().__init__(cfg, spec, components)
         self.critic_loss = spec.make_critic_loss() if spec.needs_critic else None
+        super().__init__(cfg, spec, components)
         self.kl_ctrl = spec.make_kl_controller() if spec.kl_in_reward else None
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
-        self.critic = self._group(Role.CRITIC) if Role.CRITIC in self.roles else None
-        self.reward_model = (
-            self._group(Role.REWARD_MODEL) if Role.REWARD_MODEL in self.roles else None
-        )
-        self.shadow = self._group(Role.SHADOW) if Role.SHADOW in self.roles else None
         with self.startup.phase("rollout servers"):  # started with the roles above
             self.pool.ready()
+        self.warmed_up()
         self.rewards = RewardPool(
             cfg.reward_workers, cfg.reward_timeout_s, self.placement.light_options
         )
@@ -492,20 +531,15 @@ class RLTrainer(Loop):
                 with phase("shadow"):
                     metrics |= self.shadow_check(step, batch)
             with phase("update_actor"):
-                metrics |= self.update(
-                    self.actor,
-                    self.actor_loss,
-                    batch,
-                    "actor",
-                    self.spec.needs_entropy,
-                    self.mini_rows,
-                )
+                loss_fn, entropy = self.losses()[Role.ACTOR]
+                metrics |= self.update(self.actor, loss_fn, batch, "actor", entropy, self.mini_rows)
             if self.ref_scorer is not None and step == self.start_step:
                 self.check_reference(batch, {"temperature": self.temperature})
             if self.critic is not None:
                 with turns.resident(self.critic), phase("update_critic"):
+                    loss_fn, entropy = self.losses()[Role.CRITIC]
                     metrics |= self.update(
-                        self.critic, self.critic_loss, batch, "critic", False, self.mini_rows
+                        self.critic, loss_fn, batch, "critic", entropy, self.mini_rows
                     )
             turns.rollout_wake()
             done = step + 1  # validation samples with the servers' weights: push them first
@@ -523,17 +557,7 @@ class RLTrainer(Loop):
         that stay resident (``polyrl.cluster.residency``) run at once, each timed from their common
         start to its own result; roles taking turns run one after another, reloaded around
         their forward (the actor stays on ``actor_turn`` for the update)."""
-        kw = {"temperature": self.temperature}
-        ref_group, ref_kw = self.ref_scorer or (None, {})
-        calls = {
-            name: (group, args)
-            for name, group, args in (
-                ("reference", ref_group, kw | ref_kw),
-                ("old_log_probs", self.actor, kw | {"entropy": True}),
-                ("values", self.critic, {}),
-            )
-            if group is not None
-        }
+        calls = {name: (getattr(self, role), args) for name, (role, args) in self.scoring().items()}
         t0, pending = time.perf_counter(), {}
         for name, (group, args) in calls.items():
             if not self.turns.takes_turns(group):
@@ -558,16 +582,57 @@ class RLTrainer(Loop):
             for name, out, end in done.result():
                 self.timer.record(name, t0, end - t0)
                 outs[name] = out
-        columns = {}
-        if "reference" in outs:
-            columns["ref_log_probs"] = outs["reference"]["log_probs"]
-        columns |= {
-            "old_log_probs": outs["old_log_probs"]["log_probs"],
-            "old_entropy": outs["old_log_probs"]["entropy"],
-        }
-        if "values" in outs:
-            columns["values"] = outs["values"]["values"]
-        return batch.with_columns(columns)
+        return batch.with_columns(score_columns(outs))
+
+    def scoring(self) -> dict[str, tuple[Role, dict[str, Any]]]:
+        """The forwards of :meth:`score`: phase -> (the role that runs it, its arguments)."""
+        kw = {"temperature": self.temperature}
+        calls = {}
+        if self.ref_scoring is not None:
+            role, extra = self.ref_scoring
+            calls["reference"] = (role, kw | extra)
+        calls["old_log_probs"] = (Role.ACTOR, kw | {"entropy": True})
+        if Role.CRITIC in self.roles:
+            calls["values"] = (Role.CRITIC, {})
+        return calls
+
+    def losses(self) -> dict[Role, tuple[Any, bool]]:
+        """Each trained role's loss and whether its train_step computes entropy."""
+        out = {Role.ACTOR: (self.actor_loss, self.spec.needs_entropy)}
+        if Role.CRITIC in self.roles:
+            out[Role.CRITIC] = (self.critic_loss, False)
+        return out
+
+    def first_calls(self) -> dict[Role, list[tuple[str, Batch, tuple, dict[str, Any]]]]:
+        """Step 1's engine calls on a placeholder of its batch: the rollout's columns and
+        shapes for the step's real prompts (``RolloutPool.placeholder``, every response
+        ``max_tokens`` long, as :meth:`collect` pads them), then zeros for the rewards,
+        the scores and the advantages, so each call sees the columns and shapes it will
+        (a jitted program depends on both). Multi-turn episodes and the stream assemble
+        their batches otherwise: none for them."""
+        if self.cfg.episodes is not None or self.cfg.streaming:
+            return {}
+        sampling = self.sampling_for(0)
+        prompts = self.prompts.batch(0, self.cfg.prompts_per_step)
+        batch = self.pool.placeholder(prompts, sampling, sampling.max_tokens)
+        if self.spec.needs_greedy_baseline:
+            batch = batch.with_columns({"baseline_scores": np.zeros(len(batch), np.float32)})
+        calls: dict[Role, list] = {}
+        if Role.REWARD_MODEL in self.roles:
+            calls[Role.REWARD_MODEL] = [("forward", batch, (), {})]
+        batch = reward_columns(batch, np.zeros(len(batch), np.float32))
+        for role, args in self.scoring().values():
+            calls.setdefault(role, []).append(("forward", batch, (), args))
+        zeros = np.zeros(batch["responses"].shape, np.float32)
+        outs = {"log_probs": zeros, "entropy": zeros, "values": zeros}
+        batch = batch.with_columns(score_columns({name: outs for name in self.scoring()}))
+        batch = batch.with_columns({"advantages": zeros, "returns": zeros})
+        part = batch.take(np.arange(min(self.mini_rows, len(batch))))
+        for role, (loss_fn, entropy) in self.losses().items():
+            rows = part.pad_to_multiple(self.roles[role].num_workers)
+            kwargs = {"temperature": self.temperature, "entropy": entropy}
+            calls.setdefault(role, []).append(("train_step", rows, (loss_fn,), kwargs))
+        return calls
 
     def shadow_check(self, step: int, batch: Batch) -> dict[str, float]:
         """The three-way check (``polyrl.observe.shadow``, ``RunConfig.shadow_every``): the
@@ -693,11 +758,7 @@ class RLTrainer(Loop):
                     f"{len(scores)} responses"
                 )
             scores = scores + self.cfg.reward_model_coef * rm_scores
-        mask = batch["response_mask"]
-        token_rewards = np.zeros_like(mask, dtype=np.float32)
-        last = np.maximum(mask.sum(-1).astype(np.int64) - 1, 0)
-        token_rewards[np.arange(len(batch)), last] = scores * (mask.sum(-1) > 0)
-        return batch.with_columns({"token_rewards": token_rewards, "scores": scores})
+        return reward_columns(batch, scores)
 
     def advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         from polyrl.algos.kl import apply_kl_penalty
@@ -889,6 +950,30 @@ class SFTTrainer(Loop):
 
 # Algorithm objective -> its loop.
 LOOPS = {"rl": RLTrainer, "preference": PreferenceTrainer, "sft": SFTTrainer}
+
+
+def reward_columns(batch: Batch, scores: np.ndarray) -> Batch:
+    """``batch`` with each response's score [B] (``scores``) and ``token_rewards`` [B, R]:
+    the score on the response's last valid token."""
+    mask = batch["response_mask"]
+    token_rewards = np.zeros_like(mask, dtype=np.float32)
+    last = np.maximum(mask.sum(-1).astype(np.int64) - 1, 0)
+    token_rewards[np.arange(len(batch)), last] = scores * (mask.sum(-1) > 0)
+    return batch.with_columns({"token_rewards": token_rewards, "scores": scores})
+
+
+def score_columns(outs: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The batch columns of :meth:`RLTrainer.score`'s forwards (by phase name)."""
+    columns = {}
+    if "reference" in outs:
+        columns["ref_log_probs"] = outs["reference"]["log_probs"]
+    columns |= {
+        "old_log_probs": outs["old_log_probs"]["log_probs"],
+        "old_entropy": outs["old_log_probs"]["entropy"],
+    }
+    if "values" in outs:
+        columns["values"] = outs["values"]["values"]
+    return columns
 
 
 def _progress(step: int, total: int, m: dict[str, float]) -> str:

@@ -217,6 +217,39 @@ class RolloutPool:
         prompt_len / response_len: fixed padded widths (default: the longest), e.g.
           ``response_len=spec.max_tokens`` for a jitted trainer.
         """
+        base, requests, dropped = self._requests(prompts, spec, overlong)
+        results = self._dispatch(self.generate_method, requests, spec)
+        return self.assemble(base.repeat(spec.n), results, spec, dropped, prompt_len, response_len)
+
+    def placeholder(self, prompts: Batch, spec: SamplingSpec, response_len: int) -> Batch:
+        """The batch :meth:`generate` would return, sampling nothing: a real rollout's
+        columns, shapes and padding before the servers are up (the trainer's warm-up).
+        Responses are ``spec.max_tokens`` tokens of id 0 (log-probs 0, version -1), but
+        unless ``spec.ignore_eos`` each prompt's first is one token long (a sample that
+        stopped early, as some do: every shard and mini-batch of the batch then has
+        padding after responses too)."""
+        base, requests, dropped = self._requests(prompts, spec, None)
+        lengths = [spec.max_tokens] * len(requests)
+        if not spec.ignore_eos:
+            lengths[:: spec.n] = [1] * len(lengths[:: spec.n])
+        results = [
+            {
+                "token_ids": [0] * n,
+                "log_probs": [0.0] * n,
+                "version": -1,
+                "text": "",
+                "finish_reason": "length" if n == spec.max_tokens else "stop",
+            }
+            for n in lengths
+        ]
+        # (the pad id and the servers' facts are not known yet: nothing reads them here)
+        return rollout_columns(base.repeat(spec.n), results, spec, 0, None, response_len)
+
+    def _requests(
+        self, prompts: Batch, spec: SamplingSpec, overlong: str | None
+    ) -> tuple[Batch, list[tuple[int, list[int]]], list[int]]:
+        """The prompts kept (``RolloutConfig.overlong_prompt``, or ``overlong``), one
+        ``(sample index, prompt ids)`` request per sample, and the rows dropped."""
         prompts.require(PROMPT_KEY, who="RolloutPool.generate")
         kept, ids = apply_overlong_policy(
             prompts[PROMPT_KEY], self.config.prompt_limit, overlong or self.config.overlong_prompt
@@ -235,8 +268,7 @@ class RolloutPool:
         # Seeds follow the prompt's index in the caller's batch, so dropping one prompt
         # does not change any other prompt's samples.
         requests = [(orig * n + j, p) for orig, p in zip(kept, ids) for j in range(n)]
-        results = self._dispatch(self.generate_method, requests, spec)
-        return self.assemble(base.repeat(n), results, spec, dropped, prompt_len, response_len)
+        return base, requests, dropped
 
     def assemble(
         self,
@@ -247,28 +279,8 @@ class RolloutPool:
         prompt_len: int | None,
         response_len: int | None,
     ) -> Batch:
-        responses = [r["token_ids"] for r in results]
-        seq = from_token_lists(
-            list(rep[PROMPT_KEY]),
-            responses,
-            self.pad_token_id,
-            prompt_len=prompt_len,
-            response_len=response_len,
-        )
-        log_probs = np.zeros(seq["responses"].shape, dtype=np.float32)
-        for row, r in enumerate(results):
-            log_probs[row, : len(r["log_probs"])] = r["log_probs"]
-        tensors = {
-            **seq.tensors,
-            "rollout_log_probs": log_probs,
-            "response_lengths": np.array([len(r) for r in responses], dtype=np.int32),
-            "prompt_lengths": np.array([len(p) for p in rep[PROMPT_KEY]], dtype=np.int32),
-            "rollout_weight_version": np.array([r["version"] for r in results], dtype=np.int64),
-        }
-        meta: dict[str, Any] = {"finish_reason": [r["finish_reason"] for r in results]}
-        if spec.detokenize:
-            meta["response_text"] = [r["text"] for r in results]
-        return rep.with_columns(tensors, meta, **self.sample_info(spec, dropped))
+        batch = rollout_columns(rep, results, spec, self.pad_token_id, prompt_len, response_len)
+        return batch.with_columns(**self.sample_info(spec, dropped))
 
     def sample_info(self, spec: SamplingSpec, dropped: list[int]) -> dict[str, Any]:
         """The ``info`` of a batch these servers sampled with ``spec``."""
@@ -479,6 +491,41 @@ class RolloutPool:
             [s.shutdown.remote() for s in self.servers], num_returns=len(self.servers), timeout=30
         )
         self.group.shutdown()
+
+
+def rollout_columns(
+    rep: Batch,
+    results: list[dict[str, Any]],
+    spec: SamplingSpec,
+    pad_token_id: int,
+    prompt_len: int | None,
+    response_len: int | None,
+) -> Batch:
+    """``rep`` (one row per sample) with the samples' sequence layout (``polyrl.batch``)
+    and their per-sample columns: the rollout's log-probs, lengths, weight versions,
+    finish reasons (and texts)."""
+    responses = [r["token_ids"] for r in results]
+    seq = from_token_lists(
+        list(rep[PROMPT_KEY]),
+        responses,
+        pad_token_id,
+        prompt_len=prompt_len,
+        response_len=response_len,
+    )
+    log_probs = np.zeros(seq["responses"].shape, dtype=np.float32)
+    for row, r in enumerate(results):
+        log_probs[row, : len(r["log_probs"])] = r["log_probs"]
+    tensors = {
+        **seq.tensors,
+        "rollout_log_probs": log_probs,
+        "response_lengths": np.array([len(r) for r in responses], dtype=np.int32),
+        "prompt_lengths": np.array([len(p) for p in rep[PROMPT_KEY]], dtype=np.int32),
+        "rollout_weight_version": np.array([r["version"] for r in results], dtype=np.int64),
+    }
+    meta: dict[str, Any] = {"finish_reason": [r["finish_reason"] for r in results]}
+    if spec.detokenize:
+        meta["response_text"] = [r["text"] for r in results]
+    return rep.with_columns(tensors, meta)
 
 
 def _is_recoverable(error: Exception) -> bool:

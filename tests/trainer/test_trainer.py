@@ -265,3 +265,53 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
         assert ref["ts"] == old["ts"] and ref["tid"] != old["tid"]  # one start, two tracks
         ref, old = serial[step, "reference"], serial[step, "old_log_probs"]
         assert ref["ts"] + ref["dur"] <= old["ts"]
+
+
+@pytest.mark.parametrize(
+    "gin",
+    [
+        "gin/experiments/tiny_grpo_jax.gin",
+        pytest.param("gin/experiments/tiny_grpo.gin", marks=pytest.mark.slow),
+    ],
+    ids=["jax", "torch"],
+)
+def test_the_warm_up_leaves_step_1_nothing_to_compile(ray_session, tmp_path, capsys, gin):
+    """RunConfig.warm_up: while vLLM starts, each role compiles step 1's programs on a
+    placeholder of its batch (its columns and padded shapes, for JAX's jitted programs;
+    rows with and without padding, for torch.compile's graphs: anything of the real batch
+    the placeholder misses is a program the step compiles again), so the step compiles
+    nothing; the start-up line names the wait."""
+    import ray
+
+    from polyrl.configure.launch import _components, prepare
+    from polyrl.loop.trainer import RLTrainer
+
+    params = _params(
+        tmp_path / "warm", "polyrl.RunConfig.total_steps = 1", "polyrl.RunConfig.compile = True"
+    )
+    cfg, _ = parse_config([gin], params)
+    cfg, spec = prepare(cfg)
+    trainer = RLTrainer(cfg, spec, _components(cfg, spec))
+
+    def count(worker) -> int:  # (a closure: Ray sends it by value)
+        """Programs the worker compiled: JAX's jitted traces, torch.compile's graphs."""
+        if hasattr(worker.engine, "compile_count"):
+            return worker.engine.compile_count
+        from torch._dynamo.utils import counters
+
+        return counters["stats"]["unique_graphs"]
+
+    def compiled() -> dict[str, int]:
+        return {
+            role: ray.get(group.workers[0].__ray_call__.remote(count))
+            for role, group in trainer.groups.items()
+        }
+
+    try:
+        warmed = compiled()
+        assert warmed["actor"] >= 2 and warmed["reference"] >= 1, warmed
+        trainer.run()
+        assert compiled() == warmed
+    finally:
+        trainer.shutdown()
+    assert ", warm-up " in capsys.readouterr().out

@@ -240,8 +240,45 @@ def test_mesh_not_matching_devices_shows_the_arithmetic(tiny_model_dir):
 
 
 def test_column_of_unknown_length_is_named(tiny_model_dir):
-    eng = _engine(tiny_model_dir, role="reference", optim=None)
+    """train_step pads every column for its loss; a forward reads the model's alone."""
+    eng = _engine(tiny_model_dir)
     batch = _rl_batch()
     bad = batch.with_columns({"weird": np.zeros((len(batch), 3), np.float32)})
     with pytest.raises(ValueError, match=r"column 'weird' has shape \(8, 3\)"):
-        eng.forward(bad)
+        eng.train_step(bad, LOSS, entropy=True)
+    np.testing.assert_array_equal(eng.forward(bad)["log_probs"], eng.forward(batch)["log_probs"])
+
+
+def test_a_warm_up_compiles_ahead_and_changes_nothing(tiny_model_dir):
+    """``warm_up`` (RunConfig.warm_up) lowers and compiles every program of the first
+    forward and train step without running them: the calls that follow trace and
+    compile nothing (JAX reports no compilation), and the step equals one without it."""
+    batch = _rl_batch(n=12)  # 2 micro-batches of 8 rows (the second padded)
+    kwargs = {"temperature": 0.7, "entropy": True}
+    warm = _engine(tiny_model_dir)
+    before, traced = _flat_weights(warm), warm.compile_count
+    warm.warm_up("forward", batch, **kwargs)
+    warm.warm_up("train_step", batch, LOSS, **kwargs)
+    assert warm.compile_count > traced, "the warm-up compiled nothing"
+    assert warm.step == 0
+    after = _flat_weights(warm)
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+    compiled, traced = [], warm.compile_count
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = warm.forward(batch, **kwargs), warm.train_step(batch, LOSS, **kwargs)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert warm.compile_count == traced and not compiled, "the first calls compiled more"
+    cold = _engine(tiny_model_dir)
+    expected = cold.forward(batch, **kwargs), cold.train_step(batch, LOSS, **kwargs)
+    for key in ("log_probs", "entropy"):
+        np.testing.assert_array_equal(out[0][key], expected[0][key])
+    assert out[1] == expected[1]
+    w_cold, w_warm = _flat_weights(cold), _flat_weights(warm)
+    assert all(np.array_equal(w_warm[k], w_cold[k]) for k in w_cold)

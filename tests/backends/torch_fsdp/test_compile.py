@@ -72,3 +72,40 @@ def test_compiled_engine_equals_eager(tiny_model_dir, pack):
     w_e, w_c = full_weights(eager), full_weights(compiled)
     for name in w_e:
         torch.testing.assert_close(w_c[name], w_e[name], atol=1e-6, rtol=0)
+
+
+def test_a_warm_up_compiles_the_first_calls_and_changes_nothing(tiny_model_dir):
+    """``warm_up`` (RunConfig.warm_up) on a few rows compiles every graph the first
+    forward and train step on the whole batch run, and leaves weights, optimizer, step and
+    RNG as they were: the step after it equals a step without it, bit for bit."""
+    batch = random_batch(8, seed=3)  # micro-batches of 4 rows, several LM-head chunks
+    kwargs = {"temperature": 0.7, "entropy": True}
+    warm = _engine(tiny_model_dir, True, False)
+    before, rng = full_weights(warm), torch.get_rng_state()
+    graphs = graphs_before_compiling()
+    warm.warm_up("forward", batch, **kwargs)
+    warm.warm_up("train_step", batch, nll_loss, **kwargs)
+    warmed = counters["stats"]["unique_graphs"] - graphs
+    assert warmed > 0, "the warm-up compiled nothing"
+    assert warm.step == 0 and torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in warm.model.parameters())
+    after = full_weights(warm)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        out = warm.forward(batch, **kwargs), warm.train_step(batch, nll_loss, **kwargs)
+    assert counters["stats"]["unique_graphs"] - graphs == warmed, "the first calls compiled more"
+    # the same graphs (no reset) in an engine that never warmed up
+    cold = _engine(tiny_model_dir, True, False)
+    expected = cold.forward(batch, **kwargs), cold.train_step(batch, nll_loss, **kwargs)
+    for key in ("log_probs", "entropy"):
+        np.testing.assert_array_equal(out[0][key], expected[0][key])
+    assert out[1] == expected[1]
+    w_cold, w_warm = full_weights(cold), full_weights(warm)
+    assert all(torch.equal(w_warm[n], w_cold[n]) for n in w_cold)
+
+
+def test_an_eager_engine_has_nothing_to_warm_up(tiny_model_dir):
+    engine = _engine(tiny_model_dir, False, False)
+    graphs = graphs_before_compiling()
+    engine.warm_up("train_step", random_batch(8), nll_loss)
+    assert counters["stats"]["unique_graphs"] == graphs

@@ -253,10 +253,13 @@ for s in $sections; do
       --prompts 64 --prompt-len 64 --new-tokens 128 --json "$OUT/bench_lora_sync.json" 2> "$OUT/lora_sync.log" \
       | tee -a "$OUT/summary.txt" ;;
   lora_7b)
-    # the Qwen2.5-7B shape's update with LoRA (rank 16, every projection) on one GPU, per backend
+    # the Qwen2.5-7B shape's update with LoRA (rank 16, every projection) on one GPU, per
+    # backend; the random bf16 weights drawn on the GPU (random_model.py: seconds, where
+    # train_step.py's own fp32 build on the host takes minutes and 30 GB of disk)
+    M7=/tmp/models/qwen2-7b-random-2k
+    [ -d $M7 ] || python3 experiments/bench/random_model.py 7b $M7 --max-positions 2048 > "$OUT/make_7b.log" 2>&1
     timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/train_step.py --suite ${SUITE:-torch_fsdp+lora,jax_pjit+lora} \
-      --hidden 3584 --layers 28 --heads 28 --kv-heads 4 --intermediate 18944 --vocab 152064 \
-      --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 $ckpt \
+      --model $M7 --batch 8 --micro-batch 8 --prompt-len 1024 --response-len 1024 --dtype bfloat16 $ckpt \
       --steps 3 --warmup 1 --json "$OUT/bench_lora_7b.json" 2> "$OUT/lora_7b.log" | tee -a "$OUT/summary.txt" ;;
   attention_tests)
     # JAX_PLATFORMS set: the test session pins JAX to the CPU only when it is unset

@@ -40,7 +40,8 @@ sample's prompt length in [P/2, P] and response length in [R/8, R] (a padded bat
 whose padding packing removes; tokens/s and MFU count real tokens only). ``--compile``
 turns on ``ModelConfig.compile`` (torch: ``torch.compile`` per decoder layer and LM-head
 chunk; the warm-up steps absorb the compile time). A suite entry may carry them per run:
-``BACKEND[:ALLOCATOR][@ATTN][+pack][+compile][+lora]``, e.g.
+``BACKEND[:ALLOCATOR][@ATTN][+pack][+compile][+lora][+budget=F]`` (``budget=F``: the
+``--memory-budget`` of that run), e.g.
 
     python experiments/bench/train_step.py --ragged --suite \
         torch_fsdp,torch_fsdp@polyrl_varlen+pack+compile,jax_pjit,jax_pjit@auto+pack,hf_torch
@@ -436,9 +437,11 @@ def suite(args, argv: list[str]) -> dict:
         shared = os.environ.get("POLYRL_BENCH_DIR", tmp)  # the model is built once
         for entry in args.suite.split(","):
             name, *flags = entry.split("+")
+            budget = [f for f in flags if f.startswith("budget=")]
+            flags = [f for f in flags if f not in budget]
             if set(flags) - {"pack", "compile", "lora"}:
                 raise SystemExit(
-                    f"--suite entry {entry!r}: flags after '+' are pack, compile, lora"
+                    f"--suite entry {entry!r}: flags after '+' are pack, compile, lora, budget=F"
                 )
             name, _, attn = name.partition("@")
             name, _, allocator = name.partition(":")
@@ -447,6 +450,7 @@ def suite(args, argv: list[str]) -> dict:
             if allocator:
                 env["XLA_PYTHON_CLIENT_ALLOCATOR"] = allocator
             extra = ["--attn", attn] * bool(attn) + [f"--{flag}" for flag in flags]
+            extra += [a for b in budget for a in ("--memory-budget", b.split("=")[1])]
             cmd = [sys.executable, __file__, *child_argv, *extra, "--backend", name]
             cmd += ["--json", str(out)]
             if args.profile:
@@ -471,7 +475,7 @@ def suite(args, argv: list[str]) -> dict:
         peak = r.get("device_peak_gib", r["host_peak_rss_gib"])
         lines.append(
             f"{r['backend']:<{width}} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['step_s_median']:>7.3f} "
-            f"{peak:>9.1f} {vs:>12} {r.get('ckpt_policy') or '-':>9} "
+            f"{peak:>9.1f} {vs:>12} {_ckpt(r):>9} "
             f"{_millions(r.get('trained_params')):>9}  {r.get('attention_kernel', '-')}"
         )
     for r in runs:
@@ -479,6 +483,13 @@ def suite(args, argv: list[str]) -> dict:
             lines += format_top(r["profile"], f"{r['backend']}: top ops")
     print("\n".join(lines))
     return {"runs": runs, "reference": "hf_torch", "table": lines}
+
+
+def _ckpt(run: dict) -> str:
+    """What a run recomputes: its checkpoint policy, or the compiler's memory budget."""
+    if run.get("memory_budget") is not None:
+        return f"budget {run['memory_budget']:g}"
+    return run.get("ckpt_policy") or "-"
 
 
 def _millions(n: int | None) -> str:

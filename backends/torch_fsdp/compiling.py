@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch._inductor.config
 
 __all__ = ["compiled"]
 
@@ -32,6 +33,13 @@ def _configure_dynamo() -> None:
     # compiling warm -> 8.2 s). Floats are constants of the graph instead, guarded by value
     # (a new temperature compiles one more variant of the LM head).
     torch._dynamo.config.specialize_float = True
+    # Inductor fuses a row and a column reduction (RMSNorm's backward) only past a size
+    # (rows >= 4096, >= 2x columns, 5 Mi elements) and guards the graph on that choice:
+    # a micro-batch on the other side of it compiled again (the warm-up's two rows against
+    # step 1's 64 x 532 tokens: `hidden_states.size()[0]*hidden_states.size()[1] <= 4096`).
+    # Non-strict mode skips those checks: the fused kernel whatever the size (the one
+    # training-sized micro-batches got anyway), one graph for every size.
+    torch._inductor.config.triton.mix_order_reduction_non_strict_mode = True
     # polyrl.tensor resolves torch's namespace through array_api_compat, whose type checks
     # are lru_cache'd pure functions of the class; dynamo traces through the cache and
     # says so once per function. Nothing to act on.

@@ -281,35 +281,39 @@ class TorchFSDPEngine:
 
     def warm_up(self, method: str, batch: Batch, *args, **kwargs) -> None:
         """``torch.compile`` traces each compiled region on its first call and its graphs
-        are shape-generic (``compiling``), so ``method`` on two rows of ``batch`` compiles
-        what the whole batch will run. With padding in the batch it runs twice: on its
-        shortest and longest sequence, and on the longest twice (no padding), since
-        transformers gives the layers an attention mask for a micro-batch with padding
-        and none for one without (two graphs; a step's micro-batches can be of both
-        kinds). The gradients it makes are dropped and the RNG restored. An eager engine
-        has nothing to prepare."""
+        are shape-generic (``compiling``), so ``method`` on a few rows of ``batch``
+        compiles what the whole batch will run: its longest sequence repeated (no
+        padding) and, when the batch has padding, its shortest with the longest (a
+        micro-batch with padding gets an attention mask from transformers, one without
+        none: two graph families, and a step's micro-batches can be of both kinds). Two
+        rows on a GPU, where a colocated vLLM is sizing its KV cache meanwhile; on a CPU
+        as many as a real micro-batch, since inductor's C++ code guards its float sums
+        on their size (over 4096 elements it sums with a helper: a micro-batch of more
+        tokens compiled again). The gradients it makes are dropped and the RNG restored.
+        An eager engine has nothing to prepare."""
         if not self.cfg.compile:
             return
         if method not in ("forward", "train_step"):
             raise ValueError(f"warm_up: {method!r} is not 'forward' or 'train_step'")
+        cuda = self.env.device.type == "cuda"
+        rows = 2 if cuda else max(2, len(self._micro_batches(batch)[0][0]))
         lengths = (batch["attention_mask"] != 0).sum(1)
         longest = int(np.argmax(lengths))
-        pairs = [(longest, longest)]
+        variants = [[longest] * rows]
         if lengths.min() < lengths.max():
-            pairs.append((int(np.argmin(lengths)), longest))
-        cuda = self.env.device.type == "cuda"
+            variants.append([int(np.argmin(lengths))] + [longest] * (rows - 1))
         with torch.random.fork_rng(devices=[self.env.device] if cuda else []):
-            for pair in pairs:
-                rows = batch.take(list(pair))
+            for variant in variants:
+                part = batch.take(variant)
                 if method == "forward":
-                    self.forward(rows, *args, **kwargs)
+                    self.forward(part, *args, **kwargs)
                     continue
                 self._check_usable("warm_up")
                 (loss_fn,) = args
-                mask = rows["response_mask"].astype(np.float32)
+                mask = part["response_mask"].astype(np.float32)
                 ctx = self._loss_context(mask, kwargs.get("temperature", 1.0))
                 try:
-                    self._gradients(rows, loss_fn, ctx, kwargs.get("entropy", False))
+                    self._gradients(part, loss_fn, ctx, kwargs.get("entropy", False))
                 finally:
                     self.optimizer.zero_grad(set_to_none=True)
         if cuda:  # what the few rows cached goes back (a colocated vLLM measures the GPU)

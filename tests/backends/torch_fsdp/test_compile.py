@@ -18,13 +18,14 @@ from torch_fsdp_helpers import (
 )
 
 from polyrl.backends import get_engine
+from polyrl.batch import from_token_lists
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 
 # fp32 on CPU: inductor reorders reductions (log-softmax, RMSNorm); ~1e-6 seen.
 ATOL = 1e-5
 
 
-def _engine(path, compile: bool, pack: bool, role: str = "actor"):
+def _engine(path, compile: bool, pack: bool, role: str = "actor", **parallel):
     engine = get_engine("torch_fsdp")()
     engine.init(
         ModelConfig(
@@ -36,7 +37,9 @@ def _engine(path, compile: bool, pack: bool, role: str = "actor"):
         ),
         OptimConfig(lr=1e-3, eps=PARITY_EPS) if role == "actor" else None,
         # 8-token chunks: the head scores several chunks, of different lengths
-        ParallelConfig(micro_batch_size=4, pack_sequences=pack, logits_chunk_tokens=8),
+        ParallelConfig(
+            **{"micro_batch_size": 4, "pack_sequences": pack, "logits_chunk_tokens": 8} | parallel
+        ),
     )
     return engine
 
@@ -77,17 +80,25 @@ def test_compiled_engine_equals_eager(tiny_model_dir, pack):
 def test_a_warm_up_compiles_the_first_calls_and_changes_nothing(tiny_model_dir):
     """``warm_up`` (RunConfig.warm_up) on a few rows compiles every graph the first
     forward and train step on the whole batch run, and leaves weights, optimizer, step and
-    RNG as they were: the step after it equals a step without it, bit for bit."""
-    batch = random_batch(8, seed=3)  # micro-batches of 4 rows, several LM-head chunks
+    RNG as they were: the step after it equals a step without it, bit for bit. The
+    micro-batches hold over 4096 tokens (inductor's C++ code guards its float sums on
+    that size: a warm-up of two short rows left the step a graph to compile)."""
+    rng = np.random.default_rng(3)
+    batch = from_token_lists(  # ragged: padding, and a micro-batch of ~4.3k tokens
+        [rng.integers(4, 50, rng.integers(20, 60)).tolist() for _ in range(8)],
+        [rng.integers(4, 50, rng.integers(400, 500)).tolist() for _ in range(8)],
+        pad_id=0,
+    )
     kwargs = {"temperature": 0.7, "entropy": True}
-    warm = _engine(tiny_model_dir, True, False)
-    before, rng = full_weights(warm), torch.get_rng_state()
+    shape = {"micro_batch_size": 8, "logits_chunk_tokens": 1024}
+    warm = _engine(tiny_model_dir, True, False, **shape)
+    before, rng_state = full_weights(warm), torch.get_rng_state()
     graphs = graphs_before_compiling()
     warm.warm_up("forward", batch, **kwargs)
     warm.warm_up("train_step", batch, nll_loss, **kwargs)
     warmed = counters["stats"]["unique_graphs"] - graphs
     assert warmed > 0, "the warm-up compiled nothing"
-    assert warm.step == 0 and torch.equal(torch.get_rng_state(), rng)
+    assert warm.step == 0 and torch.equal(torch.get_rng_state(), rng_state)
     assert all(p.grad is None for p in warm.model.parameters())
     after = full_weights(warm)
     assert all(torch.equal(after[n], before[n]) for n in before)
@@ -95,7 +106,7 @@ def test_a_warm_up_compiles_the_first_calls_and_changes_nothing(tiny_model_dir):
         out = warm.forward(batch, **kwargs), warm.train_step(batch, nll_loss, **kwargs)
     assert counters["stats"]["unique_graphs"] - graphs == warmed, "the first calls compiled more"
     # the same graphs (no reset) in an engine that never warmed up
-    cold = _engine(tiny_model_dir, True, False)
+    cold = _engine(tiny_model_dir, True, False, **shape)
     expected = cold.forward(batch, **kwargs), cold.train_step(batch, nll_loss, **kwargs)
     for key in ("log_probs", "entropy"):
         np.testing.assert_array_equal(out[0][key], expected[0][key])

@@ -205,6 +205,24 @@ def _no_compile_problem(compile: bool, tensor: int, where: str) -> str | None:
     return None
 
 
+def _torch_checkpoint_problem(model: ModelConfig, where: str) -> str | None:
+    """torch: checkpoint_policy "budget" is the compiler's partitioner, which acts on the
+    compiled layers of a trained role only."""
+    budget = model.gradient_checkpointing and model.checkpoint_policy == "budget"
+    if not budget or model.compile or not model.trainable:
+        return None
+    return (
+        f"{where}: checkpoint_policy='budget' on torch_fsdp needs compile=True "
+        "(RunConfig.compile): torch.compile's partitioner chooses what each layer "
+        "recomputes; set compile = True, or checkpoint_policy = 'full'"
+    )
+
+
+def _no_checkpoint_problem(model: ModelConfig, where: str) -> str | None:
+    """JAX applies every checkpoint policy itself (``recompute.py``)."""
+    return None
+
+
 def _torch_lora_problem(lora: Any, tensor: int, where: str) -> str | None:
     """torch: the tensor-parallel plan splits ``nn.Linear`` projections, which PEFT has
     replaced by its LoRA layers."""
@@ -329,8 +347,9 @@ class Backend:
     its engine checkpoints for the other backend (``polyrl.backends.exchange``), why
     ``ModelConfig.compile`` cannot run on a ``tensor`` axis (``compile_problem(compile,
     tensor, where) -> str | None``, asked by validate-config and the engine), the same
-    for LoRA (``lora_problem(lora, tensor, where)``) and the bridge weight sync reaches
-    its arrays through (None: its arrays are torch tensors)."""
+    for LoRA (``lora_problem(lora, tensor, where)``), why a model's activation
+    checkpointing cannot run (``checkpoint_problem(model, where)``) and the bridge weight
+    sync reaches its arrays through (None: its arrays are torch tensors)."""
 
     engine: str
     process: ProcessModel
@@ -338,6 +357,7 @@ class Backend:
     exporter: str
     compile_problem: Callable[[bool, int, str], str | None] = _no_compile_problem
     lora_problem: Callable[[Any, int, str], str | None] = _no_lora_problem
+    checkpoint_problem: Callable[[ModelConfig, str], str | None] = _no_checkpoint_problem
     arrays: ArrayBridge | None = None
 
 
@@ -351,6 +371,7 @@ ENGINES: dict[str, Backend] = {
         "polyrl.backends.torch_fsdp.checkpoint:export_exchange",
         compile_problem=_torch_compile_problem,
         lora_problem=_torch_lora_problem,
+        checkpoint_problem=_torch_checkpoint_problem,
     ),
     "jax_pjit": Backend(
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",

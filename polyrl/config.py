@@ -41,7 +41,7 @@ DEFAULT_LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
-CHECKPOINT_POLICIES = ("full", "selective")
+CHECKPOINT_POLICIES = ("full", "selective", "budget")
 # The projections LoRA can adapt: HF's module names inside a decoder layer of the
 # Llama/Qwen families, the same names on both backends (the JAX models use HF's names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -168,6 +168,12 @@ class ModelConfig:
       elementwise work (norms, rotary, activation, residual adds). torch with ``compile``:
       compiled layers already keep that much without checkpointing (inductor's
       partitioner), so "selective" adds nothing there and "full" is what saves memory.
+      "budget": each layer keeps at most ``activation_memory_budget`` of what it keeps
+      without checkpointing: torch (needs ``compile``) lets the compiler's partitioner
+      choose what to recompute in each compiled layer (AOTAutograd's
+      ``activation_memory_budget``); JAX recomputes the first ``round((1 - budget) * L)``
+      of its ``L`` layers whole and keeps the others'.
+    activation_memory_budget: the fraction of "budget" (in (0, 1]; 1 = no recompute).
     attn_implementation: torch: transformers' name (``sdpa``, ``polyrl_varlen``,
       ``flex_attention``, ...); JAX: ``auto`` (cuDNN where it applies, opt-in),
       ``cudnn`` (forced), anything else = XLA (docs/backends.md, "Attention and packing").
@@ -189,6 +195,7 @@ class ModelConfig:
     value_head_path: str | None = None
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"
+    activation_memory_budget: float = 0.6
     attn_implementation: str = "sdpa"
     sampling_vocab_size: int | None = None
     compile: bool = False
@@ -203,6 +210,12 @@ class ModelConfig:
             )
         _choice("ModelConfig", "dtype", self.dtype, DTYPES)
         _choice("ModelConfig", "checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
+        if not 0 < self.activation_memory_budget <= 1:
+            raise ValueError(
+                f"ModelConfig.activation_memory_budget={self.activation_memory_budget} must be "
+                "in (0, 1]: the fraction of a layer's activations checkpoint_policy='budget' "
+                "keeps (e.g. 0.6)"
+            )
         if self.sampling_vocab_size is not None and self.sampling_vocab_size < 1:
             raise ValueError(
                 f"ModelConfig.sampling_vocab_size={self.sampling_vocab_size} must be >= 1 or None"
@@ -471,7 +484,9 @@ class RunConfig:
     model_dtype / gradient_checkpointing / checkpoint_policy: the trained and reference
       engines' parameter dtype ("bfloat16" on GPU), activation checkpointing and what it
       keeps ("full": each layer's input only; "selective": also the matmul and attention
-      outputs, recomputing only elementwise work): the ``ModelConfig`` fields.
+      outputs, recomputing only elementwise work; "budget": at most
+      ``activation_memory_budget`` of what no checkpointing keeps, torch with ``compile``
+      choosing what): the ``ModelConfig`` fields.
     attn_implementation: every engine's ``ModelConfig.attn_implementation`` (torch:
       transformers' name or ``polyrl_varlen``; JAX: ``auto``/``cudnn`` for cuDNN, else
       XLA; docs/backends.md).
@@ -581,6 +596,7 @@ class RunConfig:
     model_dtype: str = "float32"
     gradient_checkpointing: bool = False
     checkpoint_policy: str = "full"
+    activation_memory_budget: float = 0.6
     attn_implementation: str = "sdpa"
     compile: bool = False
     lora: LoraConfig | None = None

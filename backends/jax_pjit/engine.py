@@ -143,6 +143,7 @@ class JaxPjitEngine:
                 with_value_head=model.has_value_head,
                 constrain=sharding.ActivationSharding(self.mesh, parallel.rules),
                 remat=model.checkpoint_policy if model.gradient_checkpointing else None,
+                remat_budget=model.activation_memory_budget,
                 attention=self.attention,
                 lora=adapters,
             )

@@ -414,6 +414,7 @@ class Backbone(nnx.Module):
         remat: str | None,
         attn: str,
         lora: Any = None,
+        remat_budget: float = 1.0,
     ):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, dtype, rngs)
         self.layers = nnx.List(
@@ -422,7 +423,7 @@ class Backbone(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         inv_freq, scale = rope_inv_freq(c)
         self.inv_freq, self.rope_scale = tuple(inv_freq.tolist()), scale
-        self.constrain, self.remat = constrain, remat
+        self.constrain, self.remat, self.remat_budget = constrain, remat, remat_budget
 
     def __call__(self, input_ids, segment_ids, position_ids, slots: int = 1, key=None) -> jax.Array:
         """input_ids, segment_ids (or attention_mask), position_ids [B, T] int -> hidden
@@ -436,9 +437,12 @@ class Backbone(nnx.Module):
         x = self.constrain(self.embed_tokens(input_ids), ("batch", "length", None))
         for i, layer in enumerate(self.layers):
             k = _key(key, i)
-            if self.remat:  # gradient checkpointing: keep what the policy saves
+            remat, policy = recompute.layer_remat(
+                self.remat, self.remat_budget, i, len(self.layers)
+            )
+            if remat:  # gradient checkpointing: keep what the policy saves
                 call = lambda lyr, h, k=k: lyr(h, cos, sin, segments, k)  # noqa: E731
-                x = nnx.remat(call, policy=recompute.remat_policy(self.remat))(layer, x)
+                x = nnx.remat(call, policy=policy)(layer, x)
             else:
                 x = layer(x, cos, sin, segments, k)
             x = self.constrain(x, ("batch", "length", None))
@@ -452,7 +456,8 @@ class CausalLM(nnx.Module):
     reward models. ``with_lm_head=False`` builds a critic/reward model without logits.
     ``attention``: ``xla``, ``cudnn`` or ``auto`` (``attention.resolve``). ``remat``: None
     (no activation checkpointing) or a ``ModelConfig.checkpoint_policy`` ("full",
-    "selective": ``recompute.remat_policy``), applied to each decoder layer. ``lora``: a
+    "selective", "budget" of ``remat_budget``: ``recompute.layer_remat``), applied to the
+    decoder layers. ``lora``: a
     ``polyrl.config.LoraConfig`` puts LoRA adapters on its target projections
     (:class:`Linear`)."""
 
@@ -468,9 +473,10 @@ class CausalLM(nnx.Module):
         remat: str | None = None,
         attention: str = "xla",
         lora: Any = None,
+        remat_budget: float = 1.0,
     ):
         constrain = constrain or _no_constraint
-        self.model = Backbone(c, dtype, rngs, constrain, remat, attention, lora)
+        self.model = Backbone(c, dtype, rngs, constrain, remat, attention, lora, remat_budget)
         self.lm_head = (
             Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype, rngs=rngs)
             if with_lm_head and not c.tie_word_embeddings

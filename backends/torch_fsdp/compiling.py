@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch._functorch.config
 import torch._inductor.config
 
 __all__ = ["compiled"]
@@ -50,8 +51,22 @@ def _configure_dynamo() -> None:
     )
 
 
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, memory_budget: float | None = None) -> Callable:
     """``fn`` under ``torch.compile(dynamic=True)``: sequence lengths and chunk sizes
-    change every call; parameter shapes stay static (dynamo's default for parameters)."""
+    change every call; parameter shapes stay static (dynamo's default for parameters).
+    ``memory_budget`` (``checkpoint_policy="budget"``): the partitioner of each graph
+    compiled from it keeps at most this fraction of the activations it keeps by default
+    and recomputes the rest in the backward pass (AOTAutograd's
+    ``activation_memory_budget``, read when a call compiles; the graphs then serve every
+    engine of the process: one budget per process, as a role's engine has its own)."""
     _configure_dynamo()
-    return torch.compile(fn, dynamic=True)
+    fn_c = torch.compile(fn, dynamic=True)
+    if memory_budget is None:
+        return fn_c
+
+    @functools.wraps(fn)
+    def within_budget(*args, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=memory_budget):
+            return fn_c(*args, **kwargs)
+
+    return within_budget

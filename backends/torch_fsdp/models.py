@@ -21,12 +21,14 @@ token (the last position with ``attention_mask == 1``), as
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from polyrl.backends.base import ENGINES
 from polyrl.backends.torch_fsdp import attention, compiling, lm_head, lora, recompute
 from polyrl.config import ModelConfig
 
@@ -187,6 +189,9 @@ def load_model(
     from transformers import AutoModelForCausalLM
 
     check_path(cfg)
+    problem = ENGINES["torch_fsdp"].checkpoint_problem(cfg, "ModelConfig")
+    if problem:  # before any weight is read
+        raise ValueError(problem)
     if cfg.attn_implementation == attention.NAME:
         attention.register()
     if cfg.has_value_head:
@@ -211,7 +216,9 @@ def load_model(
     if cfg.gradient_checkpointing and cfg.checkpoint_policy == "selective" and not cfg.compile:
         _wrap_layers(module, layers, recompute.selective)
     if cfg.compile:
-        _wrap_layers(module, layers, compiling.compiled)
+        budget = cfg.gradient_checkpointing and cfg.checkpoint_policy == "budget" and cfg.trainable
+        memory = cfg.activation_memory_budget if budget else None
+        _wrap_layers(module, layers, functools.partial(compiling.compiled, memory_budget=memory))
     return LoadedModel(module, layers, backbone.config)
 
 

@@ -66,8 +66,9 @@
 #   bucket size, default 1024: 3 buckets for the 3.1 GB), SYNC_TRANSPORTS (its
 #   --transports, default object_store,cuda_ipc), CKPT (0: the train_step and
 #   update_shape sections run without activation checkpointing; default 1), CKPT_POLICY (their
-#   --ckpt-policy: full, the default, or selective), MEMORY_BUDGET (train_step's
-#   --memory-budget for its +compile entries, e.g. CKPT=0 MEMORY_BUDGET=0.5), ROLLOUT_ARGS (more rollout.py flags, e.g.
+#   --ckpt-policy: full, the default, selective, or budget), MEMORY_BUDGET (their
+#   --memory-budget with CKPT_POLICY=budget, default 0.6; a suite entry's +budget=F sets
+#   both for that run), ROLLOUT_ARGS (more rollout.py flags, e.g.
 #   "--in-process-engine 0").
 # The GRPO sections also print the peak GPU memory that nvidia-smi saw on their GPUs (every
 # process: the trainer's engines and vLLM alike), sampled every 0.5 s.

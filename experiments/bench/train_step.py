@@ -40,8 +40,8 @@ sample's prompt length in [P/2, P] and response length in [R/8, R] (a padded bat
 whose padding packing removes; tokens/s and MFU count real tokens only). ``--compile``
 turns on ``ModelConfig.compile`` (torch: ``torch.compile`` per decoder layer and LM-head
 chunk; the warm-up steps absorb the compile time). A suite entry may carry them per run:
-``BACKEND[:ALLOCATOR][@ATTN][+pack][+compile][+lora][+budget=F]`` (``budget=F``: the
-``--memory-budget`` of that run), e.g.
+``BACKEND[:ALLOCATOR][@ATTN][+pack][+compile][+lora][+budget=F]`` (``budget=F``:
+``--grad-ckpt --ckpt-policy budget --memory-budget F`` for that run), e.g.
 
     python experiments/bench/train_step.py --ragged --suite \
         torch_fsdp,torch_fsdp@polyrl_varlen+pack+compile,jax_pjit,jax_pjit@auto+pack,hf_torch
@@ -50,7 +50,10 @@ chunk; the warm-up steps absorb the compile time). A suite entry may carry them 
 its ``checkpoint_policy`` (docs/backends.md, "Activation checkpointing"): ``full``
 recomputes each decoder layer, ``selective`` keeps its matmul and attention outputs and
 recomputes the elementwise work (``hf_torch`` passes the same SAC policy to HF's
-``gradient_checkpointing_enable``). The JSON and the suite's table record the policy.
+``gradient_checkpointing_enable``), ``budget`` keeps at most ``--memory-budget`` of the
+activations (torch with ``--compile``: the compiler's partitioner chooses; JAX: that
+share of the layers keeps everything, the rest recompute whole). The JSON and the
+suite's table record the policy.
 
 Under torchrun each rank gets ``--batch / WORLD_SIZE`` samples and the mesh is
 ``fsdp = WORLD_SIZE`` unless ``--mesh`` says otherwise.
@@ -127,14 +130,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--ckpt-policy",
         default="full",
-        choices=["full", "selective"],
+        choices=["full", "selective", "budget"],
         help="ModelConfig.checkpoint_policy: what --grad-ckpt keeps per layer",
     )
     p.add_argument(
         "--memory-budget",
         type=float,
-        help="torch with --compile: AOTAutograd's activation_memory_budget (0-1), the "
-        "partitioner's own selective recompute inside each compiled graph",
+        default=0.6,
+        help="ModelConfig.activation_memory_budget: with --ckpt-policy budget, the fraction "
+        "of the activations each layer keeps (torch: the compiler's choice, needs --compile)",
     )
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--mesh", help='e.g. "data=1,fsdp=2" (default: fsdp = world size)')
@@ -223,17 +227,23 @@ def peak_memory() -> dict[str, float]:
 
 def accelerator() -> tuple[str, float | None]:
     """(device name, dense bf16 peak TFLOP/s or None when unknown / CPU)."""
-    torch = sys.modules.get("torch")
+    torch, jax = sys.modules.get("torch"), sys.modules.get("jax")
+    name = None
     if torch is not None and torch.cuda.is_available():
         name = torch.cuda.get_device_name()
+    elif jax is not None and jax.devices()[0].platform == "gpu":  # a JAX run without torch
+        name = jax.devices()[0].device_kind
+    if name is not None:
         return name, next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", None
 
 
-def train_flops(cfg: dict, lengths: np.ndarray) -> float:
+def train_flops(cfg: dict, lengths: np.ndarray, frozen_base: bool = False) -> float:
     """6 * params * tokens for the matmuls + 12 * layers * hidden * sum(length^2) for
     attention scores (forward + backward; no recompute counted: MFU, not HFU), over the
-    real tokens of sequences of ``lengths``."""
+    real tokens of sequences of ``lengths``. ``frozen_base`` (LoRA): 4 * params * tokens,
+    since frozen weights get no gradient (the forward and the activations' gradients;
+    the adapters' own FLOPs are left out, under 1% at rank 16)."""
     h, layers, inter, vocab = (
         cfg["hidden_size"],
         cfg["num_hidden_layers"],
@@ -244,7 +254,7 @@ def train_flops(cfg: dict, lengths: np.ndarray) -> float:
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter
     params = layers * per_layer + h * vocab
     tokens, squares = float(lengths.sum()), float((lengths.astype(np.float64) ** 2).sum())
-    return 6.0 * params * tokens + 12.0 * layers * h * squares
+    return (4.0 if frozen_base else 6.0) * params * tokens + 12.0 * layers * h * squares
 
 
 def attention_kernel(args, engine) -> str:
@@ -276,6 +286,8 @@ def hf_torch_step(args, path: Path, batch: Batch):
     model.config.use_cache = False
     model.train()  # from_pretrained returns eval mode, where HF skips checkpointing
     if args.grad_ckpt:
+        if args.ckpt_policy == "budget":
+            raise SystemExit("hf_torch has no 'budget' checkpointing (a polyrl policy)")
         kwargs = {"use_reentrant": False}
         if args.ckpt_policy == "selective":  # torch's SAC, with the backend's policy
             from polyrl.backends.torch_fsdp.recompute import selective_contexts
@@ -315,8 +327,7 @@ def run(args) -> dict:
     mesh = {"fsdp": world}
     if args.mesh:
         mesh = {k: int(v) for k, v in (kv.split("=") for kv in args.mesh.split(","))}
-    # AOTAutograd's partitioner acts on compiled torch graphs only
-    budget = args.memory_budget if args.backend == "torch_fsdp" and args.compile else None
+    budget = args.memory_budget if args.grad_ckpt and args.ckpt_policy == "budget" else None
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be a multiple of WORLD_SIZE={world}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -329,10 +340,6 @@ def run(args) -> dict:
         if args.backend == "hf_torch":
             step = hf_torch_step(args, path, batch)
         else:
-            if budget is not None:
-                import torch._functorch.config
-
-                torch._functorch.config.activation_memory_budget = budget
             engine = get_engine(args.backend)()
             engine.init(
                 ModelConfig(
@@ -340,6 +347,7 @@ def run(args) -> dict:
                     dtype=args.dtype,
                     gradient_checkpointing=args.grad_ckpt,
                     checkpoint_policy=args.ckpt_policy,
+                    activation_memory_budget=args.memory_budget,
                     attn_implementation=args.attn,
                     compile=args.compile,
                     lora=lora_config(args),
@@ -372,7 +380,7 @@ def run(args) -> dict:
     lengths = batch["attention_mask"].sum(1)
     tokens = int(lengths.sum())  # real tokens: padding is not work
     device, peak = accelerator()
-    flops = train_flops(config, lengths)
+    flops = train_flops(config, lengths, frozen_base=args.lora)
     result = {
         "backend": args.backend,
         "device": device,
@@ -450,7 +458,8 @@ def suite(args, argv: list[str]) -> dict:
             if allocator:
                 env["XLA_PYTHON_CLIENT_ALLOCATOR"] = allocator
             extra = ["--attn", attn] * bool(attn) + [f"--{flag}" for flag in flags]
-            extra += [a for b in budget for a in ("--memory-budget", b.split("=")[1])]
+            for b in budget:  # the compiler's (torch) or the layers' (JAX) budget
+                extra += ["--grad-ckpt", "--ckpt-policy", "budget", "--memory-budget", b[7:]]
             cmd = [sys.executable, __file__, *child_argv, *extra, "--backend", name]
             cmd += ["--json", str(out)]
             if args.profile:
@@ -487,7 +496,7 @@ def suite(args, argv: list[str]) -> dict:
 
 def _ckpt(run: dict) -> str:
     """What a run recomputes: its checkpoint policy, or the compiler's memory budget."""
-    if run.get("memory_budget") is not None:
+    if run.get("ckpt_policy") == "budget":
         return f"budget {run['memory_budget']:g}"
     return run.get("ckpt_policy") or "-"
 

@@ -118,6 +118,7 @@ def _engine_role(cfg: RunConfig, name: str) -> RoleSpec:
         dtype=cfg.model_dtype,
         gradient_checkpointing=cfg.gradient_checkpointing,
         checkpoint_policy=cfg.checkpoint_policy,
+        activation_memory_budget=cfg.activation_memory_budget,
         attn_implementation=cfg.attn_implementation,
         compile=cfg.compile,
         lora=cfg.lora if name == Role.ACTOR else None,
@@ -192,7 +193,12 @@ def role_problems(cfg: RunConfig, roles: Mapping[str, RoleSpec]) -> list[str]:
                 f"of nodes >= 1; set it to the number of nodes the pool's roles run on"
             )
             return out
+    from polyrl.backends.base import get_backend
+
     for name, role in roles.items():
+        if role.model is not None:  # (every role reads the same RunConfig fields: once)
+            problem = get_backend(role.backend).checkpoint_problem(role.model, "RunConfig")
+            out += [problem] if problem and problem not in out else []
         if role.pool not in cfg.pools:
             continue  # reported by validate's pool check
         shape = pool_shape(cfg.pools[role.pool])

@@ -129,6 +129,12 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
             f"RunConfig.checkpoint_policy={cfg.checkpoint_policy!r} is not one of "
             f"{list(CHECKPOINT_POLICIES)}{did_you_mean(cfg.checkpoint_policy, CHECKPOINT_POLICIES)}"
         )
+    if not 0 < cfg.activation_memory_budget <= 1:
+        out.append(
+            f"RunConfig.activation_memory_budget={cfg.activation_memory_budget} must be in "
+            "(0, 1]: the fraction of a layer's activations checkpoint_policy='budget' keeps "
+            "(e.g. 0.6)"
+        )
     outside = [
         s for s in cfg.profile_steps if not (isinstance(s, int) and 1 <= s <= cfg.total_steps)
     ]

@@ -378,12 +378,14 @@ def test_packed_sequences_give_the_padded_outputs_and_update(backend, tiny_model
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_recompute_does_not_change_the_update(backend, tiny_model_dir):
-    """ModelConfig.gradient_checkpointing, both checkpoint policies: memory, not results
-    (what each policy keeps is backend-specific: the backends' test_recompute.py)."""
+    """ModelConfig.gradient_checkpointing, every checkpoint policy: memory, not results
+    (what each policy keeps is backend-specific: the backends' test_recompute.py, which
+    also checks torch's "budget": it needs compiled layers)."""
     batch = rl_batch()
     want = step(engine(backend, tiny_model_dir), batch)
-    for policy in ("full", "selective"):
+    for policy in ("full", "selective") + (("budget",) if backend == "jax_pjit" else ()):
         model = {"gradient_checkpointing": True, "checkpoint_policy": policy}
+        model |= {"activation_memory_budget": 0.5} if policy == "budget" else {}
         got = step(engine(backend, tiny_model_dir, model=model), batch)
         assert_same_update(got, want, ("loss", "grad_norm"), policy)
 

@@ -71,3 +71,18 @@ def test_hand_loop_selective_checkpointing_recomputes_no_matmul(tiny_model_dir, 
     plain = _matmuls(base, tiny_model_dir)
     ckpt = _matmuls([*base, "--grad-ckpt", "--ckpt-policy", policy], tiny_model_dir)
     assert (ckpt > plain) == recomputes and ckpt >= plain, (plain, ckpt)
+
+
+def test_model_flops_count_no_weight_gradients_for_a_frozen_base():
+    """MFU's FLOPs, by hand for one layer of hidden 4 (2 heads, 1 KV head), MLP 8, vocab
+    10, two sequences of 3 and 5 tokens: matmul weights 4*4*2 + 4*2*2 + 3*4*8 = 144 per
+    layer + 40 for the head = 184; full fine-tuning 6 x 184 x 8 tokens, LoRA 4 x (the
+    frozen weights get no gradient matmul); attention 12 x 1 x 4 x (9 + 25) either way."""
+    import numpy as np
+    from train_step import train_flops
+
+    cfg = {"hidden_size": 4, "num_hidden_layers": 1, "intermediate_size": 8,
+           "vocab_size": 10, "num_key_value_heads": 1, "num_attention_heads": 2}  # fmt: skip
+    lengths = np.array([3, 5])
+    assert train_flops(cfg, lengths) == 6 * 184 * 8 + 12 * 4 * 34
+    assert train_flops(cfg, lengths, frozen_base=True) == 4 * 184 * 8 + 12 * 4 * 34

@@ -152,10 +152,12 @@ def test_bad_checkpoint_policy_names_field_value_and_choices():
 
     with pytest.raises(
         ValueError,
-        match=r"ModelConfig\.checkpoint_policy='selectiv' is not one of \['full', 'selective'\]; "
-        r"did you mean 'selective'\?",
+        match=r"ModelConfig\.checkpoint_policy='selectiv' is not one of \['full', 'selective', "
+        r"'budget'\]; did you mean 'selective'\?",
     ):
         ModelConfig("/models/m", gradient_checkpointing=True, checkpoint_policy="selectiv")
+    with pytest.raises(ValueError, match=r"ModelConfig\.activation_memory_budget=0 must be in"):
+        ModelConfig("/models/m", checkpoint_policy="budget", activation_memory_budget=0)
 
 
 LORA = "gin/experiments/tiny_grpo_lora.gin"

@@ -90,8 +90,15 @@ CASES = [
     ("dtype-typo", GRPO, ["polyrl.RunConfig.model_dtype = 'bf16'"],
      "RunConfig.model_dtype='bf16' is not one of"),
     ("checkpoint-policy-typo", GRPO, ["polyrl.RunConfig.checkpoint_policy = 'selectiv'"],
-     "RunConfig.checkpoint_policy='selectiv' is not one of ['full', 'selective']; "
+     "RunConfig.checkpoint_policy='selectiv' is not one of ['full', 'selective', 'budget']; "
      "did you mean 'selective'?"),
+    ("budget-without-compile", GRPO, ["polyrl.RunConfig.gradient_checkpointing = True",
+                                      "polyrl.RunConfig.checkpoint_policy = 'budget'"],
+     "RunConfig: checkpoint_policy='budget' on torch_fsdp needs compile=True "
+     "(RunConfig.compile): torch.compile's partitioner chooses what each layer recomputes; "
+     "set compile = True, or checkpoint_policy = 'full'"),
+    ("budget-out-of-range", GRPO, ["polyrl.RunConfig.activation_memory_budget = 1.5"],
+     "RunConfig.activation_memory_budget=1.5 must be in (0, 1]"),
     ("backend-typo", GRPO, ["polyrl.RunConfig.backend = 'pytorch'"],
      "RunConfig.backend='pytorch' is not a registered backend"),
     # pitfall 2: batch arithmetic

@@ -20,6 +20,8 @@ from polyrl.config import ModelConfig, ParallelConfig  # noqa: E402
 
 POLICIES = {"none": {}, "full": {"checkpoint_policy": "full"}}
 POLICIES["selective"] = {"checkpoint_policy": "selective"}
+# the tiny model's 2 layers: the first recomputed whole, the second keeps everything
+POLICIES["budget"] = {"checkpoint_policy": "budget", "activation_memory_budget": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +73,25 @@ def test_selective_saves_less_than_none_more_than_full(engines):
     assert report["selective"].count("output of dot_general") >= 5 * layers, report
     for kept in (recompute.ATTENTION_OUT, "output of dot_general"):
         assert kept not in report["full"], report["full"]
+
+
+def test_a_budget_saves_between_full_and_none(engines):
+    """ "budget" 0.5 on the 2 layers: one layer keeps what "none" keeps, the other what
+    "full" keeps, so the residuals lie between theirs."""
+    saved = {}
+    for name in ("none", "budget", "full"):
+        _, pullback = jax.vjp(_objective(engines[name]), engines[name].params)
+        leaves = {id(x): x for x in jax.tree.leaves(pullback) if isinstance(x, jax.Array)}
+        saved[name] = sum(x.nbytes for x in leaves.values())
+    assert saved["none"] > saved["budget"] > saved["full"], saved
+
+
+@pytest.mark.parametrize(
+    ("policy", "budget", "layers", "recomputed"),
+    [("budget", 0.6, 28, 11), ("budget", 1.0, 28, 0), ("budget", 0.01, 4, 4),
+     ("full", 0.6, 28, 28), (None, 0.6, 28, 0)],
+)  # fmt: skip
+def test_which_layers_a_policy_checkpoints(policy, budget, layers, recomputed):
+    """round((1 - 0.6) * 28) = 11 of Qwen2.5-1.5B's layers under "budget" 0.6."""
+    flags = [recompute.layer_remat(policy, budget, i, layers)[0] for i in range(layers)]
+    assert sum(flags) == recomputed and flags == sorted(flags, reverse=True)

@@ -28,6 +28,8 @@ from polyrl.config import ModelConfig, OptimConfig, ParallelConfig
 
 POLICIES = {"none": {}, "full": {"checkpoint_policy": "full"}}
 POLICIES["selective"] = {"checkpoint_policy": "selective"}
+# compiled only (the compiler's partitioner): keep at most 30% of what "none" keeps
+_POLICIES = POLICIES | {"budget": {"checkpoint_policy": "budget", "activation_memory_budget": 0.3}}
 # fp32 on CPU: inductor reorders reductions (log-softmax, RMSNorm); ~1e-6 seen
 # (test_compile).
 ATOL = 1e-5
@@ -74,7 +76,7 @@ def _measure(path, policy: str, compile: bool) -> tuple[int, int]:
     """(bytes a training forward of the decoder, 4 x 64 tokens, leaves for backward;
     matmuls run by forward + backward)."""
     cfg = ModelConfig(
-        str(path), gradient_checkpointing=policy != "none", compile=compile, **POLICIES[policy]
+        str(path), gradient_checkpointing=policy != "none", compile=compile, **_POLICIES[policy]
     )
     backbone = models.load_model(cfg, torch.float32).module.model.train()
     ids = torch.randint(4, 58, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -109,6 +111,30 @@ def test_compiled_layers_keep_what_selective_keeps(tiny_model_dir):
     print("torch compiled saved bytes", saved, "matmuls", matmuls)
     assert eager_selective >= saved["none"] == saved["selective"] > saved["full"], saved
     assert matmuls["full"] > matmuls["selective"] == matmuls["none"], matmuls
+
+
+def test_a_memory_budget_keeps_between_full_and_none(tiny_model_dir):
+    """checkpoint_policy="budget" (compiled layers): the partitioner keeps less than no
+    checkpointing (the budget counts what it manages, not the layers' inputs and outputs
+    every policy keeps) by recomputing some matmuls, but fewer than "full", which keeps
+    least; the update is the one without checkpointing. The budget is read when a graph
+    compiles, so each policy compiles its own (dynamo's caches emptied before each)."""
+    saved, matmuls = {}, {}
+    for policy in ("none", "budget", "full"):
+        graphs_before_compiling()
+        saved[policy], matmuls[policy] = _measure(tiny_model_dir, policy, compile=True)
+    print("torch compiled saved bytes", saved, "matmuls", matmuls)
+    assert saved["none"] > saved["budget"] > saved["full"], saved
+    assert matmuls["none"] < matmuls["budget"] < matmuls["full"], matmuls
+    graphs_before_compiling()
+    plain = _engine(tiny_model_dir, False, compile=True)
+    budget = _engine(tiny_model_dir, False, compile=True, gradient_checkpointing=True,
+                     **_POLICIES["budget"])  # fmt: skip
+    batch = random_batch(9, seed=0)
+    m_p, m_b = plain.train_step(batch, nll_loss), budget.train_step(batch, nll_loss)
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(m_b[key], m_p[key], rtol=ATOL)
+    graphs_before_compiling()  # no budget graph serves a later test
 
 
 def _engine(path, pack: bool, compile: bool, **model):

@@ -171,6 +171,8 @@ def test_unreachable_address_is_named_quickly(tmp_path, monkeypatch, capsys):
     )
 
 
+@pytest.mark.slow  # 59 s on the 2-core machine (a two-node cluster); the default tier has the
+# checks' own cases above and a two-node run in tests/trainer/test_multinode.py
 def test_cluster_checks_resources_versions_and_env(cluster, tmp_path):
     # POLYRL_GUARDS_PROBE is set on the driver only: the nodes were started without it.
     probe = {"POLYRL_GUARDS_PROBE": "1"}

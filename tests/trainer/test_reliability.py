@@ -89,7 +89,7 @@ def _samples(run: Path) -> dict[int, list[tuple[int, str]]]:
 @pytest.mark.parametrize(
     "backend, kills, total",
     [
-        # default tier: test_trainer's killed run and the dead-worker test below
+        # default tier: the dead-worker test below (test_trainer's killed run is slow too)
         pytest.param("jax_pjit", ("step", "save"), 8, marks=pytest.mark.slow),
         pytest.param("torch_fsdp", ("step", "save", "step"), 11, marks=pytest.mark.slow),
         pytest.param("jax_pjit", ("step", "save", "step"), 11, marks=pytest.mark.slow),

@@ -120,6 +120,8 @@ def test_grpo_learns_streaming(ray_session, tmp_path, backend, n):
     assert max(r["rollout/staleness_max"] for r in rows) <= n
 
 
+@pytest.mark.slow  # 57 s on the 2-core machine; the default tier has the stream's own cases
+# (tests/core/test_streaming.py; on real vLLM tests/rollout/test_pool.py, test_async_engine.py)
 def test_a_server_killed_mid_stream_loses_only_its_groups(
     ray_session, tmp_path, monkeypatch, caplog
 ):

@@ -112,6 +112,8 @@ def test_reference_log_probs_do_not_move_with_the_actor(ray_session, tmp_path, c
         trainer.shutdown()
 
 
+@pytest.mark.slow  # 99 s on the 2-core machine; the default tier resumes a run in
+# test_reliability's dead-worker case
 def test_killed_run_resumes_with_the_same_metrics(ray_session, tmp_path):
     """SIGKILL a run after its step-2 checkpoint; --resume must reproduce the steps an
     uninterrupted run takes (same data order, sampling seeds, optimizer state)."""

@@ -44,7 +44,12 @@ def _engine(path, compile: bool, pack: bool, role: str = "actor", **parallel):
     return engine
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize(
+    "pack",
+    # packed: 62 s more on the 2-core machine; the default tier has the compiled padded case
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["padded", "packed"],
+)
 def test_compiled_engine_equals_eager(tiny_model_dir, pack):
     eager, compiled = _engine(tiny_model_dir, False, pack), _engine(tiny_model_dir, True, pack)
     # frozen roles in the same process: more variants of the same compiled code
@@ -77,6 +82,8 @@ def test_compiled_engine_equals_eager(tiny_model_dir, pack):
         torch.testing.assert_close(w_c[name], w_e[name], atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # 94 s on the 2-core machine (the 4.3k-token micro-batch compiles);
+# the default tier warms up JAX (tests/backends/jax_pjit/test_jax_engine.py, test_trainer.py)
 def test_a_warm_up_compiles_the_first_calls_and_changes_nothing(tiny_model_dir):
     """``warm_up`` (RunConfig.warm_up) on a few rows compiles every graph the first
     forward and train step on the whole batch run, and leaves weights, optimizer, step and

@@ -85,6 +85,17 @@ def full_weights(engine) -> dict[str, torch.Tensor]:
     return {n: t.cpu().clone() for bucket in engine.export_weights(1 << 20) for n, t in bucket}
 
 
+def assert_same_calls(got, expected, got_weights, expected_weights) -> None:
+    """A ``(forward output, train_step metrics)`` pair and the weights after it equal
+    another engine's bit for bit (either backend: weights as tensors or arrays)."""
+    for key in ("log_probs", "entropy"):
+        np.testing.assert_array_equal(got[0][key], expected[0][key])
+    assert got[1] == expected[1]
+    assert got_weights.keys() == expected_weights.keys()
+    for name, weight in expected_weights.items():
+        np.testing.assert_array_equal(np.asarray(got_weights[name]), np.asarray(weight), name)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

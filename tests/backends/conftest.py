@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-# torch_fsdp_helpers, for the contract suite here and for the spawned ranks (spawn hands
-# its children the parent's sys.path).
+# torch_fsdp_helpers, for the contract suite here, jax_pjit's tests (assert_same_calls) and
+# the spawned ranks (spawn hands its children the parent's sys.path).
 sys.path.insert(0, str(Path(__file__).parent / "torch_fsdp"))
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "GroupSlot",
     "get_backend",
     "get_engine",
+    "engine_on_one_device",
     "other_backend",
     "Bucket",
     "check_temperature",
@@ -286,6 +287,12 @@ def _jax_group_env(slot: GroupSlot) -> dict[str, str]:
     }
 
 
+def _jax_one_device() -> dict[str, Any]:
+    import jax
+
+    return {"devices": jax.local_devices()[:1]}
+
+
 def _jax_host_env(local_devices: int, on_gpu: bool) -> dict[str, str]:
     if on_gpu:
         # Pin the platform: a driver that set JAX_PLATFORMS=cpu (a CPU test session, a
@@ -310,12 +317,16 @@ class ProcessModel:
     host_env: ``(local_devices, on_gpu) -> env`` a worker needs before its framework
       is imported (e.g. JAX's host device count on CPU).
     group_env: ``GroupSlot -> env`` with which a worker joins its role's group.
+    one_device: ``() -> kwargs`` of the engine's constructor for a world of one device
+      in this process (``polyrl export``, ``polyrl diagnose``): a per-device process is
+      one rank already; a per-host one is given its first local device.
     """
 
     worker_per: str
     collective: str
     host_env: Callable[[int, bool], dict[str, str]]
     group_env: Callable[[GroupSlot], dict[str, str]]
+    one_device: Callable[[], dict[str, Any]] = dict
 
     def num_workers(self, devices: int, hosts: int) -> int:
         """Workers of a role whose mesh has ``devices`` devices over ``hosts`` hosts."""
@@ -375,7 +386,7 @@ ENGINES: dict[str, Backend] = {
     ),
     "jax_pjit": Backend(
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
-        ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env),
+        ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env, _jax_one_device),
         "jax",
         "polyrl.backends.jax_pjit.checkpoint:export_exchange",
         arrays=ArrayBridge(("jax", "jaxlib"), "polyrl.backends.jax_pjit.bridge"),
@@ -398,6 +409,12 @@ def get_engine(name: str) -> type:
     """The engine class registered as ``name`` (imports its framework)."""
     module, _, cls = get_backend(name).engine.partition(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def engine_on_one_device(name: str) -> Any:
+    """A new engine of backend ``name`` in this process, driving one local device
+    (:attr:`ProcessModel.one_device`)."""
+    return get_engine(name)(**get_backend(name).process.one_device())
 
 
 def array_bridge(x: Any) -> Any:

@@ -28,14 +28,10 @@ __all__ = ["diagnose", "format_diagnosis"]
 def _engine(
     backend: str, model: Any, parallel: Any, optim: Any, weights: Path | None, ckpt_backend: str
 ):
-    from polyrl.backends import exchange, get_engine
+    from polyrl.backends import exchange
+    from polyrl.backends.base import engine_on_one_device
 
-    if backend == "jax_pjit":
-        import jax
-
-        engine = get_engine(backend)(devices=jax.devices()[:1])
-    else:
-        engine = get_engine(backend)()
+    engine = engine_on_one_device(backend)
     engine.init(model, optim, parallel)
     if weights is None:
         return engine

@@ -33,16 +33,6 @@ def read_run_config(run_dir: str | Path) -> Any:
     return cfg
 
 
-def _one_device(backend: str) -> dict[str, Any]:
-    """Engine arguments for a world of one device (torch: a process is one rank already;
-    JAX would otherwise take every local device)."""
-    if backend != "jax_pjit":
-        return {}
-    import jax
-
-    return {"devices": jax.local_devices()[:1]}
-
-
 def export_checkpoint(
     run_dir: str | Path,
     out_dir: str | Path,
@@ -61,7 +51,7 @@ def export_checkpoint(
     against the manifest's model shape.
     """
     from polyrl import checkpoints
-    from polyrl.backends.base import get_engine
+    from polyrl.backends.base import engine_on_one_device
     from polyrl.config import ModelConfig, ParallelConfig
 
     run_dir = Path(run_dir)
@@ -100,7 +90,7 @@ def export_checkpoint(
             "tokenizer) is not a local Hugging Face directory here"
         )
     checkpoints.check_manifest(manifest, {"model": checkpoints.model_shape(model_path)}, str(path))
-    engine = get_engine(manifest["backend"])(**_one_device(manifest["backend"]))
+    engine = engine_on_one_device(manifest["backend"])
     engine.init(
         ModelConfig(path=model_path, role="actor", dtype=cfg.model_dtype, lora=cfg.lora),
         cfg.actor.optim,

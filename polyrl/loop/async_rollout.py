@@ -40,15 +40,15 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from polyrl.batch import Batch
+from polyrl.loop.producer import Producer
 
 __all__ = [
     "STALE_POLICIES",
@@ -113,12 +113,17 @@ def mismatch_metrics(batch: Batch) -> dict[str, float]:
     }
 
 
-class Rollouts:
-    """The batch of each step. ``collect(step) -> Batch`` generates a step's batch (the
-    trainer's). ``max_staleness = 0``: :meth:`take` calls it in the caller's thread.
-    Otherwise a background thread generates ahead under the bound (module docstring);
-    :meth:`take` waits for the step's batch and :meth:`sync` pushes new weights between
-    two generations. Batches beyond ``total_steps`` are never generated."""
+class Rollouts(Producer):
+    """The batch of each step, as whole batches. ``collect(step) -> Batch`` generates a
+    step's batch (the trainer's). ``max_staleness = 0``: :meth:`take` calls it in the
+    caller's thread. Otherwise the generator generates ahead under the bound (module
+    docstring), one batch a unit; :meth:`take` waits for the step's batch and
+    :meth:`sync` pushes new weights between two generations (:class:`Producer`). Batches
+    beyond ``total_steps`` are never generated."""
+
+    STATS = ("generate_s", "generated", "gen_idle_s", "wait_s", "pushed_ahead")
+    push_first = False  # batch k + 1 under version k - N + 1 starts before the push
+    thread_name = "polyrl-rollout-ahead"
 
     def __init__(
         self,
@@ -129,22 +134,15 @@ class Rollouts:
         on_span: Callable[[str, float, float, int], None] | None = None,
         phase: Callable[[str], Any] = lambda name: contextlib.nullcontext(),
     ):
-        self.collect, self.total_steps, self.on_span = collect, total_steps, on_span
-        self.phase = phase  # times the trainer's waits ("generate") and pushes
-        self.limit, self.stale_policy = max_staleness, stale_policy
-        self._cond = threading.Condition()
-        self._ready: dict[int, Batch | BaseException] = {}
-        self._version = 0  # the weight version the rollout servers hold
+        super().__init__(max_staleness, on_span, phase)
+        self.collect, self.total_steps, self.stale_policy = collect, total_steps, stale_policy
+        self._ready: dict[int, Batch] = {}
         self._next = 0  # the next batch the generator starts
         self._taken = 0  # the trainer has taken every batch before this one
-        self._busy = self._pushing = self._stop = False
-        self._snapshot: tuple[Callable[[], dict[str, float]], int] | None = None
-        self._thread: threading.Thread | None = None
-        self._alive = False  # the generator's thread runs (it stops after a failure)
-        self._stats = dict.fromkeys(
-            ("generate_s", "generated", "gen_idle_s", "wait_s", "pushed_ahead"), 0.0
-        )
-        self._spans: list[tuple[float, float, int]] = []  # (start, seconds, batch) generated
+
+    @property
+    def synchronous(self) -> bool:
+        return self.limit == 0
 
     # ------------------------------------------------------------ trainer side
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -153,23 +151,16 @@ class Rollouts:
         many batches were ready when the trainer asked (this one included)."""
         extra: dict[str, float] = {}
         with self.phase("generate"):
-            if self.limit == 0:
+            if self.synchronous:
                 got: Batch | BaseException = self.collect(step)
             else:
                 with self._cond:
                     if self._thread is None:
                         self._next = max(self._next, step)
-                        self._thread = threading.Thread(
-                            target=self._generate, name="polyrl-rollout-ahead", daemon=True
-                        )
-                        self._alive = True
-                        self._thread.start()
+                    self._start()
                     extra["async/buffer_batches"] = float(len(self._ready))
-                    t0 = time.perf_counter()
-                    while step not in self._ready:
-                        self._cond.wait()
-                    self._stats["wait_s"] += time.perf_counter() - t0
-                    got = self._ready.pop(step)
+                    self._wait(lambda: step in self._ready)
+                    got = self._ready.pop(step, self._error)
                     self._taken = step + 1
         if isinstance(got, BaseException):
             raise got
@@ -180,174 +171,45 @@ class Rollouts:
             metrics |= {k: v for k, v in again.items() if k.startswith("rollout/staleness")}
         return batch, metrics | extra
 
-    def sync(
-        self,
-        push: Callable[[], dict[str, float]],
-        version: int,
-        required: bool = False,
-        snapshot: Callable[[], Callable[[], dict[str, float]]] | None = None,
-    ) -> dict[str, float]:
-        """Push weight ``version`` to the servers with ``push()`` once no generation runs
-        (nor one the generator may start under the servers' version). With ``snapshot``
-        (``snapshot()`` copies the weights now and returns a push of that copy) a busy
-        generator does not make the trainer wait: the copy is taken (phase
-        "snapshot_weights"; metric ``async/sync_deferred`` = 1) and the generator's thread
-        pushes it before its next batch (``async/pushed_ahead``); ``required`` (e.g. before
-        a validation) pushes now regardless. Returns ``push``'s metrics and the
-        ``async/`` metrics since the last call: ``generate_s`` (background generation wall time), ``generated`` (batches),
-        ``gen_idle_s`` (the generator waited for the bound or a push), ``wait_s`` (the
-        trainer waited for generation: for its batch or to push)."""
-        if self.limit == 0:
-            with self.phase("sync_weights"):
-                return push()
-        with self._cond:
-            self._snapshot = None
-            # A batch the generator may start under the servers' version is sampled by
-            # it (if its thread has not woken yet, the push waits for it too): with N = 1
-            # batch k + 1 is always sampled by version k, whatever the timing.
-            if (self._busy or self._startable()) and not required and snapshot is not None:
-                with self.phase("snapshot_weights"):
-                    self._snapshot = (snapshot(), version)
-                return {"async/sync_deferred": 1.0} | self._report()
-            with self.phase("generate"):
-                t0 = time.perf_counter()
-                while self._busy or self._pushing or self._startable():
-                    self._cond.wait()
-                self._stats["wait_s"] += time.perf_counter() - t0
-            return self._push(push, version) | {"async/sync_deferred": 0.0} | self._report()
+    # ------------------------------------------------------------ the generator
+    def _skip(self) -> int:
+        """(lock held) The next batch to generate, past those read back from a
+        checkpoint (and maybe taken already)."""
+        while self._next in self._ready or self._next < self._taken:
+            self._next += 1
+        return self._next
+
+    def _done(self) -> bool:
+        return self._skip() >= self.total_steps
+
+    def _admit(self) -> bool:
+        return self._skip() - self.limit <= self._version
 
     def _startable(self) -> bool:
-        """The generator may start a batch now (it will, once its thread runs)."""
-        index = self._next
-        while index in self._ready or index < self._taken:
-            index += 1
-        return (
-            self._alive
-            and not self._pushing
-            and index < self.total_steps
-            and index - self.limit <= self._version
-        )
+        return self._alive and not self._held() and not self._done() and self._admit()
 
-    def _push(self, push: Callable[[], dict[str, float]], version: int) -> dict[str, float]:
-        """Run ``push`` (called with the lock held and no generation running; the lock is
-        released meanwhile, and the generator starts nothing until it is done)."""
-        self._pushing = True
-        self._cond.release()
-        try:
-            with self.phase("sync_weights"):
-                return push()
-        finally:
-            self._cond.acquire()
-            self._pushing = False
-            self._version = version
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """No background generation runs while the body does (e.g. a refill generated
-        by the trainer's thread, or a weight push)."""
-        if self.limit == 0:
-            yield
-            return
-        with self._cond:
-            while self._busy or self._pushing:
-                self._cond.wait()
-            self._pushing = True
-        try:
-            yield
-        finally:
+    def _produce(self) -> None:
+        while self._next_unit():
+            index, t0 = self._next, time.perf_counter()
+            batch = self.collect(index)
             with self._cond:
-                self._pushing = False
-                self._cond.notify_all()
-
-    def _report(self) -> dict[str, float]:
-        """The ``async/`` metrics since the last call; the background generations as
-        ``generate_ahead`` spans to ``on_span`` (the timeline; step = batch + 1, as the
-        trainer's steps count there), from the trainer's thread."""
-        with self._cond:  # (re-entrant)
-            out = {f"async/{k}": v for k, v in self._stats.items()}
-            self._stats = dict.fromkeys(self._stats, 0.0)
-            spans, self._spans = self._spans, []
-        for start, seconds, index in spans if self.on_span else ():
-            self.on_span("generate_ahead", start, seconds, index + 1)
-        return out
-
-    # ------------------------------------------------------------ the generator
-    def _generate(self) -> None:
-        try:
-            self._generate_batches()
-        finally:
-            with self._cond:
-                self._alive = False
-                self._cond.notify_all()
-
-    def _generate_batches(self) -> None:
-        while True:
-            with self._cond:
-                t0 = time.perf_counter()
-                while self._next in self._ready or self._next < self._taken:
-                    self._next += 1  # read back from a checkpoint (and maybe taken already)
-                while (
-                    not self._stop
-                    and self._next < self.total_steps
-                    and (
-                        self._pushing
-                        or (self._next - self.limit > self._version and self._snapshot is None)
-                    )
-                ):
-                    self._cond.wait()
-                self._stats["gen_idle_s"] += time.perf_counter() - t0
-                if self._stop or self._next >= self.total_steps:
-                    return
-                if self._snapshot is not None:  # the trainer's copy: push it, then go on
-                    (push, version), self._snapshot = self._snapshot, None
-                    self._pushing = True
-                    self._cond.release()
-                    try:
-                        push()
-                    except BaseException as e:  # re-raised by take() in the trainer
-                        failed: BaseException | None = e
-                    else:
-                        failed = None
-                    self._cond.acquire()
-                    self._pushing = False
-                    self._cond.notify_all()
-                    if failed is not None:
-                        self._ready[self._next] = failed
-                        return
-                    self._version = version
-                    self._stats["pushed_ahead"] += 1
-                    continue
-                index, self._busy = self._next, True
-            t0 = time.perf_counter()
-            try:
-                got: Batch | BaseException = self.collect(index)
-            except BaseException as e:  # re-raised by take() in the trainer
-                got = e
-            with self._cond:
-                self._spans.append((t0, time.perf_counter() - t0, index))
-                self._stats["generate_s"] += time.perf_counter() - t0
-                self._stats["generated"] += 1
-                self._busy, self._next = False, index + 1
+                self._next = index + 1
                 if not self._stop:
-                    self._ready[index] = got
-                self._cond.notify_all()
-                if isinstance(got, BaseException):
-                    return
+                    self._ready[index] = batch
+                self._finish_unit(t0, index + 1)  # (the timeline counts steps from 1)
 
     def discard(self) -> None:
         """Stop generating ahead and forget the batches generated (a generation in flight
         finishes on its own, in its daemon thread)."""
         with self._cond:
-            self._stop, self._alive = True, False
             self._ready.clear()
-            self._cond.notify_all()
+            super().discard()
 
     # ------------------------------------------------------------ checkpoints
     def save(self, path: Path) -> None:
         """Write every batch generated ahead and finished into checkpoint dir ``path``."""
         with self._cond:
-            ready = {i: b for i, b in self._ready.items() if isinstance(b, Batch)}
+            ready = dict(self._ready)
         for index, batch in sorted(ready.items()):
             save_batch(batch, path / f"{PENDING}_{index}")
 
@@ -358,7 +220,7 @@ class Rollouts:
         self.discard()
         with self._cond:
             self._stop, self._version, self._next, self._taken = False, step, step, step
-            if self.limit == 0:
+            if self.synchronous:
                 return
             for doc in sorted(path.glob(f"{PENDING}*.json")):
                 batch = load_batch(doc.with_suffix(""))
@@ -483,13 +345,8 @@ def streaming_problems(cfg: Any, spec: Any) -> list[str]:
         )
     if cfg.rollout is None:  # no rollout role (preference or SFT runs): reported above
         return out
-    actor, rollout = cfg.actor.pool, cfg.rollout.pool
-    on_gpus = all(float(cfg.pools.get(p, {}).get("GPU", 0)) > 0 for p in (actor, rollout))
-    if on_gpus and actor != rollout and cfg.weight_transport != "nccl":
-        out.append(
-            f"RunConfig.streaming=True with the actor (pool {actor!r}) and the rollout (pool "
-            f"{rollout!r}) on separate GPUs needs RunConfig.weight_transport='nccl' (got "
-            f"{cfg.weight_transport!r}): every push pauses the stream's rounds, and "
-            f"'object_store' carries the weights through host memory"
-        )
-    return out
+    from polyrl.weight_sync import stream_transport_problems
+
+    return out + stream_transport_problems(
+        cfg.weight_transport, cfg.actor.pool, cfg.rollout.pool, cfg.pools
+    )

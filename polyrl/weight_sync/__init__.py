@@ -18,8 +18,8 @@ Modules:
 * ``base``: the transport interface (send a bucket, acknowledge, recover, the
   placement problems validate-config reports).
 * ``object_store``, ``cuda_ipc``, ``nccl``: one transport each (their docstrings say
-  when each fits); ``registry``: every transport by name, the one place that reads
-  ``RunConfig.weight_transport``.
+  when each fits); ``registry``: every transport by name, the one place that interprets
+  ``RunConfig.weight_transport`` (others pass the name to its functions).
 * ``syncer``: :class:`WeightSyncer`, a push through any transport, and
   :class:`SyncStats`.
 
@@ -41,6 +41,7 @@ from polyrl.weight_sync.registry import (
     TRANSPORTS,
     bucket_bytes,
     get_transport,
+    stream_transport_problems,
     transport_problems,
 )
 from polyrl.weight_sync.syncer import SyncStats, WeightSyncer
@@ -55,6 +56,7 @@ __all__ = [
     "join_group",
     "local_gpu_uuids",
     "transport_problems",
+    "stream_transport_problems",
     "TensorMeta",
     "WeightSyncer",
     "iter_buckets",

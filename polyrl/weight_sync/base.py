@@ -14,7 +14,7 @@ load ``i - 1``, finish) and asks its :class:`Transport` for each step that diffe
 * :meth:`Transport.problems`: what validate-config refuses for a placement.
 
 Each transport is one class registered by name in ``polyrl.weight_sync.registry``, the
-one place that reads ``RunConfig.weight_transport``.
+one place that interprets ``RunConfig.weight_transport``.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class Transport(abc.ABC):
     bucket_mb: ClassVar[float]
     # Whether pushed buckets can be retained for WeightSyncer.replay.
     retains: ClassVar[bool] = False
+    # Whether it carries buckets GPU to GPU between the devices of separate pools (no
+    # host copy): what a stream's pushes need there (registry.stream_transport_problems).
+    between_gpus: ClassVar[bool] = False
 
     @abc.abstractmethod
     def send(

@@ -25,6 +25,7 @@ __all__ = ["Nccl", "join_group", "group_broadcast"]
 
 class Nccl(Transport):
     name = "nccl"
+    between_gpus = True
     # The servers allocate a receive buffer per bucket: small ones stream.
     bucket_mb = 64.0
 

@@ -1,4 +1,5 @@
-"""Every weight transport by name: the one place that reads ``RunConfig.weight_transport``.
+"""Every weight transport by name: the one place that interprets ``RunConfig.weight_transport``
+(other modules pass the name to the functions here and never compare it).
 
 A new transport (LoRA adapters, say) is a :class:`~polyrl.weight_sync.base.Transport`
 subclass in its own module and one line here.
@@ -13,7 +14,13 @@ from polyrl.weight_sync.cuda_ipc import CudaIpc
 from polyrl.weight_sync.nccl import Nccl
 from polyrl.weight_sync.object_store import ObjectStore
 
-__all__ = ["TRANSPORTS", "get_transport", "bucket_bytes", "transport_problems"]
+__all__ = [
+    "TRANSPORTS",
+    "get_transport",
+    "bucket_bytes",
+    "transport_problems",
+    "stream_transport_problems",
+]
 
 TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (ObjectStore, CudaIpc, Nccl)}
 
@@ -47,6 +54,29 @@ def transport_problems(
         chosen = get_transport(transport, "RunConfig.weight_transport")
     except ValueError as e:
         return [str(e)]
+    return chosen.problems(_placement(actor_pool, rollout_pool, pools, tensor_parallel))
+
+
+def _placement(actor_pool: str, rollout_pool: str, pools: Any, tensor_parallel: int = 1):
     gpus = {p: float(dict(pools.get(p, {})).get("GPU", 0)) > 0 for p in (actor_pool, rollout_pool)}
-    placement = SyncPlacement(actor_pool, rollout_pool, gpus, tensor_parallel)
-    return chosen.problems(placement)
+    return SyncPlacement(actor_pool, rollout_pool, gpus, tensor_parallel)
+
+
+def stream_transport_problems(
+    transport: str, actor_pool: str, rollout_pool: str, pools: Any
+) -> list[str]:
+    """What ``RunConfig.streaming=True`` needs of ``RunConfig.weight_transport``: with the
+    actor and the rollout on separate GPUs every push pauses the stream's rounds, so the
+    weights must go GPU to GPU (a transport with ``between_gpus``), not through host
+    memory. An unknown name is left to :func:`transport_problems`."""
+    where = _placement(actor_pool, rollout_pool, pools)
+    chosen = TRANSPORTS.get(transport)
+    if chosen is None or chosen.between_gpus or where.colocated or not all(where.gpus.values()):
+        return []
+    fit = [name for name, t in TRANSPORTS.items() if t.between_gpus]
+    return [
+        f"RunConfig.streaming=True with the actor (pool {actor_pool!r}) and the rollout (pool "
+        f"{rollout_pool!r}) on separate GPUs needs RunConfig.weight_transport={fit[0]!r} (got "
+        f"{transport!r}): every push pauses the stream's rounds, and {transport!r} carries "
+        f"the weights through host memory"
+    ]

@@ -21,7 +21,7 @@ jax = pytest.importorskip("jax")
 from polyrl import faults  # noqa: E402
 from polyrl.algos.registry import get_algorithm  # noqa: E402
 from polyrl.backends import get_engine  # noqa: E402
-from polyrl.backends.base import ENGINES, GroupSlot, TrainEngine  # noqa: E402
+from polyrl.backends.base import ENGINES, GroupSlot, TrainEngine, engine_on_one_device  # noqa: E402
 from polyrl.batch import from_token_lists  # noqa: E402
 from polyrl.checkpoints import CheckpointMismatch  # noqa: E402
 from polyrl.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
@@ -425,3 +425,13 @@ def test_process_model(backend):
         got = process.num_workers(devices, hosts), process.devices_per_worker(devices, hosts)
         assert got == want, (devices, hosts)
     assert process.group_env(SLOT) == group_env
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_on_one_device(backend, tiny_model_dir):
+    # polyrl export / diagnose: a world of one device in this process, whatever the
+    # process model (this session has 4 JAX host devices, which a plain JaxPjitEngine
+    # would take as its mesh and refuse the default one-device ParallelConfig).
+    eng = engine_on_one_device(backend)
+    eng.init(ModelConfig(str(tiny_model_dir), role="actor"), OPTIM, ParallelConfig())
+    assert weights(eng)

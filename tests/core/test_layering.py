@@ -172,3 +172,79 @@ def test_only_the_launcher_imports_gin():
             if any(n.split(".")[0] == "gin" for n in names):
                 importers.append(str(path.relative_to(ROOT)))
     assert sorted(set(importers)) == ["polyrl/configure/bindings.py", "polyrl/configure/launch.py"]
+
+
+def _names_in_code(path: Path, names: set[str]) -> list[str]:
+    """``line: 'name'`` for each string literal of the code at ``path`` that is one of
+    ``names`` (docstrings and comments hold none: they are never exactly a name)."""
+    return [
+        f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno}: "
+        f"{node.value!r}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+    ]
+
+
+def test_the_core_never_names_a_backend():
+    """docs/design.md "Placement": the core asks the backend registry (polyrl.backends.base
+    ENGINES: engine class, process model, hooks) and never branches on a backend's name.
+    Only RunConfig's default names one."""
+    from polyrl.backends.base import ENGINES
+
+    found = [
+        hit
+        for path in sorted((ROOT / "polyrl").rglob("*.py"))
+        if path.relative_to(ROOT) != Path("polyrl/config.py")
+        for hit in _names_in_code(path, set(ENGINES))
+    ]
+    assert not found, f"backend names in the core (ask polyrl.backends.base instead): {found}"
+
+
+def test_name_check_sees_a_backend_branch(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text('"""Runs on jax_pjit."""\ndef f(b):\n    return b == "jax_pjit"\n')
+    assert [hit.rsplit(":", 2)[1:] for hit in _names_in_code(sample, {"jax_pjit"})] == [
+        ["3", " 'jax_pjit'"]
+    ]
+
+
+def _branches_on(path: Path, field: str, names: set[str]) -> list[str]:
+    """``file:line`` of each comparison in ``path`` with ``<x>.<field>`` or a string
+    literal of ``names`` on one side."""
+    return [
+        f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{node.lineno}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Compare)
+        and any(
+            (isinstance(side, ast.Attribute) and side.attr == field)
+            or (isinstance(side, ast.Constant) and side.value in names)
+            for side in (node.left, *node.comparators)
+        )
+    ]
+
+
+def test_only_the_transport_registry_interprets_weight_transport():
+    """docs/design.md: polyrl/weight_sync/registry.py is the one place that interprets
+    RunConfig.weight_transport: other modules hand the name to its functions and never
+    compare it, or anything, with a transport's name."""
+    from polyrl.weight_sync.registry import TRANSPORTS
+
+    found = [
+        hit
+        for p in sorted((ROOT / "polyrl").rglob("*.py"))
+        if p.relative_to(ROOT).parts[:2] != ("polyrl", "weight_sync")
+        for hit in _branches_on(p, "weight_transport", set(TRANSPORTS))
+    ]
+    assert not found, f"branches on a weight transport outside polyrl/weight_sync: {found}"
+
+
+def test_branch_check_sees_transport_branches(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text(
+        "def f(cfg, t):\n    a = cfg.weight_transport != 'x'\n    b = 'nccl' == t\n"
+        "    return 'nccl' if a else t\n"
+    )
+    assert [h.rsplit(":", 1)[1] for h in _branches_on(sample, "weight_transport", {"nccl"})] == [
+        "2",
+        "3",
+    ]

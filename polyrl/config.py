@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import ClassVar
 
+from polyrl.errors import raise_if_problems
 from polyrl.role_table import DEFAULT_POOL, ENGINE_ROLES, ROLE_TABLE, Role
 
 __all__ = [
@@ -65,12 +66,14 @@ def did_you_mean(name: object, choices: object) -> str:
     return f"; did you mean {guess!r}?" if guess else ""
 
 
-def _choice(owner: str, field: str, value: object, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(
-            f"{owner}.{field}={value!r} is not one of {[str(c) for c in choices]}"
-            f"{did_you_mean(value, choices)}"
-        )
+def _choice(owner: str, field: str, value: object, choices: tuple) -> list[str]:
+    """The problem of ``owner.field=value`` outside ``choices`` (a list of 0 or 1)."""
+    if value in choices:
+        return []
+    return [
+        f"{owner}.{field}={value!r} is not one of {[str(c) for c in choices]}"
+        f"{did_you_mean(value, choices)}"
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,27 +105,27 @@ class LoraConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        out = []
         if self.rank < 1:
-            raise ValueError(f"LoraConfig.rank={self.rank} must be >= 1 (e.g. 8, 16, 64)")
+            out.append(f"LoraConfig.rank={self.rank} must be >= 1 (e.g. 8, 16, 64)")
         if self.alpha <= 0:
-            raise ValueError(f"LoraConfig.alpha={self.alpha} must be > 0 (e.g. 2 x rank)")
+            out.append(f"LoraConfig.alpha={self.alpha} must be > 0 (e.g. 2 x rank)")
         if not 0 <= self.dropout < 1:
-            raise ValueError(f"LoraConfig.dropout={self.dropout} must be in [0, 1)")
+            out.append(f"LoraConfig.dropout={self.dropout} must be in [0, 1)")
         if not self.target_modules:
-            raise ValueError(
-                f"LoraConfig.target_modules is empty; name some of {list(LORA_TARGETS)}"
-            )
-        for name in self.target_modules:
-            if name not in LORA_TARGETS:
-                raise ValueError(
-                    f"LoraConfig.target_modules has {name!r}, which is no projection of the "
-                    f"model's decoder layers; valid: {list(LORA_TARGETS)}"
-                    f"{did_you_mean(name, LORA_TARGETS)}"
-                )
+            out.append(f"LoraConfig.target_modules is empty; name some of {list(LORA_TARGETS)}")
+        out += [
+            f"LoraConfig.target_modules has {name!r}, which is no projection of the "
+            f"model's decoder layers; valid: {list(LORA_TARGETS)}"
+            f"{did_you_mean(name, LORA_TARGETS)}"
+            for name in self.target_modules
+            if name not in LORA_TARGETS
+        ]
         if len(set(self.target_modules)) != len(self.target_modules):
-            raise ValueError(
+            out.append(
                 f"LoraConfig.target_modules={list(self.target_modules)} names a module twice"
             )
+        raise_if_problems(out)
 
     @property
     def scale(self) -> float:
@@ -202,24 +205,27 @@ class ModelConfig:
     lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
-        _choice("ModelConfig", "role", self.role, ENGINE_ROLES)
+        out = _choice("ModelConfig", "role", self.role, ENGINE_ROLES)
         if self.lora is not None and self.role != Role.ACTOR:
-            raise ValueError(
+            out.append(
                 f"ModelConfig.lora is set for role {self.role!r}; LoRA trains the actor only "
                 "(RunConfig.lora)"
             )
-        _choice("ModelConfig", "dtype", self.dtype, DTYPES)
-        _choice("ModelConfig", "checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
+        out += _choice("ModelConfig", "dtype", self.dtype, DTYPES)
+        out += _choice(
+            "ModelConfig", "checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES
+        )
         if not 0 < self.activation_memory_budget <= 1:
-            raise ValueError(
+            out.append(
                 f"ModelConfig.activation_memory_budget={self.activation_memory_budget} must be "
                 "in (0, 1]: the fraction of a layer's activations checkpoint_policy='budget' "
                 "keeps (e.g. 0.6)"
             )
         if self.sampling_vocab_size is not None and self.sampling_vocab_size < 1:
-            raise ValueError(
+            out.append(
                 f"ModelConfig.sampling_vocab_size={self.sampling_vocab_size} must be >= 1 or None"
             )
+        raise_if_problems(out)
 
     @property
     def has_value_head(self) -> bool:
@@ -254,16 +260,16 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _choice("OptimConfig", "schedule", self.schedule, ("constant", "cosine"))
+        out = _choice("OptimConfig", "schedule", self.schedule, ("constant", "cosine"))
         if self.lr < 0:
-            raise ValueError(f"OptimConfig.lr={self.lr} must be >= 0")
-        if self.warmup_steps < 0 or self.total_steps <= 0:
-            raise ValueError(
-                f"OptimConfig.warmup_steps={self.warmup_steps} must be >= 0 and "
-                f"OptimConfig.total_steps={self.total_steps} must be > 0"
-            )
+            out.append(f"OptimConfig.lr={self.lr} must be >= 0")
+        if self.warmup_steps < 0:
+            out.append(f"OptimConfig.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.total_steps <= 0:
+            out.append(f"OptimConfig.total_steps={self.total_steps} must be > 0")
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"OptimConfig.grad_clip={self.grad_clip} must be > 0 or None")
+            out.append(f"OptimConfig.grad_clip={self.grad_clip} must be > 0 or None")
+        raise_if_problems(out)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer update number ``step`` (0 for the first update).
@@ -321,38 +327,38 @@ class ParallelConfig:
     pack_sequences: bool = False
 
     def __post_init__(self) -> None:
+        out = []
         unknown = set(self.mesh) - set(MESH_AXES)
         if unknown:
-            raise ValueError(
+            out.append(
                 f"ParallelConfig.mesh has unknown axes {sorted(unknown)}; valid axes: "
                 f"{list(MESH_AXES)}{did_you_mean(min(unknown), MESH_AXES)}"
             )
         mesh = {axis: int(self.mesh.get(axis, 1)) for axis in MESH_AXES}
         bad = {k: v for k, v in mesh.items() if v < 1}
         if bad:
-            raise ValueError(f"ParallelConfig.mesh sizes must be >= 1, got {bad}")
+            out.append(f"ParallelConfig.mesh sizes must be >= 1, got {bad}")
         object.__setattr__(self, "mesh", mesh)
         if self.micro_batch_size < 1:
-            raise ValueError(
-                f"ParallelConfig.micro_batch_size={self.micro_batch_size} must be >= 1"
-            )
+            out.append(f"ParallelConfig.micro_batch_size={self.micro_batch_size} must be >= 1")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
-            raise ValueError(
+            out.append(
                 f"ParallelConfig.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} "
                 "must be >= 1 (e.g. 16384), or None for micro_batch_size rows per micro-batch"
             )
         if self.logits_chunk_tokens < 1:
-            raise ValueError(
+            out.append(
                 f"ParallelConfig.logits_chunk_tokens={self.logits_chunk_tokens} must be >= 1 "
                 "(e.g. 1024)"
             )
-        for logical, axes in self.rules:
-            for axis in axes:
-                if axis not in MESH_AXES:
-                    raise ValueError(
-                        f"ParallelConfig.rules maps {logical!r} to unknown mesh axis {axis!r}; "
-                        f"valid axes: {list(MESH_AXES)}{did_you_mean(axis, MESH_AXES)}"
-                    )
+        out += [
+            f"ParallelConfig.rules maps {logical!r} to unknown mesh axis {axis!r}; "
+            f"valid axes: {list(MESH_AXES)}{did_you_mean(axis, MESH_AXES)}"
+            for logical, axes in self.rules
+            for axis in axes
+            if axis not in MESH_AXES
+        ]
+        raise_if_problems(out)
 
     @property
     def world_size(self) -> int:
@@ -691,9 +697,11 @@ class SweepConfig:
     max_concurrent_trials: int = 0
 
     def __post_init__(self) -> None:
-        _choice("SweepConfig", "mode", self.mode, ("max", "min"))
-        _choice("SweepConfig", "search", self.search, ("random", "optuna"))
-        _choice("SweepConfig", "scheduler", self.scheduler, ("fifo", "asha"))
+        raise_if_problems(
+            _choice("SweepConfig", "mode", self.mode, ("max", "min"))
+            + _choice("SweepConfig", "search", self.search, ("random", "optuna"))
+            + _choice("SweepConfig", "scheduler", self.scheduler, ("fifo", "asha"))
+        )
         for key, values in self.grid.items():
             if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(

@@ -201,15 +201,30 @@ def _type_word(hint: Any) -> str:
     return " or ".join(words)
 
 
+def _as_type(value: Any, hint: Any) -> Any:
+    """``value`` read as the type ``hint`` takes when it means one (``'64'`` -> ``64`` for
+    an int, ``'3e-3'`` -> ``0.003`` for a float, ``64.0`` -> ``64``); None otherwise."""
+    tries: list[Any] = []
+    if isinstance(value, str):
+        tries += [{"True": True, "False": False}.get(value.strip())]
+        for kind in (int, float):
+            with contextlib.suppress(ValueError):
+                tries.append(kind(value))
+    elif isinstance(value, float) and value.is_integer():
+        tries.append(int(value))
+    return next((t for t in tries if t is not None and _type_ok(t, hint)), None)
+
+
 def type_problem(cls: type, field: str, value: Any, name: str, where: str) -> str | None:
     """A message when ``value`` does not fit the annotation of ``cls.field``."""
     hint = typing.get_type_hints(cls).get(field)
     if hint is None or _type_ok(value, hint):
         return None
     fix = ""
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            fix = f"; write it without quotes: {name} = {float(value)!r}"
+    suggested = _as_type(value, hint)
+    if suggested is not None:
+        how = "without quotes" if isinstance(value, str) else "as"
+        fix = f"; write it {how}: {name} = {suggested!r}"
     return (
         f"{name} = {value!r} ({where}) is {type(value).__name__}, expected {_type_word(hint)}{fix}"
     )
@@ -245,6 +260,16 @@ def _binding_problems(bindings: Sequence[_Binding]) -> list[str]:
             if problem:
                 out.append(problem)
     return out
+
+
+def _call_problems(error: Exception, label: str) -> list[str]:
+    """The problems of building ``label``: each of a ConfigError (a dataclass's every
+    field problem, polyrl.errors.raise_if_problems) prefixed with the scope, or gin's one."""
+    if isinstance(error, ConfigError):
+        scope = re.search(r"in scope '([^']+)'", str(error))  # gin's note on the call
+        where = f"{scope.group(1)}/" if scope else ""
+        return [f"{where}{label}: {problem}" for problem in error.problems]
+    return [_call_problem(error, label)]
 
 
 def _call_problem(error: Exception, label: str) -> str:
@@ -304,14 +329,18 @@ def bind(
             with gin.config_scope(scope or None):
                 gin.get_configurable(found.selector)()
         except (ValueError, TypeError) as e:
-            problems.append(_call_problem(e, found.selector))
+            # a nested configurable's problem (the role's OptimConfig) is named once
+            said = {p.partition(": ")[2] for p in problems}
+            problems += [
+                p for p in _call_problems(e, found.selector) if p.partition(": ")[2] not in said
+            ]
     if problems:
         raise ConfigError(problems)
     _parse(files, params, search)  # again: the leaf builds above count as "used"
     try:
         cfg = gin.get_configurable(root)()
     except (ValueError, TypeError, KeyError) as e:
-        raise ConfigError([_call_problem(e, root)]) from None
+        raise ConfigError(_call_problems(e, root)) from None
     operative = gin.operative_config_str()
     used = _operative(operative)
     # Only a run's bindings are all consumed by its root; a sweep's gin files also bind the

@@ -13,16 +13,11 @@ import os
 from typing import Any
 
 from polyrl.config import RunConfig, closest
-from polyrl.errors import ConfigError
+from polyrl.errors import ConfigError, raise_if_problems
 from polyrl.loop.async_rollout import async_problems
 from polyrl.loop.evaluation import check_validation
 
 __all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems", "closest"]
-
-
-def raise_if_problems(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError(problems)
 
 
 def _largest_divisor(total: int, at_most: int) -> int:
@@ -181,13 +176,21 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
 
 def _rollout_problems(cfg: RunConfig) -> list[str]:
     out = []
-    limit = cfg.rollout.prompt_limit
-    if limit + cfg.sampling.max_tokens > cfg.rollout.max_model_len:
+    limit, n, length = cfg.rollout.prompt_limit, cfg.sampling.max_tokens, cfg.rollout.max_model_len
+    if limit + n > length:
+        # A shorter prompt limit fits only while a prompt of at least one token is left.
+        shorter = (
+            f" or set RolloutConfig.max_prompt_len = {length - n}"
+            if length - n >= 1
+            else f" (SamplingSpec.max_tokens={n} alone fills it, so no prompt limit fits) or "
+            f"set SamplingSpec.max_tokens = {length - limit}"
+            if length - limit >= 1
+            else ""
+        )
         out.append(
-            f"RolloutConfig.max_model_len={cfg.rollout.max_model_len} is shorter than the prompt "
-            f"limit ({limit}) + SamplingSpec.max_tokens={cfg.sampling.max_tokens}; raise "
-            f"max_model_len or set RolloutConfig.max_prompt_len <= "
-            f"{cfg.rollout.max_model_len - cfg.sampling.max_tokens}"
+            f"RolloutConfig.max_model_len={length} is shorter than the prompt limit ({limit}) + "
+            f"SamplingSpec.max_tokens={n}; set RolloutConfig.max_model_len = {limit + n}"
+            f"{shorter}"
         )
     if cfg.sampling.top_p != 1.0 or cfg.sampling.top_k not in (0, -1):
         out.append(

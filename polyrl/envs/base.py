@@ -29,6 +29,7 @@ from typing import Any
 
 from polyrl.config import did_you_mean
 from polyrl.data.schema import ENV_SOURCES
+from polyrl.errors import raise_if_problems
 
 __all__ = [
     "ENVS",
@@ -251,14 +252,20 @@ class EpisodeConfig:
     agent_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for field in ("max_turns", "max_episode_tokens"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"EpisodeConfig.{field}={getattr(self, field)} must be >= 1")
-        if self.max_tool_calls < 0 or self.env_workers < 0:
-            raise ValueError(
-                f"EpisodeConfig.max_tool_calls={self.max_tool_calls} and "
-                f"EpisodeConfig.env_workers={self.env_workers} must be >= 0"
-            )
-        for field in ("env_timeout_s", "agent_timeout_s"):
-            if getattr(self, field) <= 0:
-                raise ValueError(f"EpisodeConfig.{field}={getattr(self, field)} must be > 0")
+        rules = (
+            ("max_turns", 1, ">= 1"),
+            ("max_episode_tokens", 1, ">= 1"),
+            ("max_tool_calls", 0, ">= 0"),
+            ("env_workers", 0, ">= 0 (0: the envs run in the driver)"),
+        )
+        out = [
+            f"EpisodeConfig.{field}={getattr(self, field)} must be {rule}"
+            for field, least, rule in rules
+            if getattr(self, field) < least
+        ]
+        out += [
+            f"EpisodeConfig.{field}={getattr(self, field)} must be > 0"
+            for field in ("env_timeout_s", "agent_timeout_s")
+            if getattr(self, field) <= 0
+        ]
+        raise_if_problems(out)

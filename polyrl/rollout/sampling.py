@@ -29,6 +29,7 @@ import dataclasses
 from typing import Any
 
 from polyrl.config import did_you_mean
+from polyrl.errors import raise_if_problems
 from polyrl.role_table import DEFAULT_POOL
 
 __all__ = ["SamplingSpec", "RolloutConfig", "ENGINES", "OVERLONG_POLICIES", "derive_seed"]
@@ -85,9 +86,13 @@ class SamplingSpec:
             ("top_k", self.top_k >= 0 or self.top_k == -1, "must be >= 0 (0 or -1 = off)"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
         )
-        for field, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"SamplingSpec.{field}={getattr(self, field)!r} {rule}")
+        raise_if_problems(
+            [
+                f"SamplingSpec.{field}={getattr(self, field)!r} {rule}"
+                for field, ok, rule in checks
+                if not ok
+            ]
+        )
 
     def vllm_kwargs(self, sample_index: int, allowed_token_ids: list[int] | None) -> dict[str, Any]:
         """Keyword arguments of ``vllm.SamplingParams`` for one sample (n=1 per request)."""
@@ -191,32 +196,40 @@ class RolloutConfig:
     continue_in_place: bool = False
 
     def __post_init__(self) -> None:
+        out = []
         if self.overlong_prompt not in OVERLONG_POLICIES:
-            raise ValueError(
+            out.append(
                 f"RolloutConfig.overlong_prompt={self.overlong_prompt!r} is not one of "
                 f"{list(OVERLONG_POLICIES)}{did_you_mean(self.overlong_prompt, OVERLONG_POLICIES)}"
             )
         if self.engine not in ENGINES:
-            raise ValueError(
+            out.append(
                 f"RolloutConfig.engine={self.engine!r} is not one of {list(ENGINES)}"
                 f"{did_you_mean(self.engine, ENGINES)}"
             )
         if self.continue_in_place and self.engine == "sync":
-            raise ValueError(
+            out.append(
                 "RolloutConfig.continue_in_place=True pauses requests in flight during a "
                 f"weight push, which RolloutConfig.engine={self.engine!r} cannot do; set "
                 "RolloutConfig.engine='async'"
             )
-        if self.num_servers < 1 or self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"RolloutConfig.num_servers={self.num_servers} and "
-                f"RolloutConfig.tensor_parallel_size={self.tensor_parallel_size} must be >= 1"
+        out += [
+            f"RolloutConfig.{field}={getattr(self, field)} must be >= 1"
+            for field in ("num_servers", "tensor_parallel_size")
+            if getattr(self, field) < 1
+        ]
+        if self.max_model_len < 2:
+            out.append(
+                f"RolloutConfig.max_model_len={self.max_model_len} must be >= 2 (prompt + "
+                f"response tokens, e.g. 1024)"
             )
-        if not 0 < self.prompt_limit < self.max_model_len:
-            raise ValueError(
+        elif not 0 < self.prompt_limit < self.max_model_len:
+            out.append(
                 f"RolloutConfig.max_prompt_len={self.max_prompt_len} must be in "
-                f"[1, max_model_len={self.max_model_len}); raise max_model_len or lower it"
+                f"[1, max_model_len={self.max_model_len}); raise max_model_len or set "
+                f"max_prompt_len between 1 and {self.max_model_len - 1}"
             )
+        raise_if_problems(out)
         object.__setattr__(self, "env", tuple((str(k), str(v)) for k, v in dict(self.env).items()))
 
     @property

@@ -435,3 +435,77 @@ def test_ray_address_of_another_service(corpus, monkeypatch, capfd, mode):
         f"port" in err
     ), err
     assert "gcs_client" not in err and "rpc_client" not in err and len(err.splitlines()) == 2
+
+
+def _suggested_bindings(err: str) -> list[str]:
+    """The bindings validate-config's fixes tell the user to write (``NAME = VALUE``
+    after "write it ...:") and the values it says to set (``set NAME = VALUE``, or
+    ``set NAME <= VALUE`` taken as that value)."""
+    import re
+
+    found = re.findall(r"(?:write it (?:without quotes|as): |set )([\w./]+) <?= ([^\s,;)]+)", err)
+    return [f"{name} = {value}" for name, value in found]
+
+
+@pytest.mark.parametrize(
+    "bindings",
+    [
+        ["polyrl.SamplingSpec.max_tokens = '16'"],  # issue 47: it said 16.0, then refused it
+        ["actor/polyrl.OptimConfig.lr = '3e-3'"],
+        ["polyrl.SamplingSpec.max_tokens = 16.0"],
+        # issue 47: "set RolloutConfig.max_prompt_len <= -20"
+        ["polyrl.RolloutConfig.max_model_len = 44", "polyrl.SamplingSpec.max_tokens = 64"],
+        ["polyrl.RolloutConfig.max_model_len = 44", "polyrl.SamplingSpec.max_tokens = 20"],
+    ],
+)
+def test_every_suggested_value_is_valid(bindings, corpus, capsys):
+    """Each value a fix suggests has the field's type and range: the config with it
+    applied gets past that problem (issue 47: `64.0` for an int field, a negative limit)."""
+    import re
+
+    code, _, err = _run(corpus, GRPO, bindings, capsys)
+    assert code == 1, err
+    suggested = _suggested_bindings(err)
+    assert suggested, err
+    assert not re.search(r"<= -\d|= -\d", err), err
+    for fix in suggested:
+        name = fix.split(" = ")[0]
+        full = fix if name.startswith(("polyrl.", "actor/")) else f"polyrl.{fix}"
+        kept = [b for b in bindings if b.split(" = ")[0] != full.split(" = ")[0]]
+        code, out, err2 = _run(corpus, GRPO, [*kept, full], capsys)
+        assert code == 0, f"{fix} (suggested by {err}) still fails: {err2}"
+
+
+def test_a_range_error_names_the_bad_field_only(corpus, capsys):
+    # issue 47: "EpisodeConfig.max_tool_calls=-1 and EpisodeConfig.env_workers=1 must be >= 0"
+    code, _, err = _run(corpus, MULTITURN, ["polyrl.EpisodeConfig.max_tool_calls = -1"], capsys)
+    assert code == 1
+    assert "EpisodeConfig.max_tool_calls=-1 must be >= 0" in err, err
+    assert "env_workers" not in err, err
+
+
+def test_every_constructor_error_in_one_run(corpus, capsys):
+    """issue 47: validate-config stopped at the first field a config's __post_init__
+    refused; each of these was reported only once the one before it was fixed."""
+    bad = {
+        "polyrl.LoraConfig.rank = 0": "LoraConfig.rank=0 must be >= 1",
+        "polyrl.LoraConfig.alpha = -1.0": "LoraConfig.alpha=-1.0 must be > 0",
+        "polyrl.LoraConfig.target_modules = ['q_prj']": "LoraConfig.target_modules has 'q_prj'",
+        "actor/polyrl.OptimConfig.lr = -1.0": "actor/polyrl.OptimConfig: OptimConfig.lr=-1.0",
+        "actor/polyrl.OptimConfig.warmup_steps = -2": "OptimConfig.warmup_steps=-2 must be >= 0",
+        "actor/polyrl.ParallelConfig.micro_batch_size = 0": "micro_batch_size=0 must be >= 1",
+        "actor/polyrl.ParallelConfig.logits_chunk_tokens = 0": "logits_chunk_tokens=0 must be",
+        "polyrl.SamplingSpec.n = 0": "SamplingSpec.n=0 must be >= 1",
+        "polyrl.SamplingSpec.temperature = -1.0": "SamplingSpec.temperature=-1.0 must be >= 0",
+        "polyrl.RolloutConfig.overlong_prompt = 'dorp'": "overlong_prompt='dorp' is not one of",
+        "polyrl.RolloutConfig.num_servers = 0": "RolloutConfig.num_servers=0 must be >= 1",
+        "polyrl.EpisodeConfig.max_turns = 0": "EpisodeConfig.max_turns=0 must be >= 1",
+        "polyrl.EpisodeConfig.env_workers = -1": "EpisodeConfig.env_workers=-1 must be >= 0",
+    }
+    code, _, err = _run(
+        corpus, MULTITURN, [*bad, "polyrl.RunConfig.lora = @polyrl.LoraConfig()"], capsys
+    )
+    assert code == 1
+    missing = [want for want in bad.values() if want not in err]
+    assert not missing, f"not reported: {missing}\n{err}"
+    assert err.startswith(f"INVALID {MULTITURN}: {len(bad)} problem(s)"), err  # each once

@@ -58,9 +58,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ import numpy as np
 
 from polyrl.batch import Batch
 from polyrl.loop.async_rollout import staleness_metrics
+from polyrl.loop.producer import Producer
 
 __all__ = ["Stream", "CHUNK_SEED_STRIDE"]
 
@@ -122,15 +122,22 @@ class _Group:
         return min((min(v) for v in sampled if v), default=self.start_version)
 
 
-class Stream:
-    """The batch of each step, from a stream of groups (module docstring). The same
-    trainer-side interface as :class:`polyrl.loop.async_rollout.Rollouts`.
+class Stream(Producer):
+    """The batch of each step, from a stream of groups (module docstring): a
+    :class:`Producer` whose unit of work is a round of requests (or a wave of episode
+    turns), whose pushes wait for one round at most.
 
     pool: the :class:`RolloutPool`. source(b): data batch ``b``'s prompt rows.
     sampling(b): the :class:`SamplingSpec` of data batch ``b`` (its seed).
     accept(batch) -> (batch, keep): scores complete groups, ``keep`` a row mask (DAPO);
     None keeps every group. decode(ids): the response text of a chunked sample.
     """
+
+    STATS = (
+        *("generate_s", "rounds", "gen_idle_s", "wait_s", "pushed_ahead"),
+        *("lost_groups", "aborted_stale", "pushed_in_flight"),
+    )
+    thread_name = "polyrl-stream"
 
     def __init__(
         self,
@@ -155,13 +162,15 @@ class Stream:
         self.per_step, self.total_steps = prompts_per_step, total_steps
         self.limit, self.stale_policy, self.chunk = max_staleness, stale_policy, chunk_tokens
         self.response_len, self.accept, self.max_gen_batches = response_len, accept, max_gen_batches
-        self.decode, self.on_span, self.phase = decode, on_span, phase
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._stats: dict[str, float] = {}
-        self._spans: list[tuple[float, float]] = []
+        self.decode = decode
+        super().__init__(max_staleness, on_span, phase)
+        self._loop: Any = None  # episode mode: the event loop of the episodes' turns
         self.load(None, 0)
+
+    @property
+    def in_place(self) -> bool:
+        """``RolloutConfig.continue_in_place``: a push pauses the round in flight."""
+        return bool(self.pool.config.continue_in_place)
 
     # ------------------------------------------------------------ trainer side
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
@@ -173,11 +182,7 @@ class Stream:
         budget = self.max_gen_batches * want  # groups ``accept`` may look at
         with self.phase("generate"):
             with self._cond:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._generate, name="polyrl-stream", daemon=True
-                    )
-                    self._thread.start()
+                self._start()
                 extra = {"async/buffer_groups": float(len(self._buffer))}
             kept: list[_Group] = []
             parts: list[Batch] = []  # accept's scored rows of the groups kept
@@ -230,10 +235,7 @@ class Stream:
         """The ``count`` first complete groups, waiting for them (the wait is
         ``async/wait_s``)."""
         with self._cond:
-            t0 = time.perf_counter()
-            while len(self._buffer) < count and self._error is None:
-                self._cond.wait()
-            self._stats["wait_s"] += time.perf_counter() - t0
+            self._wait(lambda: len(self._buffer) >= count)
             if self._error is not None:
                 raise self._error
             got, self._buffer = self._buffer[:count], self._buffer[count:]
@@ -244,133 +246,86 @@ class Stream:
         if count:
             with self._cond:
                 self._discarded += count
-                self._cond.notify_all()
+                self._notify()
 
-    def sync(
-        self,
-        push: Callable[[], dict[str, float]],
-        version: int,
-        required: bool = False,
-        snapshot: Callable[[], Callable[[], dict[str, float]]] | None = None,
-    ) -> dict[str, float]:
-        """Push weight ``version`` once the round in flight has finished (the generator
-        starts no other meanwhile); with ``RolloutConfig.continue_in_place`` at once,
-        the round's requests paused in the servers while it lands. With ``snapshot`` and
-        a round in flight (and not ``required``), the copy goes to the generator, which
-        pushes it before its next round (``async/sync_deferred`` = 1). Returns ``push``'s metrics and the ``async/``
-        metrics since the last call (:meth:`_report`)."""
-        in_place = self.pool.config.continue_in_place  # the round in flight is paused
-        with self._cond:
-            self._snapshot = None
-            if self._busy and not required and snapshot is not None and not in_place:
-                with self.phase("snapshot_weights"):
-                    self._snapshot = (snapshot(), version)
-                return {"async/sync_deferred": 1.0} | self._report()
-            self._push_waiting = True
-            with self.phase("generate"):
-                t0 = time.perf_counter()
-                while self._busy and not in_place:
-                    self._cond.wait()
-                self._stats["wait_s"] += time.perf_counter() - t0
-                self._stats["pushed_in_flight"] += float(self._busy)
-            self._cond.release()
-            try:
-                with self.phase("sync_weights"):
-                    out = push()
-            finally:
-                self._cond.acquire()
-                self._push_waiting = False
-            self._version = version
-            self._cond.notify_all()
-            return out | {"async/sync_deferred": 0.0} | self._report()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """No round runs while the body does."""
-        with self._cond:
-            self._push_waiting = True
-            while self._busy:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._push_waiting = False
-                self._cond.notify_all()
-
-    def _report(self) -> dict[str, float]:
-        """The ``async/`` metrics since the last call (``generate_s``: rounds' wall time,
-        ``rounds``, ``gen_idle_s``: the generator waited for admission or a push,
-        ``wait_s``: the trainer waited, ``lost_groups`` / ``aborted_stale``: groups a dead
-        server lost / aborted for staleness, ``pushed_ahead``, ``pushed_in_flight``: pushes
-        that paused a round in flight (``continue_in_place``), ``in_flight``: samples in
-        flight now); each round as a ``generate_ahead`` span on the timeline."""
-        with self._cond:
-            out = {f"async/{k}": v for k, v in self._stats.items()}
-            out["async/in_flight"] = float(sum(len(g.samples) for g in self._active))
-            self._stats = dict.fromkeys(self._stats, 0.0)
-            spans, self._spans = self._spans, []
-            version = self._version
-        for start, seconds in spans if self.on_span else ():
-            self.on_span("generate_ahead", start, seconds, version + 1)
-        return out
+    def _gauges(self) -> dict[str, float]:
+        """``async/in_flight``: samples in flight now (besides the stats: ``rounds``,
+        ``lost_groups`` / ``aborted_stale``: groups a dead server lost / aborted for
+        staleness, ``pushed_in_flight``: pushes that paused a round in flight,
+        ``continue_in_place``)."""
+        return {"async/in_flight": float(sum(len(g.samples) for g in self._active))}
 
     # ------------------------------------------------------------ the generator
-    def _generate(self) -> None:
-        try:
-            if self.episodes is None:
-                while self._next_round():
-                    self._round()
-            else:
-                self._run_episodes()
-        except BaseException as e:  # re-raised by take() in the trainer
-            with self._cond:
-                self._error, self._busy = e, False
-                self._cond.notify_all()
+    def _produce(self) -> None:
+        if self.episodes is not None:
+            self._run_episodes()
+            return
+        while self._next_unit():
+            self._round()
 
     # ---------------------------------------------------- multi-turn episodes
     def _run_episodes(self) -> None:
         """Episode mode: every episode a task of one event loop that lives as long as
-        the stream, playing its own turns; a *wave* runs the loop until a push waits (the
-        trainer's, or a handed copy) and no turn's request is in flight (the tasks then
-        wait, an env step in flight goes on), so a push lands between two turns of an
-        episode without waiting for the others' turns."""
+        the stream, playing its own turns; a *wave* (the unit) runs the loop until a push
+        waits (the trainer's, or a handed copy) and no turn's request is in flight (the
+        tasks then wait, an env step in flight goes on), so a push lands between two
+        turns of an episode without waiting for the others' turns."""
         import asyncio
 
         loop = asyncio.new_event_loop()
+        with self._cond:
+            self._loop, self._changed = loop, asyncio.Event()
         try:
-            while self._next_round():
+            while self._next_unit():
                 loop.run_until_complete(self._wave())
         finally:
+            with self._cond:
+                self._loop = None
             for task in self._tasks:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
             loop.close()
 
+    def _notify(self) -> None:
+        """(lock held) Wake the trainer and the generator, and the episodes' loop."""
+        super()._notify()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._tick)
+
+    def _tick(self) -> None:
+        """(in the episodes' loop) Something changed: wake every coroutine waiting."""
+        import asyncio
+
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     async def _wave(self) -> None:
         """Start the admitted groups' episodes, batch the groups whose episodes have all
         ended, admit more as the bound allows; until a push waits with no request in
-        flight, the stream stops, or nothing is left to play."""
+        flight, the stream stops, or nothing is left to play. Between two passes it
+        waits for a change: an episode ended or a turn was sampled, or the trainer
+        (a push, a copy handed over, groups discarded, the stream stopped)."""
         import asyncio
 
         t0, runner = time.perf_counter(), self.episodes
         while True:
+            changed = self._changed  # set by any change from here on
             for task in [t for t in self._tasks if t.done()]:
                 self._tasks.discard(task)
                 task.result()  # an episode's error ends the stream: take() raises it
             with self._cond:
-                if not self._push_waiting:
-                    self._admit()
+                if not self._held():
+                    self._admit_groups()
                 fresh = [g for g in self._active if not g.samples]
                 ended = [g for g in self._active if g.done]
             for g in fresh:  # its envs reset (agents' episodes played) off the loop
                 spec = self.sampling(g.data_batch)
                 g.samples = await asyncio.to_thread(runner.start, g.row, spec, g.row_index)
-                self._tasks.update(
-                    asyncio.ensure_future(self._play(e, spec))
-                    for e in g.samples
-                    if e.finish is None
-                )
+                for e in g.samples:
+                    if e.finish is None:
+                        task = asyncio.ensure_future(self._play(e, spec))
+                        task.add_done_callback(lambda _: self._tick())
+                        self._tasks.add(task)
             for g in ended:
                 await asyncio.to_thread(runner.finish, g.samples)
             with self._cond:
@@ -382,69 +337,43 @@ class Stream:
                 pause = self._holding and not self._requests_in_flight
                 if self._stop or pause or not (self._active or self._tasks):
                     break
-            await asyncio.sleep(0.005)
+            if not (fresh or ended):  # (else: look again, a group may have ended at once)
+                await changed.wait()
         with self._cond:
-            self._stats["generate_s"] += time.perf_counter() - t0
-            self._stats["rounds"] += 1
-            self._spans.append((t0, time.perf_counter() - t0))
-            self._busy = False
-            self._cond.notify_all()
+            self._finish_unit(t0)
 
     @property
     def _holding(self) -> bool:
         """A push waits: the trainer's, or a copy handed to the generator."""
-        return self._push_waiting or self._snapshot is not None
+        return self._held() or self._snapshot is not None
 
     async def _play(self, e: Any, spec: Any) -> None:
         """One episode's turns; each turn's request waits while a push does (the env
         step after it does not hold the push up)."""
-        import asyncio
-
         runner = self.episodes
         for turn in range(runner.config.max_turns):
             if e.finish is not None:
                 return
-            while self._holding:
-                await asyncio.sleep(0.005)
+            while True:
+                changed = self._changed
+                if not self._holding:
+                    break
+                await changed.wait()
             self._requests_in_flight += 1
             try:
                 sampled = await runner.sample_turn(e, turn, spec)
             finally:
                 self._requests_in_flight -= 1
+                self._tick()  # (the wave pauses once no request is in flight)
             await runner.step_env(e, turn, sampled)
 
-    def _next_round(self) -> bool:
-        """Wait until there is a round to run (pushing a handed copy first); False when
-        the stream stops."""
-        with self._cond:
-            t0 = time.perf_counter()
-            while True:
-                if self._stop:
-                    return False
-                if self._snapshot is not None and not self._push_waiting:
-                    (push, version), self._snapshot = self._snapshot, None
-                    self._busy = True
-                    self._cond.release()
-                    try:
-                        push()
-                    finally:
-                        self._cond.acquire()
-                        self._busy = False
-                        self._cond.notify_all()
-                    self._version = version
-                    self._stats["pushed_ahead"] += 1
-                    continue
-                if not self._push_waiting:
-                    self._abort_stale()
-                    self._admit()
-                    if self._active:
-                        break
-                self._cond.wait()
-            self._stats["gen_idle_s"] += time.perf_counter() - t0
-            self._busy = True
-            return True
+    def _admit(self) -> bool:
+        """(lock held) A round may start: stale groups aborted, new ones admitted."""
+        self._abort_stale()
+        self._admit_groups()
+        return bool(self._active)
 
-    def _admit(self) -> None:
+    def _admit_groups(self) -> None:
         """Start groups while the bound allows (module docstring)."""
         quota = min(self._version + self.limit + 1, self.total_steps) * self.per_step
         while self._started - self._discarded < quota:
@@ -493,11 +422,7 @@ class Stream:
                 elif g.done:
                     self._active.remove(g)
                     self._buffer.append(g)
-            self._stats["generate_s"] += time.perf_counter() - t0
-            self._stats["rounds"] += 1
-            self._spans.append((t0, time.perf_counter() - t0))
-            self._busy = False
-            self._cond.notify_all()
+            self._finish_unit(t0)
 
     def _requests(self, groups: list[_Group]) -> set[int]:
         """One request per unfinished sample of ``groups`` (one ``generate_lossy`` call per
@@ -572,13 +497,11 @@ class Stream:
             self._rows: list[tuple[int, int, Batch]] = []
             self._active: list[_Group] = []
             self._buffer: list[_Group] = []
-            self._busy = self._push_waiting = False
+            self._busy = self._waiting = self._hold = False
             self._tasks: set[Any] = set()  # episode mode: one asyncio task per episode
             self._requests_in_flight = 0  # episode mode: turns being sampled
-            self._snapshot: tuple[Callable[[], dict[str, float]], int] | None = None
-            keys = ("generate_s", "rounds", "gen_idle_s", "wait_s", "lost_groups")
-            extra = ("aborted_stale", "pushed_ahead", "pushed_in_flight")
-            self._stats = dict.fromkeys((*keys, *extra), 0.0)
+            self._snapshot = None
+            self._stats = dict.fromkeys(self.STATS, 0.0)
 
 
 def multi_version_metrics(batch: Batch) -> dict[str, float]:

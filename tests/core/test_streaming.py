@@ -323,3 +323,23 @@ def test_the_default_engine_is_chosen_by_what_the_run_needs(tmp_path, gin_file, 
     assert cfg.rollout.engine == engine
     bare = RolloutConfig(None)  # a pool outside a run can do everything
     assert bare.engine == "auto" and bare.asynchronous
+
+
+def test_hand_offs_wait_on_events_never_on_a_timer():
+    """The producer and its two policies (bounded staleness, streaming with partial
+    rollouts and episodes) hand batches and pushes over on a condition variable or an
+    asyncio event: no ``sleep`` call anywhere in them (a polling loop would add up to its
+    period to every hand-off and burn a core while it waits)."""
+    import ast
+    import inspect
+
+    from polyrl.loop import async_rollout, producer, streaming
+
+    for module in (producer, async_rollout, streaming):
+        calls = [
+            node.func
+            for node in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(node, ast.Call)
+        ]
+        names = [f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "") for f in calls]
+        assert "sleep" not in names, module.__name__

@@ -378,7 +378,7 @@ def test_partial_rollout_resumes_with_the_new_weights(pool, padded_model_dir):
         rounds.append(len(calls))
         if len(rounds) == 1:  # the push waits for this round, and the next waits for it
             threading.Thread(target=lambda: s.sync(lambda: push(pool, new) or {}, base + 1)).start()
-            while not s._push_waiting:
+            while not s._holding:
                 time.sleep(0.001)
         return out
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl import faults
+from polyrl.observe.shadow import PAIRS as SHADOW_PAIRS
 
 __all__ = [
     "PhaseTimer",
@@ -26,8 +27,16 @@ __all__ = [
     "latest_metrics",
     "plot_run",
     "summary_figure",
+    "phase_colour",
+    "resume_steps",
+    "CHECK_PHASES",
     "phase_summary",
 ]
+
+
+# Phases of the checks a run was asked for (the three-way log-prob check,
+# RunConfig.shadow_every): timed and shown like any phase, never framework overhead.
+CHECK_PHASES = ("shadow",)
 
 
 class PhaseTimer:
@@ -107,10 +116,10 @@ class PhaseTimer:
     def metrics(self, compute: tuple[str, ...] = ()) -> dict[str, float]:
         """``time/<phase>`` for every phase so far, ``time/step`` (since
         :meth:`start_step`) and ``time/overhead``: the step's time outside every span of
-        the ``compute`` phases (reloads, offloads, sleeps, weight sync, rewards, the
-        controller's own work)."""
+        the ``compute`` phases and of the :data:`CHECK_PHASES` (reloads, offloads, sleeps,
+        weight sync, rewards, the controller's own work)."""
         step = time.perf_counter() - self.t0
-        busy = covered([(a, b) for name, a, b in self.spans if name in compute])
+        busy = covered([(a, b) for name, a, b in self.spans if name in compute + CHECK_PHASES])
         return {f"time/{k}": v for k, v in self.times.items()} | {
             "time/step": step,
             "time/overhead": max(step - busy, 0.0),
@@ -178,7 +187,8 @@ class Tracker:
 
     ``step`` counts from 1: line N holds the Nth step, checkpoints/step_N is saved after
     it. Appends on resume from step_N: lines after step N are dropped first, so the file
-    holds each step once even after a crash between a step and its checkpoint.
+    holds each step once even after a crash between a step and its checkpoint; TensorBoard's
+    events of those steps are purged (``purge_step``).
     """
 
     def __init__(
@@ -199,7 +209,10 @@ class Tracker:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # A resume from step_N purges the events of steps after N (TensorBoard hides
+            # those an earlier attempt wrote), so each step shows once.
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
         self._wandb = None
         if wandb_project:
             import wandb  # optional: only when the user asks for it
@@ -272,12 +285,88 @@ PLOTTED = (
 )
 
 
+# Panels of what is specific to a run, shown whenever it logged them: (title, the run
+# logged a key starting with this, its curves as (key, label)).
+RUN_PANELS = (
+    (  # RunConfig.max_staleness >= 1 or streaming: async/* metrics
+        "staleness (policy versions)",
+        "async/",
+        (("rollout/staleness_mean", "mean"), ("rollout/staleness_max", "max")),
+    ),
+    (
+        "turns and tool calls per episode",
+        "episode/turns_mean",
+        (
+            ("episode/turns_mean", "turns"),
+            ("episode/tool_calls_mean", "tool calls"),
+            ("episode/tool_errors_mean", "tool errors"),
+        ),
+    ),
+    (  # RunConfig.shadow_every
+        "shadow check: mean log-prob gap",
+        "shadow/gap_mean/",
+        tuple((f"shadow/gap_mean/{a}_{b}", f"{a}-{b}") for a, b in SHADOW_PAIRS),
+    ),
+)
+# Panels that fill a row the panels above leave short, in order, where the run logged them.
+SPARE_PANELS = (
+    (
+        "vLLM vs trainer log-prob gap",
+        (("rollout/log_prob_diff_mean", "mean"), ("rollout/log_prob_diff_max", "max")),
+    ),
+    (
+        "responses cut / empty (fraction)",
+        (("response/cut_fraction", "cut"), ("response/empty_fraction", "empty")),
+    ),
+    ("weight push (s)", (("sync/seconds", "push"),)),
+)
+PHASES_TITLE = "phase time per step (s)"
 PLOT_COLUMNS = 3
+# Each phase's colour in summary.png, the same in every run (tab20, in this order); a
+# phase not named here gets a tab20 colour chosen by its name.
+PHASE_ORDER = (
+    "generate",
+    "reward",
+    "dynamic_sampling",
+    "reference",
+    "old_log_probs",
+    "values",
+    "advantages",
+    "shadow",
+    "update_actor",
+    "update_critic",
+    "sync_weights",
+    "snapshot_weights",
+    "reload",
+    "offload",
+    "rollout_sleep",
+    "rollout_wake",
+    "data",
+    "export",
+)
+
+
+def phase_colour(name: str) -> str:
+    """The colour of phase ``name`` in every run's summary.png (a hex string)."""
+    import zlib
+
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    tab20 = colormaps["tab20"].colors
+    i = PHASE_ORDER.index(name) if name in PHASE_ORDER else zlib.crc32(name.encode())
+    return to_hex(tab20[i % len(tab20)])
+
+
+def resume_steps(rows: list[dict[str, Any]]) -> list[int]:
+    """The checkpoint steps a run resumed from: each start logs its start-up
+    (``startup/total_s``) with its first step, so a row N+1 that holds one after step 1
+    is a resume from ``checkpoints/step_N``."""
+    return [r["step"] - 1 for r in rows if "startup/total_s" in r and r["step"] > 1]
 
 
 def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
-    """A PNG of reward (or DPO margin), KL, entropy, response length, critic loss and
-    phase times over steps (panels for what the run logged; :func:`summary_figure`)."""
+    """A PNG of the run's curves over steps (:func:`summary_figure`)."""
     import matplotlib.pyplot as plt
 
     fig = summary_figure(read_jsonl(metrics_path))
@@ -288,47 +377,73 @@ def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
 
 
 def summary_figure(rows: list[dict[str, Any]]) -> Any:
-    """The matplotlib figure of :func:`plot_run` for metrics.jsonl ``rows``."""
+    """The matplotlib figure of :func:`plot_run` for metrics.jsonl ``rows``: a grid of
+    :data:`PLOT_COLUMNS` panels a row, each titled (``ax.get_title()``): the
+    :data:`PLOTTED` curves the run logged, the :data:`RUN_PANELS` it has (staleness,
+    turns and tool calls, the shadow check's gaps), :data:`SPARE_PANELS` to fill the row,
+    and last :data:`PHASES_TITLE`: each phase's seconds a step as a line of
+    :func:`phase_colour` (phases may run at once: never stacked), the wall step time
+    (black, label ``step (wall)``) and the framework overhead (dashed). Each resume
+    (:func:`resume_steps`) is a dotted vertical line (``gid`` ``"resume"``) in every panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in rows]
-    panels = [(key, title) for key, title in PLOTTED if any(key in r for r in rows)]
-    # A grid of at most PLOT_COLUMNS panels a row, the phase times last.
+    keys = {k for r in rows for k in r}
+    panels = [(title, ((key, None),)) for key, title in PLOTTED if key in keys]
+    panels += [
+        (title, curves) for title, has, curves in RUN_PANELS if any(k.startswith(has) for k in keys)
+    ]
+    spares = [(title, curves) for title, curves in SPARE_PANELS if curves[0][0] in keys]
+    while spares and (len(panels) + 1) % PLOT_COLUMNS:
+        panels.append(spares.pop(0))
     cols = min(len(panels) + 1, PLOT_COLUMNS)
     grid = -(-(len(panels) + 1) // cols)
     fig, axes = plt.subplots(grid, cols, figsize=(4 * cols, 3.2 * grid), squeeze=False)
     axes = axes.reshape(-1)
     for ax in axes[len(panels) + 1 :]:
         ax.set_visible(False)
-    for ax, (key, title) in zip(axes, panels):
-        ax.plot(*zip(*[(s, r[key]) for s, r in zip(steps, rows) if key in r]), marker=".")
+
+    def curve(ax: Any, key: str, **style: Any) -> None:
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker=".", **style)
+
+    for ax, (title, curves) in zip(axes, panels):
+        for key, label in curves:
+            curve(ax, key, label=label)
+        if len(curves) > 1:
+            ax.legend(fontsize=6)
         ax.set_title(title)
-        ax.set_xlabel("step")
     ax = axes[len(panels)]
     # Not phases of a step: its whole, its remainder, and validation (between steps; its
     # first run holds vLLM's warm-up and would dwarf every step: the summary reports it).
     totals = ("time/step", "time/overhead", "time/validate")
-    phases = sorted({k for r in rows for k in r if k.startswith("time/") and k not in totals})
-    bottom = [0.0] * len(rows)
-    for key in phases:
-        vals = [r.get(key, 0.0) for r in rows]
-        ax.bar(steps, vals, bottom=bottom, label=key[5:])
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_title("phase time per step (s)")
-    ax.set_xlabel("step")
+    named = {k[5:] for r in rows for k in r if k.startswith("time/") and k not in totals}
+    phases = [p for p in PHASE_ORDER if p in named] + sorted(named - set(PHASE_ORDER))
+    curve(ax, "time/step", color="black", linewidth=2, label="step (wall)")
+    curve(ax, "time/overhead", color="grey", linestyle="--", label="overhead")
+    for name in phases:
+        curve(ax, f"time/{name}", color=phase_colour(name), linewidth=1, label=name)
+    ax.set_title(PHASES_TITLE)
+    ax.set_ylim(bottom=0)
+    for ax in axes[: len(panels) + 1]:
+        for i, step in enumerate(resume_steps(rows)):
+            label = "resumed" if i == 0 and ax is axes[len(panels)] else None
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1, gid="resume", label=label)
+        ax.set_xlabel("step")
     if phases:
-        ax.legend(fontsize=6)
+        axes[len(panels)].legend(fontsize=6)
     fig.tight_layout()
     return fig
 
 
 def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -> str:
     """Per-phase share of wall time over the run, and framework overhead: step time
-    outside the compute phases (generation, forward passes, training); ``time/overhead``
-    where the rows have it (overlapping phases), else step time minus their sum."""
+    outside the compute phases (generation, forward passes, training) and the checks
+    (:data:`CHECK_PHASES`, on a line of their own); ``time/overhead`` where the rows have
+    it (overlapping phases), else step time minus their sum."""
     totals: dict[str, float] = {}
     for r in rows:
         for k, v in r.items():
@@ -341,12 +456,20 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
     lines = [f"phase times over {steps} steps ({step_total:.1f} s):"]
     for name, t in sorted(totals.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {name:<16} {t:8.2f} s  {100 * t / max(step_total, 1e-9):5.1f}%")
-    compute = sum(t for k, t in totals.items() if k in compute_phases)
+    compute = sum(t for k, t in totals.items() if k in compute_phases + CHECK_PHASES)
     overhead = step_total - compute if logged is None else logged
+    checked = totals.get("shadow")
+    outside = "/".join(compute_phases) + (" and the shadow check" if checked is not None else "")
     lines.append(
-        f"  framework overhead (step time outside {'/'.join(compute_phases)}): {overhead:.2f} s "
+        f"  framework overhead (step time outside {outside}): {overhead:.2f} s "
         f"({100 * overhead / max(step_total, 1e-9):.1f}%)"
     )
+    if checked is not None:
+        checks = sum("time/shadow" in r for r in rows)
+        lines.append(
+            f"  shadow check (RunConfig.shadow_every): {checked:.2f} s in {checks} of {steps} "
+            f"steps ({100 * checked / max(step_total, 1e-9):.1f}%), not in the overhead"
+        )
     if validate is not None:
         runs = sum("time/validate" in r for r in rows)
         lines.append(

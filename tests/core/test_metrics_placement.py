@@ -149,9 +149,9 @@ def test_summary_plot_is_a_grid_without_validation_in_the_phase_times(tmp_path):
         "response length",
         "phase time per step (s)",
     ]
-    # the tallest stacked bar is step 1's generate 1.5 + update 0.25 = 1.75 s (matplotlib
-    # pads the axis by 5%); with validation it would reach 30 s
-    assert 1.75 <= shown[-1].get_ylim()[1] < 2.0
+    # the tallest line is step 1's wall time, 2 s (matplotlib pads the axis by 5%); with
+    # validation it would reach 30 s
+    assert 2.0 <= shown[-1].get_ylim()[1] < 2.2
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _run_rows()))
     png = plot_run(tmp_path / "metrics.jsonl", tmp_path / "summary.png")
     assert Image.open(png).size == (1200, 640)  # 3 x 4 in by 2 x 3.2 in at 100 dpi
@@ -225,3 +225,96 @@ def test_the_first_step_names_the_phases_it_waits_for(capsys):
         with timer.phase("update_actor"):
             time.sleep(0.3)
     assert capsys.readouterr().out == ""
+
+
+def test_tensorboard_holds_each_step_once_after_a_resume(tmp_path):
+    """Issue 47: a run resumed from step 4 logged steps 5..8 again beside the first
+    attempt's 5..8, and TensorBoard showed both. Now the resumed writer purges them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    t = Tracker(tmp_path, tensorboard=True)
+    for step in range(1, 9):
+        t.log(step, {"reward/mean": step / 10})
+    t.close()
+    t = Tracker(tmp_path, tensorboard=True, resume_step=4)  # the checkpoint of step 4
+    for step in range(5, 9):
+        t.log(step, {"reward/mean": 1 + step / 10})
+    t.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = [(e.step, round(e.value, 6)) for e in events.Scalars("reward/mean")]
+    assert got == [(s, s / 10) for s in range(1, 5)] + [(s, 1 + s / 10) for s in range(5, 9)]
+
+
+def _step_rows(steps, **extra) -> list[dict]:
+    return [
+        {"step": s, "reward/mean": 0.1 * s, "time/step": 1.0, "time/update_actor": 0.25, **extra}
+        for s in steps
+    ]
+
+
+def _panel(fig, title: str):
+    (ax,) = [ax for ax in fig.axes if ax.get_visible() and ax.get_title() == title]
+    return ax
+
+
+def test_summary_phase_panel_is_honest_about_overlap_and_resumes(tmp_path):
+    """Issue 47: phase colours changed with the run's phase set, phases that ran at the
+    same time were stacked as if one after the other, resumes were not marked. Now each
+    phase is a line of its name's colour under the wall step time, and a dotted line
+    marks each resume (the row after it holds the new start's start-up)."""
+    from polyrl.loop.metrics import summary_figure
+
+    # async: generation (0.75 s) ran beside the update (0.5 s) in a 1 s step
+    ahead = [r | {"time/generate": 0.75, "time/update_actor": 0.5} for r in _step_rows(range(1, 7))]
+    ahead[0]["startup/total_s"] = ahead[4]["startup/total_s"] = 9.0  # resumed at step 4
+    serial = [r | {"time/reference": 0.25, "time/generate": 0.5} for r in _step_rows(range(1, 4))]
+    figs = [summary_figure(ahead), summary_figure(serial)]
+    panels = [_panel(fig, "phase time per step (s)") for fig in figs]
+    colours = [{ln.get_label(): ln.get_color() for ln in ax.get_lines()} for ax in panels]
+    assert colours[0]["generate"] == colours[1]["generate"]
+    assert colours[0]["update_actor"] == colours[1]["update_actor"]
+    assert len(set(colours[1].values())) == len(colours[1])
+    assert not panels[0].patches  # no stacked bars
+    # the y axis ends above the 1 s wall time, below 1.25 s (the phases stacked)
+    assert 1.0 <= panels[0].get_ylim()[1] < 1.25
+    (wall,) = [ln for ln in panels[0].get_lines() if ln.get_label() == "step (wall)"]
+    assert list(wall.get_ydata()) == [1.0] * 6
+    for ax in figs[0].axes:
+        if ax.get_visible():
+            resumes = [ln for ln in ax.get_lines() if ln.get_gid() == "resume"]
+            assert [ln.get_xdata()[0] for ln in resumes] == [4], ax.get_title()
+    assert not [ln for ln in panels[1].get_lines() if ln.get_gid() == "resume"]
+
+
+@pytest.mark.parametrize(
+    "extra, title",
+    [
+        ({"async/wait_s": 0.1, "rollout/staleness_mean": 0.5, "rollout/staleness_max": 1.0},
+         "staleness (policy versions)"),
+        ({"episode/turns_mean": 2.0, "episode/tool_calls_mean": 1.5},
+         "turns and tool calls per episode"),
+        ({"shadow/gap_mean/rollout_train": 0.01, "shadow/gap_mean/rollout_shadow": 0.02,
+          "shadow/gap_mean/train_shadow": 0.02}, "shadow check: mean log-prob gap"),
+        ({"rollout/log_prob_diff_mean": 0.01, "rollout/log_prob_diff_max": 0.1},
+         "vLLM vs trainer log-prob gap"),
+    ],
+)  # fmt: skip
+def test_summary_fills_its_free_panel_with_what_the_run_has(extra, title):
+    """Issue 47: a run with two curves left one of the grid's three panels empty. Now it
+    shows what is specific to the run: staleness (async), turns and tool calls (episodes),
+    the shadow check's gaps, else the rollout's log-prob gap to the trainer."""
+    from polyrl.loop.metrics import summary_figure
+
+    fig = summary_figure(_step_rows(range(1, 4), **extra))
+    shown = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert shown == ["mean reward", title, "phase time per step (s)"]
+    lines = _panel(fig, title).get_lines()
+    assert len(lines) == len(extra.keys() & _KEYS)  # a line per curve the run logged
+
+
+_KEYS = {
+    "rollout/staleness_mean", "rollout/staleness_max", "episode/turns_mean",
+    "episode/tool_calls_mean", "shadow/gap_mean/rollout_train", "shadow/gap_mean/rollout_shadow",
+    "shadow/gap_mean/train_shadow", "rollout/log_prob_diff_mean", "rollout/log_prob_diff_max",
+}  # fmt: skip

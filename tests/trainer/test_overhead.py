@@ -196,3 +196,38 @@ def test_ppo_forwards_at_once_equal_one_after_another(ray_session, tmp_path):
         assert [a[k] for k in keys] == [b[k] for k in keys], a["step"]
     assert all("time/reload" in r for r in runs["serial"])
     assert not any("time/reload" in r for r in runs["together"])
+
+
+def test_the_shadow_check_is_a_phase_of_its_own_not_overhead():
+    """Issue 47: the three-way check (RunConfig.shadow_every) was counted as framework
+    overhead (42% of a short run). It is a phase of its own: in the table, on a line of its
+    own, outside the overhead, both as logged (time/overhead) and for rows without it."""
+    from polyrl.loop.trainer import COMPUTE_PHASES
+
+    timer = PhaseTimer(echo=False)
+    timer.start_step(1)
+    t0 = timer.t0
+    timer.record("generate", t0, 0.02)
+    timer.record("shadow", t0 + 0.02, 0.05)
+    timer.record("update_actor", t0 + 0.07, 0.02)
+    while time.perf_counter() < t0 + 0.1:
+        pass
+    m = timer.metrics(COMPUTE_PHASES)
+    # the step time outside generate, shadow and update_actor: 0.1 s and more - 0.09 s
+    assert m["time/overhead"] == pytest.approx(m["time/step"] - 0.09, abs=1e-9)
+    assert m["time/shadow"] == 0.05
+    # two steps of 1 s, the check in one of them: 0.2 + 0.1 + 0.3 = 0.6 s of phases
+    step = {"time/generate": 0.2, "time/update_actor": 0.1, "time/step": 1.0}
+    rows = [step | {"time/shadow": 0.3}, step]
+    text = phase_summary(rows, ("generate", "update_actor"))
+    lines = text.splitlines()
+    assert "  shadow               0.30 s   15.0%" in lines
+    # 2 s of steps - 0.6 s of generate/update_actor - 0.3 s of the check = 1.1 s
+    assert (
+        "  framework overhead (step time outside generate/update_actor and the shadow "
+        "check): 1.10 s (55.0%)"
+    ) in lines
+    assert (
+        "  shadow check (RunConfig.shadow_every): 0.30 s in 1 of 2 steps (15.0%), "
+        "not in the overhead"
+    ) in lines

@@ -162,13 +162,31 @@ def cmd_validate_dataset(args: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    if args.bad_rows == "drop" and not args.out:
+        raise UserError(
+            f"--bad-rows drop needs --out FILE (.jsonl or .parquet): validate-dataset never "
+            f"modifies {args.path}; it writes the rows that pass to a copy"
+        )
     kind = None if args.kind == "auto" else args.kind
     try:
         report = validate_file(
-            args.path, tokenizer, args.max_prompt_tokens, kind, args.overlong, "--max-prompt-tokens"
+            args.path,
+            tokenizer,
+            args.max_prompt_tokens,
+            kind,
+            args.overlong,
+            "--max-prompt-tokens",
+            args.bad_rows,
+            args.out,
         )
     except DatasetError as e:
         _print_problems(f"{args.path} ({e.n_rows} rows)", e.problems)
+        if args.bad_rows == "error" and 0 < e.n_bad < e.n_rows:
+            print(
+                f"  (to train on the rows that pass: polyrl validate-dataset {args.path} "
+                f"--bad-rows drop --out CLEAN.jsonl, then point RunConfig.train_files at it)",
+                file=sys.stderr,
+            )
         return 1
     if report.kept == ():
         _print_problems(
@@ -179,8 +197,13 @@ def cmd_validate_dataset(args: argparse.Namespace) -> int:
             ],
         )
         return 1
-    print(f"OK {args.path}: {report.summary()}")
+    if report.n_bad:
+        print(f"dropped {report.n_bad} of {report.n_bad + report.n_rows} lines of {args.path}:")
+        print("\n".join(f"  {problem}" for problem in report.bad))
+    print(f"OK {args.out or args.path}: {report.summary()}")
     print(report.table())
+    if args.out:
+        print(f"wrote {report.n_rows} rows to {args.out}")
     return 0
 
 
@@ -513,6 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="error",
         help="with --max-prompt-tokens: longer prompts are errors, or counted as dropped/truncated",
     )
+    p.add_argument(
+        "--bad-rows",
+        choices=("error", "drop"),
+        default="error",
+        help="error: any bad row or line fails the check; drop: write the rows that pass "
+        "every check to --out and print how many were left out, and why",
+    )
+    p.add_argument("--out", help="write the rows that pass every check here (.jsonl/.parquet)")
     p.set_defaults(func=cmd_validate_dataset)
 
     p = sub.add_parser("doctor", help="versions, devices, and whether vLLM can start")

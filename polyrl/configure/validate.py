@@ -534,11 +534,11 @@ def dataset_problems(
         for path in paths:
             try:
                 if binding == "RunConfig.task":
-                    data, lines = make(cfg.task, cfg.n_train_prompts, cfg.seed), None
+                    data, lines, unread = make(cfg.task, cfg.n_train_prompts, cfg.seed), None, []
                 else:
-                    data, lines = load(path)
+                    data, lines, unread = load(path)
                 report = validate_rows(
-                    data, path, tokenizer, limit, kind, lines, overlong, limit_name
+                    data, path, tokenizer, limit, kind, lines, overlong, limit_name, unread
                 )
             except DatasetError as e:
                 problems += [f"{binding}: {path}: {p}" for p in e.problems]

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.data.formats import from_verl, read_dataset, row_schema
+from polyrl.data.formats import from_verl, read_dataset, row_schema, write_dataset
 from polyrl.data.prompts import encode_prompt
 from polyrl.rewards import REWARDS
 
@@ -38,13 +38,16 @@ PREFERENCE_REQUIRED = ("prompt", "chosen", "rejected")
 SFT_REQUIRED = ("messages",)
 KINDS = {"rl": REQUIRED, "preference": PREFERENCE_REQUIRED, "sft": SFT_REQUIRED}
 OVERLONG = ("error", "truncate_left", "drop")
+BAD_ROWS = ("error", "drop")  # validate-dataset --bad-rows
 
 
 class DatasetError(ValueError):
-    """A dataset does not follow the RL schema; ``problems`` lists every finding."""
+    """A dataset does not follow the RL schema; ``problems`` lists every finding,
+    ``n_bad`` how many of its ``n_rows`` rows (and unreadable lines) they concern (0: the
+    file as a whole)."""
 
-    def __init__(self, source: str, problems: list[str], n_rows: int):
-        self.problems, self.n_rows = problems, n_rows
+    def __init__(self, source: str, problems: list[str], n_rows: int, n_bad: int = 0):
+        self.problems, self.n_rows, self.n_bad = problems, n_rows, n_bad
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         super().__init__(
@@ -63,6 +66,11 @@ class DatasetReport:
     overlong: str = "error"
     kept: tuple[int, ...] | None = None  # with overlong="drop": the rows that stay
     schema: str = "polyrl"  # "verl": ground truth read from reward_model.ground_truth
+    # With bad_rows="drop": the rows that pass every check (None: all do, or "error"),
+    # the rows and lines left out and what was wrong with them.
+    good: tuple[int, ...] | None = None
+    n_bad: int = 0
+    bad: tuple[str, ...] = ()
 
     def summary(self) -> str:
         sources = ", ".join(f"{k}: {v}" for k, v in sorted(self.data_sources.items()))
@@ -242,25 +250,36 @@ def validate_rows(
     lines: Sequence[int] | None = None,
     overlong: str = "error",
     limit_name: str = "max_prompt_tokens",
+    unread: Sequence[str] = (),
+    bad_rows: str = "error",
 ) -> DatasetReport:
     """Check every row; raise :class:`DatasetError` listing all problems.
 
     kind: "rl" (prompt, ground_truth, data_source), "preference" (prompt, chosen,
     rejected — both non-empty and different; data_source optional) or "sft" (messages,
     with at least one assistant turn; prompt lengths are then whole conversations).
-    lines: the file line of each row (jsonl), named in every problem.
+    lines: the file line of each row (jsonl), named in every problem. unread: the
+    problems of lines that gave no row (:func:`load_rows`), reported with the rows'.
 
-    With a ``tokenizer`` (transformers), prompts are rendered with its chat template and
-    counted. Rows over ``max_prompt_tokens`` (which needs the tokenizer) are problems
-    when ``overlong="error"``; with "drop" or "truncate_left" they are counted in the
-    report (``over_limit``; ``kept`` lists the rows a drop keeps). When every row is over
-    the limit under "error", that is one problem naming ``limit_name`` (the setting that
-    holds the limit), its value and the shortest prompt.
+    With a ``tokenizer`` (transformers), the prompts of rows without other problems are
+    rendered with its chat template and counted. Rows over ``max_prompt_tokens`` (which
+    needs the tokenizer) are problems when ``overlong="error"``; with "drop" or
+    "truncate_left" they are counted in the report (``over_limit``; ``kept`` lists the
+    rows a drop keeps). When every row is over the limit under "error", that is one
+    problem naming ``limit_name`` (the setting that holds the limit), its value and the
+    shortest prompt.
+
+    bad_rows: "error" raises on any problem; "drop" returns a report whose ``good`` rows
+    pass every check, with the count (``n_bad``) and problems (``bad``) of the rows and
+    unread lines left out (an error still when none is left).
     """
     if kind not in KINDS:
         raise ValueError(f"validate_rows: kind={kind!r} is not one of {sorted(KINDS)}")
     if overlong not in OVERLONG:
         raise ValueError(f"validate_rows: overlong={overlong!r} is not one of {list(OVERLONG)}")
+    if bad_rows not in BAD_ROWS:
+        raise ValueError(f"validate_rows: bad_rows={bad_rows!r} is not one of {list(BAD_ROWS)}")
+    read = len(rows) + len(unread)  # the rows the file holds, readable or not
     if max_prompt_tokens is not None and tokenizer is None:
         raise DatasetError(
             source,
@@ -268,30 +287,32 @@ def validate_rows(
                 f"max_prompt_tokens={max_prompt_tokens} needs a tokenizer to count prompt tokens; "
                 f"pass --tokenizer <model dir>"
             ],
-            len(rows),
+            read,
         )
     if not rows:
-        raise DatasetError(source, ["the dataset has no rows"], 0)
-    problems = grouped(
-        [p for i, row in enumerate(rows) for p in _row_problems(_label(i, lines), row, KINDS[kind])]
-    )
+        raise DatasetError(source, [*unread, "the dataset has no rows"], read)
+    by_row = {i: _row_problems(_label(i, lines), row, KINDS[kind]) for i, row in enumerate(rows)}
+    bad = {i for i, found in by_row.items() if found}
+    problems = [*unread, *grouped([p for found in by_row.values() for p in found])]
+    checked = [i for i in range(len(rows)) if i not in bad]
     longest_tokens, over, kept = None, [], None
-    if tokenizer is not None and not problems:
-        lengths = [_tokens(tokenizer, row, kind) for row in rows]
-        longest_tokens = max(lengths)
+    if tokenizer is not None and checked:
+        lengths = {i: _tokens(tokenizer, rows[i], kind) for i in checked}
+        longest_tokens = max(lengths.values())
         if max_prompt_tokens is not None:
-            over = [i for i, n in enumerate(lengths) if n > max_prompt_tokens]
-        if len(over) == len(rows) and overlong == "error":
-            shortest = min(lengths)
+            over = [i for i in checked if lengths[i] > max_prompt_tokens]
+        if len(over) == len(checked) and overlong == "error" and not bad:
+            shortest = min(lengths.values())
             raise DatasetError(
                 source,
                 [
+                    *unread,
                     f"every prompt ({len(rows)} rows) is over {limit_name}={max_prompt_tokens} "
                     f"tokens (the shortest is {shortest} tokens after the chat template), so "
                     f"nothing can be trained: raise {limit_name} to at least {shortest}, "
-                    f"shorten the prompts or set RolloutConfig.overlong_prompt='truncate_left'"
+                    f"shorten the prompts or set RolloutConfig.overlong_prompt='truncate_left'",
                 ],
-                len(rows),
+                read,
             )
         if overlong == "error" and len(over) == 1:
             problems.append(
@@ -308,16 +329,20 @@ def validate_rows(
                 f"tokens ({_label(worst, lines)}) (raise the limit, set RolloutConfig.overlong_prompt "
                 f"to 'drop' or 'truncate_left', or shorten the rows)"
             )
+        if overlong == "error":
+            bad.update(over)
         elif overlong == "drop":
-            kept = tuple(i for i in range(len(rows)) if i not in set(over))
-    if problems:
-        raise DatasetError(source, problems, len(rows))
+            kept = tuple(i for i in checked if i not in set(over))
+    good = [i for i in range(len(rows)) if i not in bad]
+    if problems and (bad_rows == "error" or not good):
+        none_left = [] if good or bad_rows == "error" else ["no row passes every check"]
+        raise DatasetError(source, problems + none_left, read, len(bad) + len(unread))
     return DatasetReport(
-        n_rows=len(rows),
-        data_sources=dict(collections.Counter(r.get("data_source", "<none>") for r in rows)),
+        n_rows=len(good),
+        data_sources=dict(collections.Counter(rows[i].get("data_source", "<none>") for i in good)),
         max_prompt_chars=max(
-            sum(len(m["content"]) for m in r["messages" if kind == "sft" else "prompt"])
-            for r in rows
+            sum(len(m["content"]) for m in rows[i]["messages" if kind == "sft" else "prompt"])
+            for i in good
         ),
         max_prompt_tokens=longest_tokens,
         kind=kind,
@@ -325,6 +350,9 @@ def validate_rows(
         overlong=overlong,
         kept=kept,
         schema=row_schema(rows[0]),
+        good=tuple(good) if problems else None,
+        n_bad=len(bad) + len(unread),
+        bad=tuple(problems),
     )
 
 
@@ -341,8 +369,9 @@ def _tokens(tokenizer: Any, row: Mapping[str, Any], kind: str) -> int:
     return len(encode_prompt(tokenizer, row["prompt"]))
 
 
-def _jsonl_rows(path: Path) -> tuple[list[Any], list[int]]:
-    """Rows of a jsonl file and their line numbers; every bad line named."""
+def _jsonl_rows(path: Path) -> tuple[list[Any], list[int], list[str]]:
+    """Rows of a jsonl file, their line numbers and the problem of each line that gives
+    no row (not UTF-8, not JSON); the lines after a bad one are still read."""
     import json
 
     rows, lines, problems = [], [], []
@@ -362,27 +391,28 @@ def _jsonl_rows(path: Path) -> tuple[list[Any], list[int]]:
             rows.append(from_verl(json.loads(text)))
             lines.append(number)
         except json.JSONDecodeError as e:
+            # json's messages for where something starts end in "at" ("Unterminated
+            # string starting at"): the column completes them
+            where = f"{e.msg}{'' if e.msg.endswith(' at') else ' at'} column {e.colno}"
             problems.append(
-                f"line {number}: invalid JSON ({e.msg} at column {e.colno}); each line must be "
-                f"one JSON object"
+                f"line {number}: invalid JSON ({where}); each line must be one JSON object"
             )
-    if problems:
-        raise DatasetError(str(path), problems, len(rows) + len(problems))
-    return rows, lines
+    return rows, lines, problems
 
 
-def load_rows(path: str | Path) -> tuple[list[Any], list[int] | None]:
+def load_rows(path: str | Path) -> tuple[list[Any], list[int] | None, list[str]]:
     """Read a dataset (file, shard directory, HF folder: polyrl.data.formats) for
-    validation: ``(rows, line of each row)`` (lines: a jsonl file only). A missing,
-    unreadable, non-UTF-8 or unparsable file is a :class:`DatasetError` naming it (and
-    the line). The file is only read, never modified."""
+    validation: ``(rows, line of each row, problems of lines that gave no row)`` (lines
+    and their problems: a jsonl file only; pass them to :func:`validate_rows`). A
+    missing, unreadable or unparsable file is a :class:`DatasetError` naming it. The
+    file is only read, never modified."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(str(path), [f"file {str(path)!r} does not exist"], 0)
     try:
         if path.suffix == ".jsonl" and path.is_file():
             return _jsonl_rows(path)
-        return read_dataset(path), None
+        return read_dataset(path), None, []
     except PermissionError as e:
         raise DatasetError(
             str(path),
@@ -413,12 +443,28 @@ def validate_file(
     kind: str | None = None,
     overlong: str = "error",
     limit_name: str = "max_prompt_tokens",
+    bad_rows: str = "error",
+    out: str | Path | None = None,
 ) -> DatasetReport:
     """Read a dataset (a file, a shard directory or a Hugging Face folder; see
     polyrl.data.formats) and :func:`validate_rows` it. ``kind`` None:
-    :func:`detect_kind`."""
-    rows, lines = load_rows(path)
+    :func:`detect_kind`. ``out``: write the rows that pass every check there
+    (``.jsonl``/``.parquet``; with ``bad_rows="drop"`` the bad ones left out)."""
+    rows, lines, unread = load_rows(path)
     kind = kind or detect_kind(rows)
-    return validate_rows(
-        rows, str(path), tokenizer, max_prompt_tokens, kind, lines, overlong, limit_name
+    report = validate_rows(
+        rows,
+        str(path),
+        tokenizer,
+        max_prompt_tokens,
+        kind,
+        lines,
+        overlong,
+        limit_name,
+        unread,
+        bad_rows,
     )
+    if out is not None:
+        good = range(len(rows)) if report.good is None else report.good
+        write_dataset([rows[i] for i in good], out)
+    return report

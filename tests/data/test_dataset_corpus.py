@@ -261,3 +261,51 @@ def test_summary_table_counts_rows_dropped_or_truncated(tmp_path, tiny_model_dir
     # test_tasks_and_schema.py); both long rows on one line
     assert "2 rows (row 0 (line 1) (50 tokens), row 1 (line 2) (50 tokens)): prompt over" in err
     assert "row 2 (line 3)" not in err
+
+
+def _mixed(path: Path, tmp_path: Path) -> list[dict]:
+    """Eight rows in jsonl with a problem of each kind: line 2 cut inside a string, line 5
+    a row without ground_truth, line 7 a non-UTF-8 byte, line 8 a long prompt. Returns
+    the four good rows (lines 1, 3, 4, 6)."""
+    rows = _rl(8)
+    rows[7]["prompt"][0]["content"] = "copy " + "1234567890" * 4
+    lines = _lines(rows).split(b"\n")
+    lines[1] = lines[1][: lines[1].index(b'"content": "') + 14]  # Unterminated string
+    lines[4] = json.dumps(_edit(_rl(8), 4, ground_truth=_DROP)[4]).encode()
+    lines[6] = lines[6].replace(b"copy", b"c\xffpy")
+    _raw(path, b"\n".join(lines))
+    return [rows[i] for i in (0, 2, 3, 5)]
+
+
+def test_every_problem_in_one_pass(tmp_path, tiny_model_dir, capsys):
+    """Issue 47: validate-dataset stopped at the broken line and named the row without
+    ground_truth only on the next run (and said "at at")."""
+    path = tmp_path / "x.jsonl"
+    _mixed(path, tmp_path)
+    tok = ["--tokenizer", str(tiny_model_dir), "--max-prompt-tokens", "24"]
+    assert main(["validate-dataset", str(path), *tok]) == 1
+    err = capsys.readouterr().err
+    assert "line 2: invalid JSON (Unterminated string starting at column" in err, err
+    assert "(line 5): missing field 'ground_truth'" in err, err
+    assert "line 7: not UTF-8 (byte 0xff at column" in err, err
+    assert "(line 8) (50 tokens)" in err or "(line 8): prompt is 50 tokens" in err, err
+    assert err.startswith(f"INVALID {path} (8 rows): 4 problem(s)"), err
+    assert "at at" not in err
+    assert f"polyrl validate-dataset {path} --bad-rows drop --out CLEAN.jsonl" in err
+
+
+def test_bad_rows_drop_writes_a_clean_copy(tmp_path, tiny_model_dir, capsys):
+    path, clean = tmp_path / "x.jsonl", tmp_path / "clean.jsonl"
+    good = _mixed(path, tmp_path)
+    before = _digest(path)
+    tok = ["--tokenizer", str(tiny_model_dir), "--max-prompt-tokens", "24"]
+    args = ["validate-dataset", str(path), *tok, "--bad-rows", "drop"]
+    assert main(args) == 2  # a usage error: the copy needs --out (the input is never modified)
+    assert "--bad-rows drop needs --out" in capsys.readouterr().err
+    assert main([*args, "--out", str(clean)]) == 0
+    out = capsys.readouterr().out
+    assert f"dropped 4 of 8 lines of {path}" in out and f"wrote 4 rows to {clean}" in out, out
+    assert [json.loads(line) for line in clean.read_text().splitlines()] == good
+    assert _digest(path) == before
+    assert main(["validate-dataset", str(clean), *tok]) == 0
+    assert capsys.readouterr().out.startswith(f"OK {clean}: 4 rows")

@@ -46,12 +46,38 @@ def test_phase_summary_shares_and_overhead():
 
 
 def test_plot_has_a_panel_per_logged_curve(tmp_path):
+    """Each curve the Tracker logged is a panel of its own that plots the logged values,
+    the phases share the last panel, and summary.png is that figure (issue 47: this test
+    once checked only that some PNG over 1000 bytes was written)."""
+    from PIL import Image
+
+    from polyrl.loop.metrics import summary_figure
+
+    logged = {
+        "reward/mean": [0.1, 0.4, 0.3],
+        "actor/entropy": [2.0, 1.5, 1.2],
+        "time/generate": [1.0, 0.75, 0.5],
+        "time/step": [1.5, 1.25, 1.0],
+    }
     t = Tracker(tmp_path, tensorboard=False)
-    for step in range(3):
-        t.log(step, {"reward/mean": 0.1 * step, "time/generate": 1.0, "time/step": 1.5})
+    for i, step in enumerate((1, 2, 3)):
+        t.log(step, {key: values[i] for key, values in logged.items()})
     t.close()
+    fig = summary_figure(read_jsonl(tmp_path / "metrics.jsonl"))
+    shown = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+    assert list(shown) == ["mean reward", "entropy (old policy)", "phase time per step (s)"]
+
+    def plotted(ax, label=None) -> tuple[list, list]:
+        (line,) = [ln for ln in ax.lines if label is None or ln.get_label() == label]
+        return list(line.get_xdata()), list(line.get_ydata())
+
+    assert plotted(shown["mean reward"]) == ([1, 2, 3], logged["reward/mean"])
+    assert plotted(shown["entropy (old policy)"]) == ([1, 2, 3], logged["actor/entropy"])
+    phases = shown["phase time per step (s)"]
+    assert plotted(phases, "generate") == ([1, 2, 3], logged["time/generate"])
+    assert plotted(phases, "step (wall)") == ([1, 2, 3], logged["time/step"])
     png = plot_run(tmp_path / "metrics.jsonl", tmp_path / "s.png")
-    assert png.stat().st_size > 1000
+    assert Image.open(png).size == (1200, 320)  # the three panels: 3 x 4 in by 3.2 in, 100 dpi
 
 
 def _role(pool: str, workers: int, hosts: int = 1, devices: int = 1) -> RoleSpec:

@@ -4,11 +4,15 @@ A run's checkpoint of step N is the directory ``<run_dir>/checkpoints/step_N``::
 
     actor/, critic/          each trained role's engine checkpoint (TrainEngine.save)
     manifest.json            what the checkpoint must match to be loaded (see run_manifest)
-    trainer_state.json       step + loop state (KL controller ...); written last
+    trainer_state.json       step + loop state (KL controller ...)
+    checksums.json           size and blake3 of every other file; written last
 
 It is written under ``step_N.tmp`` and renamed when complete, so a kill at any moment
 leaves either the whole checkpoint or a ``.tmp`` directory that loading never looks at
-and the next save removes. Loading compares ``manifest.json`` with the run's own and
+and the next save removes. ``--resume`` (:func:`resume_point`, on the driver before any
+worker starts) checks the files against ``checksums.json``: a damaged checkpoint is named,
+moved aside to ``step_N.damaged`` (kept, never loaded) and the previous intact one used.
+Loading compares ``manifest.json`` with the run's own and
 refuses a mismatch, naming every field that differs and the binding that fixes it. Every
 file is JSON or array data (DCP read through a pickle-free reader, orbax's
 tensorstore/msgpack): loading a checkpoint runs no code from it.
@@ -31,7 +35,11 @@ from polyrl.role_table import trained_roles
 
 __all__ = [
     "CheckpointMismatch",
+    "CheckpointDamaged",
+    "NoCheckpoint",
     "latest_checkpoint",
+    "resume_point",
+    "damage",
     "model_shape",
     "run_manifest",
     "check_manifest",
@@ -42,10 +50,13 @@ __all__ = [
     "save_peft_adapters",
     "MANIFEST",
     "STATE",
+    "CHECKSUMS",
 ]
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
+CHECKSUMS = "checksums.json"
+FRESH_FLAG = "--resume-or-start"  # polyrl train: resume, or start at step 0 when nothing is saved
 FORMAT = 1
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -75,15 +86,124 @@ class CheckpointMismatch(ValueError):
     """A checkpoint that does not fit the run (or engine) asked to load it."""
 
 
+class CheckpointDamaged(OSError):
+    """Every checkpoint of a run has a file that differs from what was written."""
+
+
+class NoCheckpoint(FileNotFoundError):
+    """``--resume`` into a run dir that holds no checkpoint."""
+
+
+def _complete(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``run_dir/checkpoints`` (a ``.tmp``
+    directory left by an interrupted save, or a ``.damaged`` one, is never one), newest first."""
+    return sorted(
+        (
+            (int(m.group(1)), p.parent)
+            for p in Path(run_dir, "checkpoints").glob(f"step_*/{STATE}")
+            if (m := _STEP_DIR.fullmatch(p.parent.name))
+        ),
+        reverse=True,
+    )
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint of the highest step under ``run_dir/checkpoints`` (a
-    ``.tmp`` directory left by an interrupted save is never one)."""
-    done = [
-        (int(m.group(1)), p.parent)
-        for p in Path(run_dir, "checkpoints").glob(f"step_*/{STATE}")
-        if (m := _STEP_DIR.fullmatch(p.parent.name))
-    ]
-    return max(done)[1] if done else None
+    """The complete checkpoint of the highest step under ``run_dir/checkpoints``."""
+    done = _complete(run_dir)
+    return done[0][1] if done else None
+
+
+def _digest(path: Path) -> str:
+    import blake3  # a dependency of vLLM; several GB/s on every core
+
+    return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    """Record the size and blake3 of every file under ``directory`` in ``checksums.json``."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    sums = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "blake3": _digest(p)}
+        for p in files
+    }
+    write_json(directory / CHECKSUMS, {"files": sums})
+
+
+def damage(path: Path) -> list[str] | None:
+    """What differs in checkpoint ``path`` from its ``checksums.json``, one phrase per file
+    (``[]``: intact); None when it has none (written before polyrl recorded them)."""
+    sums = path / CHECKSUMS
+    if not sums.is_file():
+        return None
+    try:
+        files = json.loads(sums.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return [f"{CHECKSUMS}: unreadable ({e})"]
+    found = []
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            found.append(f"{name}: missing")
+        elif (size := file.stat().st_size) != want["bytes"]:
+            found.append(f"{name}: {size} bytes, {want['bytes']} were written")
+        elif _digest(file) != want["blake3"]:
+            found.append(f"{name}: {size} bytes as written but its blake3 checksum differs")
+    return found
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename damaged checkpoint ``path`` to a free ``step_N.damaged[.k]``: kept, never loaded."""
+    aside, k = path.with_name(path.name + ".damaged"), 1
+    while aside.exists():
+        aside, k = path.with_name(f"{path.name}.damaged.{k}"), k + 1
+    path.rename(aside)
+    return aside
+
+
+def resume_point(run_dir: str | Path, start_fresh: bool = False) -> Path | None:
+    """The checkpoint ``--resume`` continues from: the newest one whose files match their
+    checksums (cheap next to a start: run on the driver before any worker starts).
+
+    Each damaged checkpoint newer than it is named in one warning line and moved aside to
+    ``step_N.damaged``. A checkpoint without checksums (written before polyrl recorded
+    them) is used unverified, as before, with a line saying so. Raises
+    :class:`NoCheckpoint` when there is none (``start_fresh``: None, step 0) and
+    :class:`CheckpointDamaged`, naming every damaged file, when none is intact."""
+    done = _complete(run_dir)
+    if not done:
+        if start_fresh:
+            return None
+        raise NoCheckpoint(
+            f"--resume: polyrl.RunConfig.run_dir={str(run_dir)!r} holds no checkpoint "
+            f"(checkpoints/step_N) to continue from. Check that the gin files and --gin_param "
+            f"name the run_dir the run wrote, or pass {FRESH_FLAG} to start at step 0 when "
+            "there is none"
+        )
+    damaged = []
+    for _, path in done:
+        found = damage(path)
+        if found is None:
+            print(
+                f"[resume] {path} has no {CHECKSUMS} (written before polyrl recorded "
+                "checksums): its files are not verified",
+                flush=True,
+            )
+        if not found:
+            for bad, what in damaged:
+                aside = _set_aside(bad)
+                print(
+                    f"[resume] warning: checkpoint {bad} is damaged ({'; '.join(what)}); "
+                    f"kept as {aside.name}, resuming from {path}",
+                    flush=True,
+                )
+            return path
+        damaged.append((path, found))
+    listed = "; ".join(f"{p.name}: {', '.join(what)}" for p, what in damaged)
+    raise CheckpointDamaged(
+        f"--resume: every checkpoint under {Path(run_dir, 'checkpoints')} is damaged ({listed}). "
+        "Restore these files from a copy, or start afresh in a new polyrl.RunConfig.run_dir "
+        "(or --overwrite, which deletes them)"
+    )
 
 
 def model_shape(model_path: str | Path) -> dict[str, Any]:
@@ -200,6 +320,7 @@ def save(
         faults.kill_self()
     write_json(tmp / MANIFEST, dict(manifest))
     write_json(tmp / STATE, {"step": step, **state})
+    write_checksums(tmp)  # every part and state file, as written
     if path.exists():  # the same step saved again after a resume: replace it
         shutil.rmtree(path)
     tmp.rename(path)  # complete or absent, never half-written

@@ -297,6 +297,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             imports=args.imports,
             debug=args.debug,
             overwrite=args.overwrite,
+            resume_or_start=args.resume_or_start,
         )
     except ConfigError as e:
         _print_problems(", ".join(args.gin_file), e.problems)
@@ -461,7 +462,15 @@ def build_parser() -> argparse.ArgumentParser:
     verbose_arg(p)
     again = p.add_mutually_exclusive_group()
     again.add_argument(
-        "--resume", action="store_true", help="continue from the run dir's latest checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue from the run dir's latest intact checkpoint (refused when it has none)",
+    )
+    again.add_argument(
+        "--resume-or-start",
+        action="store_true",
+        help="as --resume, but a run dir with no checkpoint starts at step 0 (job scripts "
+        "that are restarted, sweep trials)",
     )
     again.add_argument(
         "--overwrite",

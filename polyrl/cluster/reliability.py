@@ -62,13 +62,18 @@ class WorkerDied(RuntimeError):
 def stop_message(what: str, run_dir: str | Path, checkpoint: Path | None) -> str:
     """``what`` happened + the last good checkpoint + how to resume."""
     if checkpoint is None:
-        where = (
-            "there is no checkpoint yet (polyrl.RunConfig.save_every), so --resume starts at step 0"
+        where, flag = (
+            "there is no checkpoint yet (polyrl.RunConfig.save_every); --resume-or-start "
+            "starts it again at step 0",
+            "--resume-or-start",
         )
     else:
-        where = f"the last good checkpoint is {checkpoint}; --resume continues from it"
+        where, flag = (
+            f"the last good checkpoint is {checkpoint}; --resume continues from it",
+            "--resume",
+        )
     return (
-        f"{what}. The run stopped; {where}: polyrl train <same --gin_file/--gin_param> --resume "
+        f"{what}. The run stopped; {where}: polyrl train <same --gin_file/--gin_param> {flag} "
         f"(run dir {run_dir})"
     )
 

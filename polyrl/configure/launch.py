@@ -189,12 +189,14 @@ def train(
     imports: Sequence[str] = (),
     debug: bool = False,
     overwrite: bool = False,
+    resume_or_start: bool = False,
 ) -> dict:
     """``polyrl train``: parse, validate, write the operative config, run. ``debug``
     (``--debug``): Ray's distributed debugger in every role (docs/debugging.md).
     A run_dir that holds metrics or checkpoints needs ``resume`` (continue it) or
-    ``overwrite`` (delete its outputs once the checks pass)."""
-    from polyrl.checkpoints import check_resumable, latest_checkpoint, run_manifest
+    ``overwrite`` (delete its outputs once the checks pass). ``resume`` refuses a run_dir
+    with no checkpoint; ``resume_or_start`` (``--resume-or-start``) starts it at step 0."""
+    from polyrl.checkpoints import check_resumable, resume_point, run_manifest
     from polyrl.cluster.reliability import (
         check_free_space,
         check_fresh_run_dir,
@@ -208,13 +210,17 @@ def train(
     startup = StartupLog()  # from here to the first step (docs/training.md "Output")
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
     check_run_dir(cfg.run_dir)  # before anything is written or started
+    resume = resume or resume_or_start
     check_fresh_run_dir(cfg.run_dir, resume, overwrite)
+    # The checkpoint to continue from, its files checked against their checksums (a
+    # damaged one is named and set aside): before the checks and any worker start.
+    start = resume_point(cfg.run_dir, start_fresh=resume_or_start) if resume else None
     reward_rows: dict = {}
     with startup.phase("checks"):
         cfg, spec = prepare(for_debugging(cfg, debug), reward_rows)
     check_free_space(cfg, spec)
-    if resume:  # a checkpoint of another backend/algorithm/model fails before workers start
-        check_resumable(latest_checkpoint(cfg.run_dir), run_manifest(cfg, spec))
+    # a checkpoint of another backend/algorithm/model fails before workers start
+    check_resumable(start, run_manifest(cfg, spec))
     run_dir = Path(cfg.run_dir)
     if overwrite and (gone := clear_run_outputs(run_dir)):
         print(f"[polyrl] --overwrite: deleted {', '.join(gone)} in {run_dir}", flush=True)

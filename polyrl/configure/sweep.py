@@ -237,7 +237,7 @@ def _trial(
     imports: Sequence[str],
     cwd: str,
 ) -> None:
-    """One Ray Tune trial: ``polyrl train --resume`` with the trial's bindings (a
+    """One Ray Tune trial: ``polyrl train --resume-or-start`` with the trial's bindings (a
     restarted trial continues from its checkpoint), reporting each metrics line."""
     import ray
     from ray import tune
@@ -248,7 +248,7 @@ def _trial(
     run_dir.mkdir(parents=True, exist_ok=True)
     info = {"bindings": bindings, "status": "running", "started": time.time()}
     _write_json(run_dir / "trial.json", info)
-    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--resume"]
+    cmd = [sys.executable, "-m", "polyrl.cli", "train", "--resume-or-start"]
     cmd += [a for f in gin_files for a in ("--gin_file", f)]
     for b in (*gin_params, *(f"{k} = {v!r}" for k, v in bindings.items())):
         cmd += ["--gin_param", b]

@@ -95,8 +95,8 @@ def test_checkpoint_files_are_json(tmp_path):
     assert json.loads((path / checkpoints.MANIFEST).read_text()) == MANIFEST
 
 
-def _train(capsys, *params: str) -> tuple[int, str]:
-    args = ["train", "--gin_file", "gin/experiments/tiny_grpo.gin"]
+def _train(capsys, *params: str, flags: tuple[str, ...] = ()) -> tuple[int, str]:
+    args = ["train", "--gin_file", "gin/experiments/tiny_grpo.gin", *flags]
     for p in params:
         args += ["--gin_param", p]
     code = main(args)
@@ -116,6 +116,67 @@ def test_unwritable_or_full_run_dir_fails_before_any_worker(tmp_path, capsys, mo
     code, out = _train(capsys, f"polyrl.RunConfig.run_dir = {str(run)!r}")
     assert code == 1 and "0 MiB free, the run needs about" in out, out
     assert not (run / "operative_config.gin").exists()  # refused before the run began
+
+
+def test_resume_with_no_checkpoint_is_refused_unless_asked_to_start_fresh(tmp_path, capsys):
+    """Issue 47: --resume into a run dir without a checkpoint (a gin file naming another
+    run_dir) trained from step 0 and exited 0. It is refused before anything is written or
+    started, naming the run dir and the flag that starts afresh."""
+    run = tmp_path / "run"
+    code, out = _train(capsys, f"polyrl.RunConfig.run_dir = {str(run)!r}", flags=("--resume",))
+    assert code == 1, out
+    assert f"polyrl.RunConfig.run_dir={str(run)!r} holds no checkpoint" in out
+    assert "--resume-or-start" in out and "Traceback" not in out
+    assert not (run / "operative_config.gin").exists()  # refused before the run began
+    assert checkpoints.resume_point(run, start_fresh=True) is None  # --resume-or-start: step 0
+    (run / "checkpoints" / "step_2.tmp").mkdir(parents=True)  # an interrupted save is none
+    with pytest.raises(checkpoints.NoCheckpoint, match="--resume-or-start"):
+        checkpoints.resume_point(run)
+
+
+def test_damaged_checkpoint_is_named_kept_and_the_previous_one_used(tmp_path, capsys):
+    """Issue 47: a truncated file in the newest checkpoint failed deep inside the engines'
+    loaders. The files are checked against the checksums written at save: the damaged
+    checkpoint is named in one line (file, size written vs found), moved aside (kept, never
+    loaded) and the previous intact one is used; with none intact the run is refused."""
+    for step in (2, 4):
+        _save(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    weights = root / "step_4" / "actor" / "weights.txt"
+    written = weights.stat().st_size
+    os.truncate(weights, written - 1)
+    assert checkpoints.resume_point(tmp_path) == root / "step_2"
+    lines = [x for x in capsys.readouterr().out.splitlines() if " is damaged " in x]
+    assert len(lines) == 1, lines
+    assert str(root / "step_4") in lines[0] and "actor/weights.txt" in lines[0]
+    assert f"{written - 1} bytes" in lines[0] and f"{written} were written" in lines[0]
+    assert str(root / "step_2") in lines[0] and "step_4.damaged" in lines[0]
+    kept = root / "step_4.damaged" / "actor" / "weights.txt"
+    assert kept.stat().st_size == written - 1  # nothing deleted
+    assert checkpoints.latest_checkpoint(tmp_path) == root / "step_2"
+    state = checkpoints.restore(root / "step_2", {"actor": lambda p: None}, MANIFEST)
+    assert state["step"] == 2
+
+    # Same size, other bytes: only the checksum tells; with no intact checkpoint left the
+    # run is refused (from the CLI too, before anything starts) and nothing is moved.
+    other = root / "step_2" / "actor" / "weights.txt"
+    other.write_text(other.read_text().upper())
+    with pytest.raises(checkpoints.CheckpointDamaged) as err:
+        checkpoints.resume_point(tmp_path)
+    assert "step_2" in str(err.value) and "actor/weights.txt" in str(err.value)
+    assert "checksum" in str(err.value) and "run_dir" in str(err.value)
+    code, out = _train(capsys, f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}", flags=("--resume",))
+    assert code == 1 and "actor/weights.txt" in out and "Traceback" not in out, out
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.damaged"]
+
+
+def test_checkpoint_written_before_checksums_is_used_unverified(tmp_path, capsys):
+    """A checkpoint without checksums.json (written before polyrl wrote them) is used as
+    before (its atomic rename vouches that it is complete), and one line says so."""
+    path = _save(tmp_path, 2)
+    (path / checkpoints.CHECKSUMS).unlink()
+    assert checkpoints.resume_point(tmp_path) == path
+    assert "not verified" in capsys.readouterr().out
 
 
 def test_fault_spec_errors_name_the_entry(monkeypatch):

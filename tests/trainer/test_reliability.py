@@ -38,10 +38,10 @@ def _params(run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def _driver(backend: str, params: list[str], resume: bool, fault: str = "") -> subprocess.Popen:
-    """``polyrl train`` in its own process group (its Ray processes die with it)."""
+def _driver(backend: str, params: list[str], flag: str = "", fault: str = "") -> subprocess.Popen:
+    """``polyrl train [flag]`` in its own process group (its Ray processes die with it)."""
     cmd = [sys.executable, "-m", "polyrl.cli", "train", "--gin_file", GIN[backend]]
-    cmd += [a for p in params for a in ("--gin_param", p)] + (["--resume"] if resume else [])
+    cmd += [a for p in params for a in ("--gin_param", p)] + ([flag] if flag else [])
     env = {**os.environ, "RAY_ADDRESS": "local"}
     env.pop(faults.ENV, None)
     env |= {faults.ENV: fault} if fault else {}
@@ -101,7 +101,7 @@ def test_kills_at_random_steps_then_resume(backend, kills, total, ray_session, t
     the latest checkpoint: ``step`` kills come from outside, a random 0-0.6 s (about one
     step here) after a step's progress line (inside that step's checkpoint save or the
     next step), ``save`` kills inside a checkpoint save (``kill_in_save``, after the
-    engines wrote); each kill is followed by ``--resume``. The finished run's metrics
+    engines wrote); each kill is followed by ``--resume-or-start``. The finished run's metrics
     equal an uninterrupted run's, and it logs every step's samples once: the same data
     rows and responses. A partial checkpoint is ignored and removed by the next save;
     the other backend's run would convert them."""
@@ -115,12 +115,14 @@ def test_kills_at_random_steps_then_resume(backend, kills, total, ray_session, t
     run = tmp_path / "run"
     params, tried = _params(run, *common), []
     for n, kind in enumerate(kills):
+        # a restarted job: a kill may land before the first checkpoint is complete
+        flag = "--resume-or-start" if n > 0 else ""
         last = checkpoints.latest_checkpoint(run)
         at = (int(last.name.split("_")[1]) if last else 0) + rng.randint(1, 3)
         # a step kill needs steps after it to land in; a save kill fires at any save
         assert at <= total - (2 if kind == "step" else 0), "kills do not fit in total_steps"
         if kind == "save":
-            proc = _driver(backend, params, resume=n > 0, fault=f"kill_in_save@{at}")
+            proc = _driver(backend, params, flag, fault=f"kill_in_save@{at}")
             try:
                 proc.communicate(timeout=600)
             finally:
@@ -130,7 +132,7 @@ def test_kills_at_random_steps_then_resume(backend, kills, total, ray_session, t
             tried.append(f"in step_{at} save")
         else:
             delay = round(rng.uniform(0.0, 0.6), 2)
-            proc = _driver(backend, params, resume=n > 0)
+            proc = _driver(backend, params, flag)
             try:
                 _kill_after_progress(proc, at, total, delay)
             finally:
@@ -165,6 +167,45 @@ def test_kills_at_random_steps_then_resume(backend, kills, total, ray_session, t
         )
         == backend
     )
+
+
+@pytest.mark.slow  # the checks are in the default tier: tests/core/test_checkpoints.py, and
+# tests/backends/test_checkpoint_checksums.py on real DCP and orbax checkpoints
+def test_damaged_checkpoint_then_resume_uses_the_previous_one(tmp_path):
+    """Issue 47: a truncated file in the newest checkpoint, then --resume: ~100 lines of
+    DCP traceback after the whole start-up. Now one line names the file before anything
+    starts and the run continues from the previous checkpoint. The first run, with
+    --resume-or-start into an empty run dir, starts at step 0."""
+    run = tmp_path / "run"
+    common = ["polyrl.RunConfig.save_every = 2", "polyrl.RunConfig.keep_checkpoints = 2"]
+
+    def train_cli(total: int, flag: str) -> str:
+        proc = _driver(
+            "torch_fsdp", _params(run, *common, f"polyrl.RunConfig.total_steps = {total}"), flag
+        )
+        try:
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            _kill_group(proc)
+        assert proc.returncode == 0, out
+        return out
+
+    assert "starting at step 0" in train_cli(4, "--resume-or-start")
+    shard = run / "checkpoints" / "step_4" / "actor" / "__0_0.distcp"
+    written = shard.stat().st_size
+    os.truncate(shard, written // 2)
+    out = train_cli(6, "--resume")
+    damaged = [line for line in out.splitlines() if " is damaged " in line]
+    assert len(damaged) == 1, out
+    assert f"actor/__0_0.distcp: {written // 2} bytes, {written} were written" in damaged[0]
+    assert f"resuming from {run / 'checkpoints' / 'step_2'}" in damaged[0]
+    assert f"[resume] from {run / 'checkpoints' / 'step_2'} at step 2" in out
+    assert "Traceback" not in out
+    print(damaged[0])
+    assert (run / "checkpoints" / "step_4.damaged" / "actor" / "__0_0.distcp").stat().st_size == (
+        written // 2
+    )  # kept
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.slow  # the engines' skip is in the default tier (tests/backends/test_contract.py)

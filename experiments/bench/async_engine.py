@@ -104,6 +104,7 @@ def run_engine_mode(args) -> dict:
     if args.child.startswith("server:"):
         return run_server_mode(args)
 
+    from polyrl.rollout.engines import scheduler_limits
     from polyrl.rollout.server import engine_kwargs, vllm_requests
 
     mode = args.child
@@ -112,7 +113,7 @@ def run_engine_mode(args) -> dict:
     kwargs = engine_kwargs(config, on_gpu=_on_gpu())
     reqs = requests(args)
     prompts, params = vllm_requests(reqs, spec(args), None)
-    times = []
+    times, limits = [], {}  # limits: the engine's scheduler's, read back
     if mode == "async":
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
@@ -123,6 +124,7 @@ def run_engine_mode(args) -> dict:
 
         async def main() -> list:
             engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+            limits.update(scheduler_limits(engine.vllm_config))
 
             async def one(k: int, rid: str) -> int:
                 async for out in engine.generate(prompts[k], params[k], rid):
@@ -141,6 +143,7 @@ def run_engine_mode(args) -> dict:
         from vllm import LLM
 
         llm = LLM(**kwargs)
+        limits.update(scheduler_limits(llm.llm_engine.vllm_config))
         for _ in range(args.calls + 1):
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -148,7 +151,7 @@ def run_engine_mode(args) -> dict:
     steady = times[1:]  # the first call warms the engine up
     seconds = statistics.median(t for t, _ in steady)
     tokens = steady[0][1]
-    return {"mode": mode, "step_s": seconds, "tok_s": tokens / seconds}
+    return {"mode": mode, "step_s": seconds, "tok_s": tokens / seconds, **limits}
 
 
 def _on_gpu() -> bool:
@@ -241,6 +244,7 @@ def run_server_mode(args) -> dict:
         else:
             _multi_turn_batched(server, reqs, args, turn_spec, obs)
         multi.append(time.perf_counter() - t0)
+    limits = {k: server.info()[k] for k in ("max_num_seqs", "max_num_batched_tokens")}
     server.shutdown()
     t_single, t_multi = statistics.median(t for t, _ in single), statistics.median(multi)
     return {
@@ -250,6 +254,7 @@ def run_server_mode(args) -> dict:
         "tok_s": single[0][1] / t_single,
         "multi_turn_step_s": t_multi,
         "multi_turn_episodes_s": len(reqs) / t_multi,
+        **limits,
     }
 
 
@@ -282,24 +287,28 @@ def main(argv=None) -> dict:
     result: dict = {"args": {k: v for k, v in vars(args).items() if k != "child"}}
     if not args.no_engine:
         result["engine"] = interleaved(args, args.modes.split(","))
-        print(f"{'vLLM alone':<10} {'step s':>7} {'tok/s':>9} {'vs llm':>7}  tok/s of each run")
+        print(
+            f"{'vLLM alone':<10} {'step s':>7} {'tok/s':>9} {'vs llm':>7} {'seqs':>5} "
+            f"{'batched':>7}  tok/s of each run"
+        )
         for m, r in result["engine"].items():
             print(
-                f"{m:<10} {r['step_s']:>7.3f} {r['tok_s']:>9.1f} {r['vs_llm']:>7.3f}  "
-                f"{r['tok_s_runs']}"
+                f"{m:<10} {r['step_s']:>7.3f} {r['tok_s']:>9.1f} {r['vs_llm']:>7.3f} "
+                f"{r['max_num_seqs']:>5.0f} {r['max_num_batched_tokens']:>7.0f}  {r['tok_s_runs']}"
             )
     if args.server:
         modes = [f"server:{e}" for e in args.server_engines.split(",")]
         result["server"] = interleaved(args, modes)
         print(
             f"{'RolloutServer':<15} {'start s':>8} {'1-turn s':>9} {'tok/s':>9} {'vs sync':>8} "
-            f"{'multi-turn s':>13} {'episodes/s':>11}"
+            f"{'multi-turn s':>13} {'episodes/s':>11} {'seqs':>5} {'batched':>7}"
         )
         for m, r in result["server"].items():
             print(
                 f"{m:<15} {r['start_s']:>8.1f} {r['single_turn_step_s']:>9.3f} {r['tok_s']:>9.1f} "
                 f"{r[f'vs_{modes[0]}']:>8.3f} {r['multi_turn_step_s']:>13.3f} "
-                f"{r['multi_turn_episodes_s']:>11.1f}"
+                f"{r['multi_turn_episodes_s']:>11.1f} {r['max_num_seqs']:>5.0f} "
+                f"{r['max_num_batched_tokens']:>7.0f}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpo_step import rollout_limits  # noqa: E402
 from profiling import format_top, phase_table  # noqa: E402
 
 
@@ -93,6 +94,11 @@ def main() -> None:
         },
         "limit_s": limit,
         "async_over_limit": step_async / limit,
+        # the rollout engines' scheduler limits (step 1's row), each run's
+        "rollout_limits": {
+            name: rollout_limits(next(r for r in rows if "time/step" in r))
+            for name, rows in (("sync", sync), ("async", ahead))
+        },
         "goal": 1.1,
         "meets_goal": step_async / limit <= 1.1,
     }
@@ -106,6 +112,7 @@ def main() -> None:
     ):
         print(f"{label:<28}{value:>10.2f}")
     print(f"async / limit = {step_async / limit:.3f} (goal <= 1.1)")
+    print(f"rollout limits: {result['rollout_limits']}")
     if args.profile:  # where each run's step went, phase by phase (sync's phases run in turn)
         for name in ("sync", "async"):
             prof = phase_table(work / name / "timeline.json", Path(args.profile) / name, args.skip)

@@ -84,6 +84,13 @@ def summarise(rows: list[dict], skip: int) -> dict:
     }
 
 
+def rollout_limits(first_row: dict) -> dict[str, int]:
+    """The scheduler limits the run's rollout engines ran at (step 1's row: read back from
+    the servers), ``max_num_seqs`` and ``max_num_batched_tokens``; empty without a rollout."""
+    keys = ("max_num_seqs", "max_num_batched_tokens")
+    return {k: int(first_row[f"rollout/{k}"]) for k in keys if f"rollout/{k}" in first_row}
+
+
 def table(summary: dict) -> str:
     step, meets = summary["step_s"], summary["meets"]
     verdict = {True: "met", False: "MISSED"}
@@ -137,6 +144,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"polyrl train failed (rc={proc.returncode}): {' '.join(cmd)}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         rows = [r for r in rows if "time/step" in r]
+        limits = rollout_limits(rows[0])
         profile, ops = None, {}
         if profiled:
             profile = phase_table(run_dir / "timeline.json", args.profile, args.skip, args.steps)
@@ -152,11 +160,14 @@ def main(argv=None) -> None:
         text += f"\nprofiled step {profiled} (not in the means): {phases}"
     for name, worker in ops.items():
         text += "\n" + "\n".join(format_top(worker, f"{name} op, step {profiled}"))
+    if limits:
+        text += "\nrollout limits: " + ", ".join(f"{k} {v}" for k, v in limits.items())
     print(text)
     result = {
         "gin": gin_files,
         "gin_params": params[:-2],
         **summary,
+        "rollout_limits": limits,
         "table": text.splitlines(),
         **({"profile": profile, "worker_ops": ops} if profile else {}),
         "last_metrics": rows[-1],

@@ -69,7 +69,6 @@ def _cpu_bindings() -> list[str]:
         "polyrl.SamplingSpec.max_tokens = 16",
         "polyrl.RolloutConfig.max_model_len = 256",
         "polyrl.RolloutConfig.max_prompt_len = 128",
-        "polyrl.RolloutConfig.max_num_batched_tokens = 8192",
     ]
 
 
@@ -83,6 +82,7 @@ def summary(result: dict, rows: int) -> dict:
         "generate_s": generate,
         "sampled_tokens": sampled,
         "rollout_tokens_per_s": sampled / generate,
+        "rollout_limits": result["rollout_limits"],
         "turns_mean": last.get("episode/turns_mean", 1.0),
         "tool_calls_mean": last.get("episode/tool_calls_mean", 0.0),
         "observation_token_share": last.get("episode/observation_token_share", 0.0),
@@ -161,6 +161,9 @@ def main(argv=None) -> dict:
         ("observation_token_share", "{:.3f}"),
     ):
         print(f"{key:<26} {fmt.format(single[key]):>12} {fmt.format(multi[key]):>16}")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):  # the engines' scheduler limits
+        a, b = (run["rollout_limits"].get(name, "-") for run in (single, multi))
+        print(f"{'rollout ' + name:<26} {a:>12} {b:>16}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out

@@ -142,7 +142,6 @@ def vllm_side(args, model_dir: Path, work: Path) -> dict:
 
     def load(name: str) -> None:
         weights = list(load_file(str(work / name)).items())
-        llm.collective_rpc("polyrl_begin_update")
         llm.collective_rpc("polyrl_load_bucket", args=(weights,))
         llm.collective_rpc("polyrl_finish_update")
         llm.reset_prefix_cache()
@@ -176,6 +175,9 @@ def vllm_side(args, model_dir: Path, work: Path) -> dict:
     results = llm.generate(prompts, gen, lora_request=request)
     seconds = time.perf_counter() - start
     out["generate_tok_s"] = sum(len(r.outputs[0].token_ids) for r in results) / seconds
+    from polyrl.rollout.engines import scheduler_limits
+
+    out["rollout_limits"] = scheduler_limits(llm.llm_engine.vllm_config)  # it ran at these
     out["logprobs"] = [
         [next(iter(step.values())).logprob for step in r.outputs[0].logprobs] for r in results
     ]
@@ -254,14 +256,16 @@ def main(argv=None) -> dict:
         print(
             f"merged: load full {m['load_full_s']:.3f} s, delta {m['load_delta_s']:.3f} s; "
             f"per version (export + load) full {m['per_version_full_s']:.3f} s, delta "
-            f"{m['per_version_delta_s']:.3f} s; generate {m['generate_tok_s']:.0f} tok/s"
+            f"{m['per_version_delta_s']:.3f} s; generate {m['generate_tok_s']:.0f} tok/s "
+            f"(scheduler limits {m['rollout_limits']})"
         )
     if "error" in a:
         print(f"adapters: failed: {a['error']}")
     else:
         print(
             f"adapters: load {a['load_adapter_s']:.3f} s; per version (write + load) "
-            f"{a['per_version_s']:.3f} s; generate {a['generate_tok_s']:.0f} tok/s"
+            f"{a['per_version_s']:.3f} s; generate {a['generate_tok_s']:.0f} tok/s "
+            f"(scheduler limits {a['rollout_limits']})"
         )
     print(json.dumps(out))
     if args.json:

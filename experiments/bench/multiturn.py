@@ -76,7 +76,6 @@ def main(argv=None) -> dict:
             dtype="float32",
             max_model_len=args.episode_tokens + 16,
             kv_cache_gib=0.5,
-            max_num_batched_tokens=max(4096, episodes_per_batch * args.episode_tokens),
         )
     )
     config = EpisodeConfig(
@@ -112,6 +111,7 @@ def main(argv=None) -> dict:
                     "single_turn_tokens": int(single["response_mask"].sum()),
                 }
             )
+        limits = pool.limits  # the engine's scheduler limits, read back
     finally:
         runner.shutdown()
         pool.shutdown()
@@ -120,6 +120,7 @@ def main(argv=None) -> dict:
     out = {
         "model": model,
         "episodes_per_batch": episodes_per_batch,
+        "rollout_limits": limits,
         "batches": warm,
         "median": {k: statistics.median(r[k] for r in warm) for k in warm[0]},
     }
@@ -128,7 +129,10 @@ def main(argv=None) -> dict:
     print(
         f"{episodes_per_batch} guess episodes ({kind}) a batch, median of {len(warm)} warm batches:"
     )
-    print(f"  wall {med['wall_s']:.3f} s  = {med['episodes_per_s']:.1f} episodes/s")
+    print(
+        f"  wall {med['wall_s']:.3f} s  = {med['episodes_per_s']:.1f} episodes/s "
+        f"(scheduler limits {limits})"
+    )
     print(
         f"  polyrl in the driver {med['driver_cpu_s']:.3f} CPU s over {med['turns']:.0f} "
         f"turns = {med['overhead_per_turn_ms']:.3f} ms a turn"

@@ -159,6 +159,13 @@ def main(argv=None) -> None:
         "  pool calls, vLLM's share of each: "
         + ", ".join(f"{r:.3f}" for r in result["pool_to_its_vllm"])
     )
+    lines.append(
+        "  scheduler limits (max_num_seqs, max_num_batched_tokens): "
+        + "; ".join(
+            f"{side} {lim['max_num_seqs']}, {lim['max_num_batched_tokens']}"
+            for side, lim in result["rollout_limits"].items()
+        )
+    )
     lines.append("  per call, the generating process (median): CPU s, involuntary switches; CPUs")
     for side, calls in result["process"].items():
         cpu_s = statistics.median(c["cpu_s"] for c in calls)

@@ -373,6 +373,12 @@ class DirectEngine:
     def timed_generate(self, prompts: list, spec) -> tuple[int, float]:
         return _generate_with(self.engine, self.allowed, prompts, spec)
 
+    def limits(self) -> dict[str, int]:
+        """The scheduler limits its engine runs at (as the servers report theirs)."""
+        from polyrl.rollout.engines import scheduler_limits
+
+        return scheduler_limits(self.engine.vllm_config)
+
 
 def _engine_generate(server, prompts: list, spec) -> tuple[int, float]:
     """Inside a rollout server (``__ray_call__``): its own vLLM engine called directly,
@@ -502,6 +508,8 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
             "direct",
             lambda: ray.get(direct.timed_generate.remote(prompts, short)),
         )
+    # the engines' scheduler limits, read back: each side's tokens/s is at these
+    limits = {"pool": pool.limits, "direct": ray.get(direct.limits.remote())}
     ray.kill(direct)
     rate = {k: statistics.median(n / s for n, s in v) for k, v in rows.items()}
     per_call = {k: [n / s for n, s in v] for k, v in rows.items()}
@@ -513,6 +521,7 @@ def bench_rollout(pool, args, profile: str | None = None, detokenize: bool = Fal
         "servers": pool.config.num_servers,
         "tokens_per_call": rows["pool"][0][0],
         "detokenize": detokenize,
+        "rollout_limits": limits,
         **{f"{k}_tok_s": v for k, v in rate.items()},
         # every timed call, in order: the noise beside the median
         "calls_tok_s": per_call,

@@ -36,7 +36,17 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-__all__ = ["AsyncEngine", "SyncEngine", "make_engine"]
+__all__ = ["AsyncEngine", "SyncEngine", "make_engine", "scheduler_limits"]
+
+LIMITS = ("max_num_seqs", "max_num_batched_tokens")
+
+
+def scheduler_limits(vllm_config: Any) -> dict[str, int]:
+    """The limits an engine's scheduler runs at, read back from its ``VllmConfig``:
+    ``max_num_seqs`` (requests sampled together) and ``max_num_batched_tokens`` (tokens
+    one engine step takes)."""
+    scheduler = vllm_config.scheduler_config
+    return {name: int(getattr(scheduler, name)) for name in LIMITS}
 
 
 class SyncEngine:
@@ -49,7 +59,8 @@ class SyncEngine:
 
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.model_config = self.llm.llm_engine.model_config
+        self.vllm_config = self.llm.llm_engine.vllm_config
+        self.model_config = self.vllm_config.model_config
 
     def generate(self, prompts: Sequence[dict], params: Sequence[Any]) -> list[Any]:
         """One final ``RequestOutput`` per prompt, in order."""
@@ -108,7 +119,8 @@ class AsyncEngine:
         if inspect.isawaitable(tokenizer):  # an async getter in some vLLM releases
             tokenizer = self.call(tokenizer)
         self.tokenizer = tokenizer
-        self.model_config = self.engine.model_config
+        self.vllm_config = self.engine.vllm_config
+        self.model_config = self.vllm_config.model_config
 
     async def _start(self, kwargs: dict[str, Any]) -> Any:
         # Created on its loop: the output handler task starts with it, on that loop.

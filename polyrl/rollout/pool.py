@@ -37,6 +37,7 @@ import numpy as np
 
 from polyrl.batch import Batch, from_token_lists
 from polyrl.cluster.groups import WorkerGroup
+from polyrl.rollout.engines import LIMITS
 from polyrl.rollout.sampling import OVERLONG_POLICIES, RolloutConfig, SamplingSpec
 from polyrl.rollout.server import RolloutServer, StaleWeightsError, sampling_vocab, server_env
 from polyrl.weight_sync import SyncStats, WeightSyncer
@@ -155,6 +156,12 @@ class RolloutPool:
         model_vocab = int(hf.get_text_config().vocab_size)
         self._planned_vocab = sampling_vocab(tokenizer_size, model_vocab, self.config)
         return self._planned_vocab
+
+    @property
+    def limits(self) -> dict[str, int]:
+        """The scheduler limits the servers' engines run at, as they read them back
+        (``max_num_seqs``, ``max_num_batched_tokens``; ``RolloutConfig``)."""
+        return {k: int(self.infos[0][k]) for k in LIMITS}
 
     @property
     def servers(self) -> list[Any]:

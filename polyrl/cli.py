@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import signal
 import sys
@@ -257,13 +256,9 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
             print(f"  WARNING {warning}", file=sys.stderr)
         return 1
     from polyrl.configure.validate import rows_per_prompt
-    from polyrl.role_table import Role, reference_in_actor, role_names
+    from polyrl.role_table import Role, reference_in_actor, run_roles
 
-    roles = [
-        *role_names(cfg, spec),
-        *([Role.ENV] if cfg.episodes is not None else []),
-        *([Role.REWARD] if spec.needs_reward else []),
-    ]
+    roles: list[str] = run_roles(cfg, spec)
     if reference_in_actor(cfg, spec):
         roles.insert(1, f"{Role.REFERENCE} (the actor's base, LoRA adapters off)")
     print(
@@ -328,8 +323,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from polyrl.loop.metrics import PLOTTED, latest_metrics, phase_summary, plot_run, read_jsonl
-    from polyrl.loop.trainer import COMPUTE_PHASES
+    from polyrl.loop.metrics import read_jsonl
+    from polyrl.loop.report import run_report
 
     if Path(args.run_dir, "sweep.json").exists():
         from polyrl.configure.sweep import report
@@ -345,24 +340,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     rows = read_jsonl(path)
     if not rows:
         raise UserError(f"{path} is empty: the run logged no step yet")
-    last = latest_metrics(rows)
-    print(f"run {args.run_dir}: {sum('time/step' in r for r in rows)} steps")
-    for key, _ in PLOTTED:
-        if key in last:  # first: the first row that has it (row 0 may be validation only)
-            first = next(r[key] for r in rows if key in r)
-            print(f"  {key:<24} first {first:9.4f}  last {last[key]:9.4f}")
-    print(phase_summary(rows, COMPUTE_PHASES))
-    print(f"plot: {plot_run(path, Path(args.run_dir, 'summary.png'))}")
-    for name, what in (
-        ("timeline.json", "open in https://ui.perfetto.dev"),
-        ("rollouts.jsonl", ""),
-    ):
-        if Path(args.run_dir, name).exists():
-            print(f"{name.split('.')[0]}: {Path(args.run_dir, name)} {what}".rstrip())
-    profiled = Path(args.run_dir, "profile").glob("step_*/summary.json")
-    for summary in sorted(profiled, key=lambda p: int(p.parent.name.removeprefix("step_"))):
-        workers = ", ".join(json.loads(summary.read_text()))
-        print(f"profile: {summary.parent} ({workers}; top ops in summary.json)")
+    print(run_report(args.run_dir, rows), end="")
     return 0
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "TRAINED_ROLES",
     "VALUE_HEAD_ROLES",
     "role_names",
+    "run_roles",
     "trained_roles",
     "reference_in_actor",
 ]
@@ -112,6 +113,14 @@ def role_names(cfg: Any, spec: Any) -> list[Role]:
         Role.SHADOW: rl and bool(cfg.shadow_every),
     }
     return [role for role, started in starts.items() if started]
+
+
+def run_roles(cfg: Any, spec: Any) -> list[Role]:
+    """Every role this run starts: :func:`role_names`' placed roles, then the env workers
+    (``RunConfig.episodes``) and the rule-reward workers (an algorithm that scores with
+    reward functions)."""
+    light = {Role.ENV: cfg.episodes is not None, Role.REWARD: spec.needs_reward}
+    return role_names(cfg, spec) + [role for role, started in light.items() if started]
 
 
 def trained_roles(cfg: Any, spec: Any) -> list[Role]:

@@ -319,22 +319,34 @@ def test_the_role_table_decides_engines_facts():
         ModelConfig("/m", role="reward")  # the rule-reward workers host no engine
 
 
-def _places_naming_roles(path):
-    """Literal collections, comparisons and conditionals in ``path`` that name two or
-    more roles by string (docstrings and comments are not code)."""
+def _places_naming_roles(path, text=None):
+    """Literal collections, comparisons, conditionals and ``match`` statements in the
+    code at ``path`` that name two or more roles, as strings or as ``Role`` members
+    (docstrings and comments are not code)."""
     import ast
 
     from polyrl.role_table import Role
 
     names = {str(r) for r in Role}
-    kinds = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BoolOp, ast.IfExp, ast.Compare)
+
+    def role(node):
+        if isinstance(node, ast.Constant) and node.value in names:
+            return node.value
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "Role"
+            and node.attr in Role.__members__
+        ):
+            return str(Role[node.attr])
+        return None
+
+    kinds = (ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BoolOp, ast.IfExp, ast.Compare, ast.Match)
     out, seen = [], set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text() if text is None else text)):
         if not isinstance(node, kinds) or id(node) in seen:
             continue
-        found = {
-            n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names
-        }
+        found = {r for n in ast.walk(node) if (r := role(n)) is not None}
         if len(found) >= 2:
             out.append(f"{path}:{node.lineno}: {sorted(found)}")
             seen.update(id(n) for n in ast.walk(node))
@@ -343,7 +355,9 @@ def _places_naming_roles(path):
 
 def test_only_the_role_table_lists_roles():
     """docs/design.md "Roles": a module asks polyrl.role_table (Role, ROLE_TABLE, the
-    derived tuples, role_names) instead of listing role names again."""
+    derived tuples, role_names, run_roles) which roles train, carry a value head, host an
+    engine, keep their settings where, or start in a run, instead of listing role names
+    again, by string or by Role member, in any code of the project (benchmarks too)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
@@ -352,12 +366,27 @@ def test_only_the_role_table_lists_roles():
         "polyrl/observe/shadow.py": 'the check\'s sides ("rollout", "train", "shadow"), not roles',
         "polyrl/config.py": "_moved translates the former role_pools keys",
         "polyrl/observe/timeline.py": 'phases named "reward" and "reference", mapped to Role members',
+        "polyrl/loop/metrics.py": 'PHASE_ORDER: phases named "reward", "reference", "shadow"',
     }
     found = [
         place
-        for package in ("polyrl", "backends", "algos")
+        for package in ("polyrl", "backends", "algos", "experiments")
         for path in sorted((root / package).rglob("*.py"))
         if str(path.relative_to(root)) not in allowed
         for place in _places_naming_roles(path)
     ]
     assert found == [], "\n".join(found)
+
+
+def test_role_listing_check_sees_members_and_strings(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text(
+        '"""actor and critic train."""\n'
+        "from polyrl.role_table import Role\n"
+        "TRAINS = (Role.ACTOR, Role.CRITIC)\n"
+        "def f(role, cfg):\n"
+        '    heads = {"critic": 1, "reward_model": 2}\n'
+        "    light = [Role.ENV] if cfg else [Role.REWARD]\n"
+        "    return role == Role.ACTOR or role == 'critic'\n"
+    )
+    assert sorted(int(p.split(":")[-2]) for p in _places_naming_roles(sample)) == [3, 5, 6, 7]

@@ -383,7 +383,8 @@ def summary_figure(rows: list[dict[str, Any]]) -> Any:
     turns and tool calls, the shadow check's gaps), :data:`SPARE_PANELS` to fill the row,
     and last :data:`PHASES_TITLE`: each phase's seconds a step as a line of
     :func:`phase_colour` (phases may run at once: never stacked), the wall step time
-    (black, label ``step (wall)``) and the framework overhead (dashed). Each resume
+    (black, label ``step (wall)``) and the framework overhead (dashed); a start's first
+    step far above the rest is off the scale, its wall time written on the panel. Each resume
     (:func:`resume_steps`) is a dotted vertical line (``gid`` ``"resume"``) in every panel."""
     import matplotlib
 
@@ -428,6 +429,23 @@ def summary_figure(rows: list[dict[str, Any]]) -> Any:
         curve(ax, f"time/{name}", color=phase_colour(name), linewidth=1, label=name)
     ax.set_title(PHASES_TITLE)
     ax.set_ylim(bottom=0)
+
+    # A start's first step (compiles, warm-ups) may take 30x the others: when over 3x, it
+    # goes off the scale, its wall time written at the top, so later steps stay readable.
+    def tallest(r: dict[str, Any]) -> float:
+        shown = (v for k, v in r.items() if k.startswith("time/") and k != "time/validate")
+        return max(shown, default=0.0)
+
+    first = [r for r in rows if "startup/total_s" in r]
+    top = 1.1 * max((tallest(r) for r in rows if "startup/total_s" not in r), default=0.0)
+    if top and max(map(tallest, first), default=0.0) > 3 * top:
+        ax.set_ylim(0, top)
+        for r in first:
+            if tallest(r) > top:
+                wall = r.get("time/step", tallest(r))
+                note = f"step {r['step']}: {wall:.1f} s"
+                box = {"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1}
+                ax.text(r["step"], top, note, fontsize=6, ha="center", va="top", bbox=box)
     for ax in axes[: len(panels) + 1]:
         for i, step in enumerate(resume_steps(rows)):
             label = "resumed" if i == 0 and ax is axes[len(panels)] else None

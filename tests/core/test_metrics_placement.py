@@ -344,3 +344,18 @@ _KEYS = {
     "episode/tool_calls_mean", "shadow/gap_mean/rollout_train", "shadow/gap_mean/rollout_shadow",
     "shadow/gap_mean/train_shadow", "rollout/log_prob_diff_mean", "rollout/log_prob_diff_max",
 }  # fmt: skip
+
+
+def test_summary_phase_panel_keeps_a_start_s_first_step_off_the_scale():
+    """Seen on the real tiny GRPO run (issue 47): step 1 (compiles, warm-up: 10.6 s)
+    flattened every later step (0.3 s) to the axis. The first step of each start is
+    clipped and its wall time written on the panel."""
+    from polyrl.loop.metrics import summary_figure
+
+    rows = _step_rows(range(1, 7))
+    for r in rows[0], rows[3]:  # a start, and a resume from step 3 (its steps compile again)
+        r |= {"time/step": 10.0 + r["step"], "startup/total_s": 9.0}
+    ax = _panel(summary_figure(rows), "phase time per step (s)")
+    assert 1.0 <= ax.get_ylim()[1] < 2.0  # the other steps' 1 s fill the panel
+    notes = sorted(t.get_text() for t in ax.texts)
+    assert notes == ["step 1: 11.0 s", "step 4: 14.0 s"]

@@ -82,10 +82,9 @@ def main() -> None:
     result["sandbox_runs_per_s"] = n / (time.perf_counter() - t0)
     result["threads"] = args.threads
     probe = run_python("print(1)")
-    result["network_isolated"], result["pid_namespace"] = (
-        probe.network_isolated,
-        probe.pid_namespace,
-    )
+    result["network_isolated"] = probe.network_isolated
+    result["pid_namespace"] = probe.pid_namespace
+    result["proc_isolated"] = probe.proc_isolated
 
     for key, value in result.items():
         print(f"{key:24s} {value:.1f}" if isinstance(value, float) else f"{key:24s} {value}")

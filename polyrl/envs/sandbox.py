@@ -14,11 +14,14 @@ variables) in its own session (process group), with:
 - the temporary directory as working directory, ``HOME`` and ``TMPDIR``, removed after
   the run; an environment of a few fixed variables (nothing of the caller's);
 - where the platform allows it (Linux, as root or with ``CAP_SYS_ADMIN``), namespaces
-  made by ``unshare``: a new, empty network namespace (no network, not even loopback)
-  and a new PID namespace (the code cannot signal the caller's processes, and every
-  process it starts dies when it ends, even one that left the process group).
-  Where that is refused, the code runs with the caller's network and process table;
-  ``SandboxResult.network_isolated`` and ``pid_namespace`` say which happened.
+  made by ``unshare``: a new, empty network namespace (no network, not even loopback),
+  a new PID namespace (the code cannot signal the caller's processes, and every
+  process it starts dies when it ends, even one that left the process group) and a new
+  mount namespace with a ``/proc`` of that PID namespace mounted (the code cannot list
+  the caller's processes nor read ``/proc/<pid>/environ``, where the caller's
+  environment variables are). Where that is refused, the code runs with the caller's
+  network, process table and ``/proc``; ``SandboxResult.network_isolated``,
+  ``pid_namespace`` and ``proc_isolated`` say which happened.
 
 What it does not protect against is in docs/agents.md ("The Python sandbox"): it is a
 guard against runaway and careless code, not a security boundary.
@@ -86,7 +89,9 @@ class SandboxResult:
     "output" (past ``max_output_bytes``; the output is truncated there) -- or "error" (it
     could not start, or a signal no limit explains ended it). ``network_isolated``: the
     code ran in an empty network namespace; ``pid_namespace``: in its own PID namespace,
-    so every process it started was killed when it ended."""
+    so every process it started was killed when it ended; ``proc_isolated``: its
+    ``/proc`` was that namespace's (its own mount namespace), so it could not list the
+    caller's processes nor read their environment or command lines there."""
 
     stdout: str
     stderr: str
@@ -95,6 +100,7 @@ class SandboxResult:
     network_isolated: bool = False
     pid_namespace: bool = False
     seconds: float = 0.0
+    proc_isolated: bool = False
 
 
 # Runs first in the child, before the user's code: namespaces, limits, then main.py as
@@ -142,8 +148,12 @@ try:
     libc = ctypes.CDLL(None, use_errno=True)
     net = libc.unshare(0x40000000) == 0  # CLONE_NEWNET
     pids = libc.unshare(0x20000000) == 0  # CLONE_NEWPID: applies to the next child
+    # CLONE_NEWNS, then every mount private (MS_REC | MS_PRIVATE): the /proc mounted
+    # below must not propagate to the host's mount namespace.
+    mounts = pids and libc.unshare(0x20000) == 0
+    mounts = mounts and libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0
 except (OSError, AttributeError):
-    net = pids = False
+    net = pids = mounts = False
 tell(network_isolated=net, pid_namespace=pids)
 cap(resource.RLIMIT_CPU, limits["cpu"], limits["cpu"] + 1)
 cap(resource.RLIMIT_AS, limits["memory"], limits["memory"])
@@ -157,6 +167,12 @@ if init:
     os.waitpid(init, 0)
     os._exit(0)
 libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: init dies with the process above it
+if mounts:
+    # A /proc of this PID namespace (its processes only), the host's detached first
+    # (MNT_DETACH) so that unmounting the new one cannot show it again.
+    libc.umount2(b"/proc", 2)
+    proc = libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0  # nosuid,nodev,noexec
+    tell(proc_isolated=proc)
 program = os.fork()
 if program == 0:
     run()
@@ -228,9 +244,13 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
 @functools.cache
 def isolation() -> dict[str, bool]:
     """Which namespaces a sandboxed run gets on this machine (one probe run, cached):
-    ``{"network": ..., "pids": ...}``."""
+    ``{"network": ..., "pids": ..., "proc": ...}``."""
     probe = run_python("pass")
-    return {"network": probe.network_isolated, "pids": probe.pid_namespace}
+    return {
+        "network": probe.network_isolated,
+        "pids": probe.pid_namespace,
+        "proc": probe.proc_isolated,
+    }
 
 
 def _run(workdir: str, limits: SandboxLimits, start: float) -> SandboxResult:
@@ -291,6 +311,7 @@ def _run(workdir: str, limits: SandboxLimits, start: float) -> SandboxResult:
         reason=reason,
         network_isolated=bool(status.get("network_isolated")),
         pid_namespace=bool(status.get("pid_namespace")),
+        proc_isolated=bool(status.get("proc_isolated")),
         seconds=time.monotonic() - start,
     )
 

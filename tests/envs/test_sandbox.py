@@ -21,6 +21,29 @@ from polyrl.envs.sandbox import SandboxLimits, isolation, run_python
 FAST = SandboxLimits(cpu_s=1, memory_mb=256, wall_s=60, max_output_bytes=4096)
 
 
+def _may_make_namespaces() -> bool:
+    """Whether this process holds CAP_SYS_ADMIN (root, as in CI here, has it), which is
+    what unshare needs for the network, PID and mount namespaces on Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caps.split()[1], 16) >> 21 & 1)  # CAP_SYS_ADMIN is bit 21
+
+
+def _require_namespaces() -> None:
+    """Skip only where the kernel may refuse the namespaces (no CAP_SYS_ADMIN): where it
+    may not refuse (root, CI), a sandbox that ran without them fails the test instead of
+    skipping it."""
+    if not _may_make_namespaces():
+        pytest.skip(
+            "no CAP_SYS_ADMIN here (not root, or a container that drops it): the sandbox "
+            "runs without namespaces, as docs/agents.md says"
+        )
+    assert isolation() == {"network": True, "pids": True, "proc": True}, isolation()
+
+
 def test_prints_and_exits():
     result = run_python("print(6 * 7)\nimport sys; sys.exit(3)", FAST)
     assert (result.stdout, result.stderr, result.exit_code, result.reason) == ("42\n", "", 3, None)
@@ -132,6 +155,50 @@ def test_environment_is_stripped(monkeypatch):
     assert flags == "1 False"
 
 
+def test_the_callers_environment_cannot_be_read_through_proc():
+    """Issue 47: the program got none of the caller's variables, yet read them from
+    /proc/<pid>/environ of the env worker that called the sandbox (an HF_TOKEN). Here the
+    caller is a process started with a secret in its environment, as an env worker is;
+    the program walks /proc/*/environ for it. With a PID namespace the program gets a
+    /proc of that namespace, where no process of the caller's is."""
+    _require_namespaces()
+    secret = "polyrl-sandbox-secret-4711"
+    code = textwrap.dedent(
+        f"""
+        import os
+        found = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{{pid}}/environ", "rb") as f:
+                    if {secret!r}.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                pass
+        print("found in", found if found else "none")
+        """
+    )
+    caller = textwrap.dedent(
+        f"""
+        from polyrl.envs.sandbox import run_python
+        result = run_python({code!r})
+        print(repr((result.stdout, result.stderr, result.proc_isolated)))
+        """
+    )
+    env = {**os.environ, "POLYRL_TEST_SECRET": secret}
+    # The same walk outside the sandbox finds the caller: the check can fail.
+    outside = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert outside.stdout.startswith("found in ['"), outside.stdout + outside.stderr
+    inside = subprocess.run(
+        [sys.executable, "-c", caller], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert inside.returncode == 0, inside.stderr
+    assert inside.stdout == repr(("found in none\n", "", True)) + "\n", (
+        inside.stdout + inside.stderr
+    )
+
+
 def _connect_code(port: int) -> str:
     return textwrap.dedent(
         f"""
@@ -155,49 +222,57 @@ def test_network_is_unreachable_where_unshare_works():
             [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
         )
         assert outside.stdout == "connected\n", outside.stderr
+        _require_namespaces()
         result = run_python(code, FAST)
-    assert result.network_isolated == isolation()["network"]
-    if not result.network_isolated:
-        pytest.skip(
-            "unshare(CLONE_NEWNET) is refused here (not root, no CAP_SYS_ADMIN, or not "
-            "Linux): the sandbox runs with the network, as docs/agents.md says"
-        )
+    assert result.network_isolated
     assert result.stdout.startswith("refused"), result.stdout + result.stderr
 
 
 def test_processes_it_leaves_behind_die_with_it(tmp_path):
     """A child that leaves the process group (setsid) and sleeps: in a PID namespace it
     dies when the program ends, and does not hold the output pipes open until the wall
-    clock. /proc is the host's, so /proc/self names its host pid."""
-    pid_file = tmp_path / "pid"
+    clock. Its /proc is its namespace's, so it names itself (the process name, which the
+    host's /proc shows too) for the test to find it there."""
+    _require_namespaces()
+    name_file = tmp_path / "name"
+    name = f"sbx-orphan-{os.getpid() % 10000}"
     code = textwrap.dedent(
         f"""
-        import os, time
+        import ctypes, os, time
         if os.fork() == 0:
             os.setsid()
-            with open({str(pid_file)!r}, "w") as f:
-                f.write(os.readlink("/proc/self"))
+            ctypes.CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)  # PR_SET_NAME
+            with open({str(name_file)!r}, "w") as f:
+                f.write(open("/proc/self/comm").read().strip())
             time.sleep(60)
             os._exit(0)  # never the parent's code below, had it outlived the run
-        while not os.path.exists({str(pid_file)!r}):
+        while not os.path.exists({str(name_file)!r}):
             time.sleep(0.01)
         print("parent done")
         """
     )
-    if not isolation()["pids"]:
-        # Without it the child would outlive the run (docs/agents.md says so): not tried.
-        pytest.skip(
-            "unshare(CLONE_NEWPID) is refused here (not root, no CAP_SYS_ADMIN, or not Linux)"
-        )
     result = run_python(code, SandboxLimits(wall_s=60, allow_subprocesses=True))
     assert result.pid_namespace
     assert (result.stdout, result.exit_code, result.reason) == ("parent done\n", 0, None)
-    pid = int(pid_file.read_text())
+    assert name_file.read_text() == name
     for _ in range(500):  # the kernel kills it at once; give the kill 5 s to show
-        if not _alive(pid):
+        if not _named(name):
             break
         time.sleep(0.01)
-    assert not _alive(pid)
+    assert _named(name) == []
+
+
+def _named(name: str) -> list[int]:
+    """Host pids of running (not zombie) processes called ``name``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() == name and _alive(int(pid)):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -211,10 +286,7 @@ def _alive(pid: int) -> bool:
 
 def test_the_callers_processes_cannot_be_signalled():
     # Signal 0 only probes: outside a PID namespace it would reach this process.
-    if not isolation()["pids"]:
-        pytest.skip(
-            "unshare(CLONE_NEWPID) is refused here (not root, no CAP_SYS_ADMIN, or not Linux)"
-        )
+    _require_namespaces()
     code = f"import os\ntry:\n    os.kill({os.getpid()}, 0)\n    print('reached')\nexcept ProcessLookupError:\n    print('no such process')"
     assert run_python(code, FAST).stdout == "no such process\n"
 

@@ -272,6 +272,12 @@ def _call_problems(error: Exception, label: str) -> list[str]:
     return [_call_problem(error, label)]
 
 
+def _scoped_message(problem: str) -> tuple[str, str]:
+    """(gin scope, message) of a ``scope/selector: message`` problem."""
+    label, _, message = problem.partition(": ")
+    return label.rpartition("/")[0], message
+
+
 def _call_problem(error: Exception, label: str) -> str:
     lines = str(error).splitlines()
     scope = re.search(r"in scope '([^']+)'", str(error))
@@ -330,9 +336,10 @@ def bind(
                 gin.get_configurable(found.selector)()
         except (ValueError, TypeError) as e:
             # a nested configurable's problem (the role's OptimConfig) is named once
-            said = {p.partition(": ")[2] for p in problems}
+            # per scope
+            said = {_scoped_message(p) for p in problems}
             problems += [
-                p for p in _call_problems(e, found.selector) if p.partition(": ")[2] not in said
+                p for p in _call_problems(e, found.selector) if _scoped_message(p) not in said
             ]
     if problems:
         raise ConfigError(problems)

@@ -4,23 +4,26 @@ vLLM mixes this class into every worker of an engine (``worker_extension_cls``);
 rollout server reaches its methods with ``LLM.collective_rpc("polyrl_...")``. One
 weight update is always::
 
-    polyrl_begin_update()            once (vLLM-CPU only); the server resets the prefix cache
     polyrl_load_bucket(payload)      per bucket (or _ipc / _nccl variants)
     polyrl_finish_update()           once (vLLM-CPU only)
 
-Version-specific part (kept to :func:`_begin`/:func:`_finish`):
+(the server resets the prefix cache when the update begins). Version-specific part
+(kept to :func:`_open_layers`/:func:`_finish`):
 
 * vLLM-CPU 0.32 packs every linear weight into an oneDNN handle and empties
   ``layer.weight``, so a plain ``model.load_weights`` writes into tensors the kernels
   never read. There we open vLLM's layer-wise reload (``initialize_layerwise_reload``:
-  layers go back to checkpoint format and buffer what they receive until complete),
-  stream every bucket through ``model.load_weights``, and close it
-  (``finalize_layerwise_reload`` re-packs each reloaded layer). This is what the
+  layers go back to checkpoint format and buffer what they receive until complete) for
+  the layers each bucket loads into, stream the bucket through ``model.load_weights``,
+  and close it (``finalize_layerwise_reload`` re-packs each reloaded layer). The
   worker's own ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``
-  does in one call; splitting it lets buckets stream in with about one layer
-  buffered, and a layer split across two buckets is still processed whole. With tied
-  embeddings ``lm_head`` loads nothing itself, so the reload never re-processes it;
-  :func:`_finish` re-packs it from the shared weight. (An earlier vLLM-CPU build here showed a stale ``lm_head``
+  opens every layer at once and takes one iterator; opening per bucket lets buckets
+  stream in with about one layer buffered (a layer split across two buckets is still
+  processed whole), and leaves the layers an update does not send (a LoRA push's
+  frozen base, the computed rotary cache, a tied ``lm_head``) packed as they are:
+  opened, they would be put back unchanged with a "Failed to load weights" warning
+  each. With tied embeddings ``lm_head`` loads nothing itself, so the reload never
+  re-processes it; :func:`_finish` re-packs it from the shared weight. (An earlier vLLM-CPU build here showed a stale ``lm_head``
   after ``reload_weights``; on this host the streamed path is correct with and without
   the re-pack, fp32 and bf16 — which GEMM kernel vLLM picks, and whether it keeps a
   packed copy, depends on dtype, shape and CPU ISA — so it stays as a cheap guard.)
@@ -39,7 +42,6 @@ workers in other processes (vLLM's RPC turns tensors inside arguments into lists
 
 from __future__ import annotations
 
-import logging
 import pickle
 from typing import Any
 
@@ -61,9 +63,6 @@ class WeightReceiver:
     """Methods vLLM adds to its Worker class (``self`` is the vLLM worker)."""
 
     # ----------------------------------------------------------- load protocol
-    def polyrl_begin_update(self) -> None:
-        _begin(self)
-
     def polyrl_load_bucket(self, payload: Any) -> int:
         """Load one bucket; returns the number of tensors received."""
         weights = decode_payload(payload)
@@ -172,7 +171,10 @@ def _load(worker, weights, flat=None, metas=None, persistent: bool = False) -> N
     parameters (GPU), else (vLLM-CPU's layer-wise reload, plans turned off) with
     ``load_weights``. ``flat``/``metas``: the flat buffer the weights view, if any;
     ``persistent``: later buckets of the layout arrive in that buffer again (CUDA IPC)."""
-    if _packs_cpu_weights() or not getattr(worker, "polyrl_load_plan", True):
+    if _packs_cpu_weights():
+        _load_weights(worker, _open_layers(worker, weights))
+        return
+    if not getattr(worker, "polyrl_load_plan", True):
         _load_weights(worker, weights)
         return
     if getattr(worker, "polyrl_planner", None) is None:
@@ -188,29 +190,42 @@ def _packs_cpu_weights() -> bool:
     return current_platform.is_cpu()
 
 
-def _begin(worker) -> None:
-    if not _packs_cpu_weights():
-        return
+def _open_layers(worker, weights: list) -> list:
+    """Open vLLM-CPU's layer-wise reload for the layers the HF tensors ``weights`` load
+    into (a layer already open stays as it is); returns the tensors to load. The model's
+    own name mapping (``hf_to_vllm_mapper``, e.g. ``q_proj`` -> ``qkv_proj``) names the
+    layer; a name it does not place on a layer's own parameter opens the whole model
+    (what ``reload_weights`` does), so no tensor can reach a packed layer left closed.
+    A tied ``lm_head`` is left out: the loader skips it, and with the embedding left
+    closed it would take it for an alias of a tensor the bucket lacks and raise
+    (:func:`_finish` re-packs it from the embedding)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+    model = _model(worker)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    tied = worker.vllm_config.model_config.hf_config.tie_word_embeddings
+    kept, layers = [], {}
+    for name, tensor in weights:
+        mapped = mapper.map_name(name) if mapper is not None else name
+        if tied and (mapped or name).startswith("lm_head."):
+            continue
+        kept.append((name, tensor))
+        if mapped is None or id(model) in layers:  # None: a tensor the loader skips
+            continue
+        path, _, param = mapped.rpartition(".")
+        try:
+            layer = model.get_submodule(path)
+        except AttributeError:
+            layer = None
+        if layer is None or param not in dict(layer.named_parameters(recurse=False)):
+            layers = {id(model): model}
+        else:
+            layers[id(layer)] = layer
     with set_current_vllm_config(worker.vllm_config):
-        initialize_layerwise_reload(_model(worker))
-
-
-class _ExpectedReloadWarnings(logging.Filter):
-    """Layers that never receive trainer weights: the rotary cache is computed, not
-    trained, and a tied lm_head shares embed_tokens (re-packed in :func:`_finish`). The
-    layer-wise reload keeps their tensors and warns "Failed to load weights" for each on
-    every update; those two warnings are expected and dropped, any other is kept."""
-
-    def __init__(self, tied: bool):
-        super().__init__()
-        self.layers = ("RotaryEmbedding: ", "ParallelLMHead: ") if tied else ("RotaryEmbedding: ",)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not (message.endswith("Failed to load weights") and message.startswith(self.layers))
+        for layer in layers.values():
+            initialize_layerwise_reload(layer)
+    return kept
 
 
 def _finish(worker) -> None:
@@ -218,13 +233,10 @@ def _finish(worker) -> None:
         return
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    from vllm.model_executor.model_loader.reload import layerwise
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     model = _model(worker)
     tied = worker.vllm_config.model_config.hf_config.tie_word_embeddings
-    if not any(isinstance(f, _ExpectedReloadWarnings) for f in layerwise.logger.filters):
-        layerwise.logger.addFilter(_ExpectedReloadWarnings(tied))
     with set_current_vllm_config(worker.vllm_config):
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
     if tied and hasattr(model, "lm_head"):

@@ -113,6 +113,10 @@ class SamplingSpec:
             flat_logprobs=True,  # flat lists, not a dict and a Logprob object per token
             allowed_token_ids=allowed_token_ids,
             skip_special_tokens=True,
+            # Each request gets SamplingParams of its own (server.vllm_requests): vLLM's
+            # defensive deep copy of them per request is waste, and with the allowed ids
+            # of a real vocabulary (151k with Qwen's) it took 40 ms a request.
+            skip_clone=True,
         )
 
 

@@ -45,6 +45,9 @@ def test_vllm_requests_are_one_seeded_sample_each():
     # the seed is the sample's index mixed with the spec's: 7 * 1_000_003 + index
     assert [p.seed for p in params] == [7_000_025, 7_000_026]
     assert all(p.allowed_token_ids == [0, 1, 2] and p.logprobs == 0 for p in params)
+    # vLLM copies a request's params before it samples: a shallow copy, not the allowed
+    # ids again per request (151k of them with a real Qwen vocabulary: 40 ms a request)
+    assert all(p.clone().allowed_token_ids is p.allowed_token_ids for p in params)
 
 
 def test_rollout_config_errors_name_the_field():

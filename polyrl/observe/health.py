@@ -134,6 +134,13 @@ ADVICE = {
         "steps: the env rarely says done; raise max_turns or check the env's done "
         "condition (docs/agents.md 'Health warnings')"
     ),
+    "history_rewritten": (
+        "{value:.0%} of the step's episodes rewrote their history (an agent's call did not "
+        "extend its previous call, or offered other tools), so each trains only its calls "
+        "after its last rewrite: {detail}. Send each call the previous call's messages, "
+        "its reply and the new messages, with the same tools on every call "
+        "(docs/agents.md 'Exact tokens')"
+    ),
     "logprob_side": ("{detail} (docs/diagnosis.md)"),
     "phase_slow": (
         "{detail} is {value:.3g}x its median so far: look at the timeline (timeline.json) "
@@ -274,6 +281,7 @@ class HealthMonitor:
         never = m.get("episode/tools_offered", 0.0) > 0 and calls == 0
         failing = calls > 0 and m.get("episode/tool_error_share", 0.0) > self.majority
         cut = m.get("episode/finish/max_turns", 0.0)
+        rewrote = m.get("episode/history_rewrite_share", 0.0)
         return {
             "tools_never_called": self._fire("tools_never_called", never, 0, sustained=True),
             "tool_calls_failing": self._fire(
@@ -281,6 +289,9 @@ class HealthMonitor:
             ),
             "episodes_cut_at_max_turns": self._fire(
                 "episodes_cut_at_max_turns", cut > self.majority, cut, sustained=True
+            ),
+            "history_rewritten": self._fire(
+                "history_rewritten", rewrote > self.majority, rewrote, detail=_rewrites(m)
             ),
         }
 
@@ -337,6 +348,29 @@ class HealthMonitor:
                     worst, detail = ratio, f"phase {key[5:]} took {m[key]:.2f} s, which"
         slow = worst > self.slow_factor
         return {"phase_slow": self._fire("phase_slow", slow, worst, detail=detail)}
+
+
+def _rewrites(m: dict[str, float]) -> str:
+    """What the step's rewrites changed (``episode/rewrite/...`` metrics), most common first."""
+    prefix = "episode/rewrite/"
+    found = sorted(
+        ((v, k[len(prefix) :]) for k, v in m.items() if k.startswith(prefix) and v > 0),
+        reverse=True,
+    )
+    parts = []
+    for share, what in found:
+        kind, _, rest = what.partition("/")
+        if kind == "message":
+            index, role = rest.split("/", 1)
+            text = f"message {index} ({role}) differed from the previous call's"
+        elif kind == "tool_added":
+            text = f"tool {rest!r} offered, not on the previous call"
+        elif kind == "tool_removed":
+            text = f"tool {rest!r} offered on the previous call, not on the next"
+        else:
+            text = "the tools' definitions changed"
+        parts.append(f"{text} ({share:.0%} of the episodes)")
+    return "; ".join(parts) or "what differed was not recorded"
 
 
 def reference_moved(

@@ -321,6 +321,10 @@ class EpisodeRunner:
         }
         for reason in FINISH_REASONS:
             out[f"episode/finish/{reason}"] = sum(e.finish == reason for e in episodes) / n
+        # what the rewrites changed (openai_endpoint.rewrite_reasons): the share of episodes
+        rewrites = sorted({k for e in episodes for k in e.info if k.startswith("rewrite/")})
+        for key in rewrites:
+            out[f"episode/{key}"] = sum(bool(e.info.get(key)) for e in episodes) / n
         if self.config.check_drift:
             drifted = [e.drift for e in episodes if e.drift]
             out["episode/drift_share"] = len(drifted) / n

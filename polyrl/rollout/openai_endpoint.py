@@ -20,9 +20,10 @@ client"). A call is recorded under the episode named by its base URL,
   does: when a call's messages are the previous call's messages, the reply it got and new
   messages (tool results, a user turn), its prompt is the previous prompt + the sampled
   ids + the template's tokens for the new messages (``ChatTokens.observation``), never a
-  re-tokenization. A call whose messages do not extend the previous ones (the agent
-  rewrote its history) starts the episode's trajectory afresh: only the calls from the
-  last rewrite on are trained, and ``info["history_rewrites"]`` counts them.
+  re-tokenization. A call whose messages do not extend the previous ones, or that offers
+  other tools (the agent rewrote its history), starts the episode's trajectory afresh:
+  only the calls from the last rewrite on are trained, ``info["history_rewrites"]``
+  counts them and ``info["rewrite/..."]`` says what differed (:func:`rewrite_reasons`).
 
 :func:`run_agents` plays registered agents (``polyrl.envs.agents``) on episodes of the
 episode loop, each with an ``openai.AsyncOpenAI`` client on its own base URL, and leaves
@@ -52,7 +53,7 @@ from polyrl.envs.base import EpisodeConfig
 from polyrl.rollout.sampling import SamplingSpec
 from polyrl.rollout.trajectory import ChatTokens, Episode, TemplateError
 
-__all__ = ["AgentEndpoint", "RequestError", "run_agents"]
+__all__ = ["AgentEndpoint", "RequestError", "rewrite_reasons", "run_agents"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,35 @@ def _arguments(value: Any) -> Any:
         except json.JSONDecodeError:
             return value
     return value
+
+
+def rewrite_reasons(
+    history: Sequence[tuple], messages: Sequence[tuple], tools_before: Any, tools: Any
+) -> list[str]:
+    """What made a call rewrite its episode's history (``_normal`` messages: the previous
+    call's with its reply, and this call's), as ``episode/rewrite/...`` metric names:
+    ``message/<index>/<role>`` for the first of this call's messages that differs from
+    the history (or the first history message it leaves out), ``tool_added/<name>`` and
+    ``tool_removed/<name>`` for the tools offered now and not before, or before and not
+    now (the template renders the tools into the prompt: other tools, other tokens)."""
+    out = []
+    index = next(
+        (i for i, (a, b) in enumerate(zip(history, messages)) if a != b),
+        len(messages) if len(messages) < len(history) else None,
+    )
+    if index is not None:
+        role = (messages[index] if index < len(messages) else history[index])[0]
+        out.append(f"message/{index}/{role}")
+    before, now = _tool_names(tools_before), _tool_names(tools)
+    out += [f"tool_added/{name}" for name in sorted(now - before)]
+    out += [f"tool_removed/{name}" for name in sorted(before - now)]
+    if not out and tools != tools_before:  # the same names, other definitions
+        out.append("tools_changed")
+    return out
+
+
+def _tool_names(tools: Any) -> set[str]:
+    return {str((t.get("function") or t).get("name")) for t in tools or ()}
 
 
 def _normal(message: Mapping[str, Any]) -> tuple:
@@ -323,6 +353,8 @@ class AgentEndpoint:
             return e.prompt_ids + e.ids
         if s.history is not None:  # the agent rewrote its history: a new trajectory
             e.info["history_rewrites"] = e.info.get("history_rewrites", 0.0) + 1
+            for what in rewrite_reasons(s.history, normal, s.tools, tools):
+                e.info[f"rewrite/{what}"] = 1.0
             e.prompt_ids, e.ids, e.sampled, e.log_probs, e.versions = [], [], [], [], []
             e.rewards, e.turns, e.segments = [], [], []
         e.prompt_ids = self.chat.prompt(view, tools)

@@ -88,6 +88,25 @@ def test_episode_warnings_fire_after_patience(bad, name, said_part):
     )
 
 
+def test_most_episodes_rewriting_fires_at_once_and_says_what_differed():
+    """An agent that drops its tools on the second call rewrites every episode: only its
+    last call trains. One step is enough, and the warning names the tool; a minority of
+    rewrites stays quiet."""
+    few = EPISODES | {"episode/history_rewrite_share": 0.25, "episode/rewrite/message/1/user": 0.25}
+    rewrote = EPISODES | {
+        "episode/history_rewrite_share": 1.0,
+        "episode/rewrite/tool_removed/python": 1.0,
+        "episode/rewrite/message/2/tool": 0.25,
+    }
+    said, out = _run([few, rewrote, rewrote])
+    assert [o["health/history_rewritten"] for o in out] == [0, 1, 1]
+    assert len(said) == 1 and said[0].startswith("[health] WARNING history_rewritten: 100% of")
+    assert (
+        "tool 'python' offered on the previous call, not on the next (100% of the episodes); "
+        "message 2 (tool) differed from the previous call's (25% of the episodes)" in said[0]
+    )
+
+
 def test_tools_not_offered_is_not_a_warning():
     quiet = EPISODES | {"episode/tools_offered": 0.0, "episode/tool_calls_mean": 0.0}
     said, _ = _run([quiet] * 5)

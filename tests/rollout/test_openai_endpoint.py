@@ -221,6 +221,72 @@ async def too_many(row, client):
     return 1.0
 
 
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "run code",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}},
+    },
+}
+
+
+@register_agent("test/agent_drops_its_tools")
+async def drops_its_tools(row, client):
+    """Offers a tool on the first call and none on the second, whose messages extend the
+    first's: the tools are part of the rendered prompt, so this rewrites the history."""
+    messages = list(row["prompt"])
+    reply = await client.chat.completions.create(model="policy", messages=messages, tools=[TOOL])
+    messages += [reply.choices[0].message, {"role": "user", "content": "go on"}]
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return 1.0
+
+
+def test_rewrite_reasons_name_the_message_or_the_tools():
+    """What made a call rewrite: the first message that is not the previous call's (its
+    index and role; a message left out counts as the history's), the tools added or
+    removed by name, or the same tools defined otherwise."""
+    from polyrl.rollout.openai_endpoint import _normal, rewrite_reasons
+
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    history = [_normal(m) for m in [*first, {"role": "assistant", "content": "a"}]]
+    extended = [*history, _normal({"role": "user", "content": "more"})]
+    assert rewrite_reasons(history, extended, [TOOL], None) == ["tool_removed/python"]
+    assert rewrite_reasons(history, extended, None, [TOOL]) == ["tool_added/python"]
+    edited = [history[0], _normal({"role": "user", "content": "other"})]
+    assert rewrite_reasons(history, edited, [TOOL], [TOOL]) == ["message/1/user"]
+    assert rewrite_reasons(history, history[:2], None, None) == ["message/2/assistant"]
+    other = [{**TOOL, "function": {**TOOL["function"], "description": "runs code"}}]
+    assert rewrite_reasons(history, extended, [TOOL], other) == ["tools_changed"]
+
+
+def test_an_agent_that_drops_its_tools_rewrites_and_the_health_check_names_them(pool, tokenizer):
+    """Issue 46: an agent offering tools on one call and not the next trained only its last
+    call, silently. The real endpoint records what differed and the step's health check
+    names the tool (the messages themselves extend: no message is blamed)."""
+    from polyrl.observe.health import HealthMonitor
+
+    config = EpisodeConfig(max_turns=4, max_episode_tokens=160, env_workers=0, agent_timeout_s=30)
+    runner = EpisodeRunner(pool, EnvPool(0, 10), tokenizer, config)
+    try:
+        batch = runner.generate(
+            _rows(["test/agent_drops_its_tools"] * 2), SamplingSpec(n=2, max_tokens=4, seed=1)
+        )
+    finally:
+        runner.shutdown()
+    m = batch.info["episode_metrics"]
+    assert list(batch["finish_reason"]) == ["done"] * 4
+    assert m["episode/history_rewrite_share"] == 1.0
+    assert m["episode/rewrite/tool_removed/python"] == 1.0
+    assert not [k for k in m if k.startswith("episode/rewrite/message/")]
+    # only the second call trains: its prompt is the fresh rendering, without the tools
+    assert list(batch["num_turns"]) == [1] * 4
+    said = []
+    HealthMonitor(echo=said.append).check(m)
+    assert len(said) == 1 and "WARNING history_rewritten: 100% of the step's episodes" in said[0]
+    assert "tool 'python' offered on the previous call, not on the next" in said[0]
+
+
 def _rows(sources, extras=None):
     n = len(sources)
     return Batch(

@@ -85,9 +85,9 @@ def test_gsm8k_tool_experiment_validates(tmp_path, tiny_model_dir, capsys):
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     argv = ["validate-config", "--gin_file", GSM8K_TOOL]
-    for binding in _bindings(
-        tmp_path, model, 'polyrl.RunConfig.pools = {"gpu": {"CPU": 2, "GPU": 0}}', rows=64
-    ):
+    cpu = ['polyrl.RunConfig.pools = {"gpu": {"CPU": 2, "GPU": 0}}']
+    cpu += ['polyrl.RunConfig.weight_transport = "object_store"']  # no GPU for CUDA IPC
+    for binding in _bindings(tmp_path, model, *cpu, rows=64):
         argv += ["--gin_param", binding]
     assert main(argv) == 0, capsys.readouterr()
     out = capsys.readouterr().out
@@ -123,19 +123,49 @@ def test_missing_macro_is_named(tmp_path):
         parse_config([GSM8K], [f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}"])
 
 
+def _gsm8k_score(response: str, ground_truth: str) -> float | None:
+    """The GSM8K reward as docs/datasets.md defines it, where that is plain: 0 for a
+    response with no answer (no ``####``, no ``\\boxed``), 1 for one whose ``####``
+    answer is exactly the ground truth; None (not judged here) otherwise."""
+    if "####" not in response and "boxed" not in response and "fbox" not in response:
+        return 0.0
+    answer = response.rpartition("####")[2].splitlines()[0].strip() if "####" in response else ""
+    return 1.0 if answer == ground_truth else None
+
+
 @pytest.mark.slow
-def test_gsm8k_experiment_runs_with_validation(tmp_path, tiny_model_dir):
-    import ray
+def test_gsm8k_experiment_runs_with_validation(tmp_path, tiny_model_dir, ray_session):
+    """Two steps with validation before, between and after them: each evaluation scores
+    the 8 validation rows once (greedy), and its metrics are those of its samples: every
+    dumped sample is a row of VAL_FILES with its own ground truth, scored as the GSM8K
+    reward defines it, and reward/mean and pass@1 are the mean and the share of full
+    credit over them. (ray_session shuts down the Ray it starts.)"""
+    import json
+    import re
 
     from polyrl.configure.launch import train
     from polyrl.loop.metrics import read_jsonl
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     steps = ["polyrl.RunConfig.total_steps = 2", "polyrl.RunConfig.eval_every = 1"]
     train([GSM8K_CPU], _bindings(tmp_path, tiny_model_dir, *steps))
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
+    # each validation row's two numbers (the tiny tokenizer drops the letters it lacks
+    # from the prompt text, never the digits) and the sum they ask for
+    asked = sorted(
+        tuple(re.findall(r"\d+", r["extra_info"]["question"])) for r in gsm8k_rows(8, "test")
+    )
     for row in rows:
-        assert 0.0 <= row["val/openai/gsm8k/pass@1"] <= 1.0
-    assert (tmp_path / "run" / "val_samples" / "step_2.jsonl").exists()
+        path = tmp_path / "run" / "val_samples" / f"step_{row['step']}.jsonl"
+        samples = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(samples) == 8  # the 8 validation rows x 1 greedy sample
+        seen = [tuple(re.findall(r"\d+", s["prompt"])) for s in samples]
+        assert sorted(seen) == asked, seen
+        for s, (a, b) in zip(samples, seen):
+            assert s["data_source"] == "openai/gsm8k"
+            assert s["ground_truth"] == str(int(a) + int(b)), s
+            want = _gsm8k_score(s["response"], s["ground_truth"])
+            assert want is None or s["reward"] == want, s
+        rewards = [s["reward"] for s in samples]
+        assert row["val/reward/mean"] == pytest.approx(sum(rewards) / 8)
+        assert row["val/openai/gsm8k/pass@1"] == pytest.approx(sum(r >= 1 for r in rewards) / 8)

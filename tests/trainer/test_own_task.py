@@ -4,6 +4,7 @@ train from the user's directory, and the module is imported in every Ray worker.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,14 +34,25 @@ def test_train_with_an_own_task_imports_it_in_driver_and_workers(tmp_path):
         "polyrl.RunConfig.total_steps = 3",
         'polyrl.RunConfig.run_dir = "run"',  # relative: resolved in the user's directory
         "polyrl.RunConfig.tensorboard = False",
+        "polyrl.RunConfig.dump_every = 1",
+        "polyrl.RunConfig.dump_samples = 32",
     ):
         cmd += ["--gin_param", binding]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert len(rows) == 3
-    # min_digit_reward gives 0, 0.2 or 1 per response: a mean over 128 responses in [0, 1].
-    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
+    # The task and reward as min_digit.py's docstrings define them, recomputed here from
+    # the dumped samples' text: the prompt "min 374" asks for 3; 1 for exactly it, 0.2 for
+    # another answer that starts with a digit, else 0.
+    samples = read_jsonl(tmp_path / "run" / "rollouts.jsonl")
+    assert sorted({s["step"] for s in samples}) == [1, 2, 3] and len(samples) == 3 * 32
+    for s in samples:
+        (digits,) = re.findall(r"min (\d{3})", s["prompt"])
+        answer = s["response"].strip()
+        want = 1.0 if answer == min(digits) else 0.2 if answer[:1].isdigit() else 0.0
+        assert (s["data_source"], s["ground_truth"]) == ("my/min_digit", min(digits)), s
+        assert s["reward"] == pytest.approx(want), s
     pids = {int(p.suffix[1:]) for p in tmp_path.glob("imported.*")}
     # The driver, the actor, the reference and the rollout server each imported it.
     assert len(pids) >= 4, pids

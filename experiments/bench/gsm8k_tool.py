@@ -60,6 +60,7 @@ def gsm8k_rows(n: int, split: str, data_source: str = "openai/gsm8k") -> list[di
 def _cpu_bindings() -> list[str]:
     return [
         'polyrl.RunConfig.pools = {"gpu": {"CPU": 2, "GPU": 0}}',
+        'polyrl.RunConfig.weight_transport = "object_store"',  # no GPU to share
         'polyrl.RunConfig.model_dtype = "float32"',
         "polyrl.RunConfig.gradient_checkpointing = False",
         'polyrl.RolloutConfig.dtype = "float32"',

@@ -40,6 +40,7 @@ from polyrl import faults
 from polyrl.cluster.groups import Collect, Dispatch, register
 from polyrl.observe.debug import place, setup_worker
 from polyrl.observe.timeline import Traced, record
+from polyrl.rollout.engine_start import free_gpu_memory, start_engine
 from polyrl.rollout.engines import make_engine, scheduler_limits
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
@@ -215,8 +216,11 @@ class RolloutServer(Traced):
         # vLLM's CPU worker sets VLLM_DIST_IDENT in its own process; one inherited from a
         # driver that ran vLLM in-process is stale, and vLLM warns about it at start.
         os.environ.pop("VLLM_DIST_IDENT", None)
-        self.engine = make_engine(
-            config.asynchronous, engine_kwargs(config, self.on_gpu), config.continue_in_place
+        kwargs = engine_kwargs(config, self.on_gpu)
+        self.engine = start_engine(  # safe against other processes freeing GPU memory
+            lambda: make_engine(config.asynchronous, kwargs, config.continue_in_place),
+            free_gpu_memory if self.on_gpu else tuple,
+            f"rollout server {index}",
         )
         tokenizer = self.tokenizer = self.engine.tokenizer
         self.model_vocab_size = int(self.engine.model_config.get_vocab_size())

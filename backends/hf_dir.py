@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from polyrl.checkpoints import match_mode
+
 __all__ = ["write_hf", "TOKENIZER_FILES"]
 
 # Files of a source model directory besides weights and config.json that an export keeps.
@@ -89,13 +91,14 @@ def write_hf(
     if not write:
         return out
     if len(shard_names) == 1:
-        (out / ".shard-0").rename(out / "model.safetensors")
+        files = ["model.safetensors"]
+        (out / ".shard-0").rename(out / files[0])
     else:
-        weight_map = {}
+        weight_map, files = {}, []
         for i, names in enumerate(shard_names):
-            fname = f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors"
-            (out / f".shard-{i}").rename(out / fname)
-            weight_map.update(dict.fromkeys(names, fname))
+            files.append(f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors")
+            (out / f".shard-{i}").rename(out / files[-1])
+            weight_map.update(dict.fromkeys(names, files[-1]))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     src = Path(src_dir)
@@ -105,6 +108,7 @@ def write_hf(
             config = {**config, "torch_dtype": dtype}
             config.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True))
+    match_mode([out / name for name in files], out / "config.json")
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)

@@ -26,7 +26,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+import stat
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "restore",
     "write_json",
     "save_peft_adapters",
+    "match_mode",
     "MANIFEST",
     "STATE",
     "CHECKSUMS",
@@ -263,10 +265,13 @@ def save_peft_adapters(
         f"base_model.model.{k}": np.ascontiguousarray(v, np.float32) for k, v in adapters.items()
     }
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    # A local base by its absolute path: PEFT and vLLM resolve a relative one against
+    # the directory they run in, not the one the run ran in.
+    base = Path(base_path)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base_path),
+        "base_model_name_or_path": str(base.resolve()) if base.exists() else str(base_path),
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
@@ -276,6 +281,7 @@ def save_peft_adapters(
         "inference_mode": True,
     }
     write_json(out / "adapter_config.json", config)
+    match_mode([out / "adapter_model.safetensors"], out / "adapter_config.json")
     return out
 
 
@@ -285,6 +291,15 @@ def write_json(path: Path, data: Any) -> None:
         json.dump(data, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
+
+
+def match_mode(paths: Iterable[Path], like: Path) -> None:
+    """Give ``paths`` the permission bits of ``like``, a file created the ordinary way
+    (0666 less the umask). safetensors writes each file through a private temporary
+    file, mode 0600, which left exported weights unreadable to anyone else."""
+    mode = stat.S_IMODE(like.stat().st_mode)
+    for path in paths:
+        os.chmod(path, mode)
 
 
 def save(

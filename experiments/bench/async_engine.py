@@ -19,6 +19,11 @@ differ by several percent on a shared host: compare medians of interleaved runs)
 * ``async``: ``AsyncLLM`` (its engine core always has its own process), every request
   its own ``generate`` coroutine, all gathered at once, ``RequestOutputKind.FINAL_ONLY``.
 
+``--allowed-ids N`` gives every request of the engine part ``allowed_token_ids`` of the
+first N ids, as a rollout server sends them when the model's vocabulary is larger than its
+tokenizer's (151,665 ids with Qwen2.5's tokenizer on its 151,936-row models; the random
+models here carry the 58-token tiny tokenizer, so their servers send 58).
+
 Part ``server`` (``--server``): polyrl's ``RolloutServer``, one process per engine
 (``sync``: in-process engine core, the synchronous default; ``sync_mp``: its engine core
 in its own process; ``async``). Single-turn: one ``generate`` call of all requests (a
@@ -112,7 +117,11 @@ def run_engine_mode(args) -> dict:
     config = rollout_config(args, "sync" if mode != "async" else "async")
     kwargs = engine_kwargs(config, on_gpu=_on_gpu())
     reqs = requests(args)
-    prompts, params = vllm_requests(reqs, spec(args), None)
+    # --allowed-ids: every request restricted to the first N ids, as a server restricts
+    # sampling to its tokenizer's ids (RolloutConfig.restrict_to_tokenizer; Qwen2.5's
+    # tokenizer: 151,665 of the model's 151,936): what that list costs per request
+    allowed = list(range(args.allowed_ids)) if args.allowed_ids else None
+    prompts, params = vllm_requests(reqs, spec(args), allowed)
     times, limits = [], {}  # limits: the engine's scheduler's, read back
     if mode == "async":
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -275,6 +284,13 @@ def main(argv=None) -> dict:
     p.add_argument("--calls", type=int, default=3, help="timed calls per process")
     p.add_argument("--repeats", type=int, default=3, help="processes per engine mode")
     p.add_argument("--modes", default="llm,llm_mp,async")
+    p.add_argument(
+        "--allowed-ids",
+        type=int,
+        default=0,
+        help="engine part: allowed_token_ids of the first N ids on every request (151665: "
+        "Qwen2.5's tokenizer; the model needs more rows)",
+    )
     p.add_argument("--server", action="store_true", help="also the RolloutServer part")
     p.add_argument("--server-engines", default="sync,sync_mp,async")
     p.add_argument("--no-engine", action="store_true", help="skip the engine part")

@@ -30,7 +30,10 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
+
+from polyrl.batch import Batch
 
 __all__ = ["Producer"]
 
@@ -106,6 +109,19 @@ class Producer:
         return {}
 
     # ------------------------------------------------------------ trainer side
+    def take(self, step: int) -> tuple[Batch, dict[str, float]]:
+        """Step ``step``'s batch (waiting for it) and its ``rollout/`` and ``async/``
+        metrics."""
+        raise NotImplementedError
+
+    def save(self, path: Path) -> None:
+        """Write what a checkpoint keeps of the producer under ``path`` (nothing here)."""
+
+    def load(self, path: Path | None, step: int) -> None:
+        """Start (again) at step ``step`` from checkpoint ``path``, the servers holding
+        weight version ``step``."""
+        raise NotImplementedError
+
     def _start(self) -> None:
         """(lock held) Start the generator's thread, once."""
         if self._thread is None:

@@ -483,12 +483,9 @@ class Stream(Producer):
             self._stop = True
             self._cond.notify_all()
 
-    def save(self, path: Path) -> None:
-        """Nothing of the stream is saved (module docstring, "Resume")."""
-
     def load(self, path: Path | None, step: int) -> None:
         """Start (again) at data batch ``step`` with the servers at weight version
-        ``step``."""
+        ``step`` (nothing of the stream is saved: module docstring, "Resume")."""
         self.discard()
         with self._cond:
             self._thread, self._stop, self._error = None, False, None

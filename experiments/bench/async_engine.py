@@ -120,8 +120,8 @@ def run_engine_mode(args) -> dict:
     # --allowed-ids: every request restricted to the first N ids, as a server restricts
     # sampling to its tokenizer's ids (RolloutConfig.restrict_to_tokenizer; Qwen2.5's
     # tokenizer: 151,665 of the model's 151,936): what that list costs per request
-    allowed = list(range(args.allowed_ids)) if args.allowed_ids else None
-    prompts, params = vllm_requests(reqs, spec(args), allowed)
+    mask = {"allowed_token_ids": list(range(args.allowed_ids))} if args.allowed_ids else {}
+    prompts, params = vllm_requests(reqs, spec(args), mask)
     times, limits = [], {}  # limits: the engine's scheduler's, read back
     if mode == "async":
         from vllm.engine.arg_utils import AsyncEngineArgs

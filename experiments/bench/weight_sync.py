@@ -339,16 +339,16 @@ def goals(rows: list[dict], load: dict | None) -> dict:
     return out
 
 
-def _generate_with(engine, allowed, prompts: list, spec) -> tuple[int, float]:
+def _generate_with(engine, mask, prompts: list, spec) -> tuple[int, float]:
     """``engine.generate`` (``polyrl.rollout.engines``: the server's kind of vLLM engine)
     on the servers' own requests for ``prompts``
     (``polyrl.rollout.server.vllm_requests``: one seeded sample per request, the same
-    allowed token ids): generated tokens and seconds. Text as vLLM gives it when
+    vocabulary mask): generated tokens and seconds. Text as vLLM gives it when
     ``spec.detokenize``: detokenized token by token in its loop."""
     from polyrl.rollout.server import vllm_requests
 
     requests = [(i * spec.n + j, p) for i, p in enumerate(prompts) for j in range(spec.n)]
-    inputs, params = vllm_requests(requests, spec, allowed)
+    inputs, params = vllm_requests(requests, spec, mask)
     for p in params:
         p.detokenize = spec.detokenize
     start = time.perf_counter()
@@ -364,14 +364,14 @@ class DirectEngine:
 
     def __init__(self, config, on_gpu: bool) -> None:
         from polyrl.rollout.engines import make_engine
-        from polyrl.rollout.server import allowed_token_ids, engine_kwargs
+        from polyrl.rollout.server import engine_kwargs, vocab_mask
 
         self.engine = make_engine(config.asynchronous, engine_kwargs(config, on_gpu))
         vocab = int(self.engine.model_config.get_vocab_size())
-        self.allowed = allowed_token_ids(len(self.engine.tokenizer), vocab, config)
+        self.mask = vocab_mask(len(self.engine.tokenizer), vocab, config)
 
     def timed_generate(self, prompts: list, spec) -> tuple[int, float]:
-        return _generate_with(self.engine, self.allowed, prompts, spec)
+        return _generate_with(self.engine, self.mask, prompts, spec)
 
     def limits(self) -> dict[str, int]:
         """The scheduler limits its engine runs at (as the servers report theirs)."""
@@ -384,7 +384,7 @@ def _engine_generate(server, prompts: list, spec) -> tuple[int, float]:
     """Inside a rollout server (``__ray_call__``): its own vLLM engine called directly,
     with no polyrl code around it: same engine, same process as the pool's calls."""
     server._cached_prefixes = True  # the weight protocol's flag: this fills the cache too
-    return _generate_with(server.engine, server._allowed, prompts, spec)
+    return _generate_with(server.engine, server._mask, prompts, spec)
 
 
 def _process_stats(_actor) -> dict:

@@ -9,7 +9,8 @@ Log-probability convention
 The servers run vLLM with ``logprobs_mode="processed_logprobs"``, so the log-prob
 reported for a sampled token is that of the distribution it was drawn from:
 ``log_softmax(mask(logits) / temperature)`` after top-k/top-p, where ``mask`` sets
-the logits of ids the sampler may not emit to ``-inf``. The trainer computes
+the logits of ids the sampler may not emit to ``-inf`` (or lowers them by 100, which is
+the same in fp32: ``polyrl.rollout.server.vocab_mask``). The trainer computes
 ``log_softmax(logits / temperature)``; the two agree exactly when
 
 * ``top_k`` and ``top_p`` are off (``top_k=0``, ``top_p=1``; the RL default), and
@@ -94,8 +95,9 @@ class SamplingSpec:
             ]
         )
 
-    def vllm_kwargs(self, sample_index: int, allowed_token_ids: list[int] | None) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.SamplingParams`` for one sample (n=1 per request)."""
+    def vllm_kwargs(self, sample_index: int, vocab_mask: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of ``vllm.SamplingParams`` for one sample (n=1 per request);
+        ``vocab_mask``: the server's (``polyrl.rollout.server.vocab_mask``)."""
         return dict(
             n=1,
             temperature=self.temperature,
@@ -111,12 +113,12 @@ class SamplingSpec:
             detokenize=False,
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,  # flat lists, not a dict and a Logprob object per token
-            allowed_token_ids=allowed_token_ids,
             skip_special_tokens=True,
             # Each request gets SamplingParams of its own (server.vllm_requests): vLLM's
-            # defensive deep copy of them per request is waste, and with the allowed ids
-            # of a real vocabulary (151k with Qwen's) it took 40 ms a request.
+            # defensive deep copy of them per request is waste (with 151k allowed ids it
+            # took 40 ms a request).
             skip_clone=True,
+            **vocab_mask,
         )
 
 

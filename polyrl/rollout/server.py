@@ -139,22 +139,28 @@ def scheduler_defaults(config: RolloutConfig, chunked_prefill: bool) -> dict[str
     return {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
 
 
-def allowed_token_ids(
-    tokenizer_size: int, model_vocab: int, config: RolloutConfig
-) -> list[int] | None:
-    """The token ids a server samples from: the tokenizer's when the model's vocabulary is
-    larger and ``config.restrict_to_tokenizer`` (module docstring of ``sampling``), else
-    None (all)."""
-    if config.restrict_to_tokenizer and model_vocab > tokenizer_size:
-        return list(range(tokenizer_size))
-    return None
+def vocab_mask(tokenizer_size: int, model_vocab: int, config: RolloutConfig) -> dict[str, Any]:
+    """``SamplingParams`` keywords that keep a server's samples to the tokenizer's ids when
+    the model's vocabulary is larger and ``config.restrict_to_tokenizer`` (module
+    docstring of ``sampling``), else none. Of the two forms the shorter list goes with
+    every request: ``allowed_token_ids`` (the tokenizer's ids) or ``logit_bias`` of -100
+    (vLLM's floor) on the ids past the tokenizer. Qwen2.5 pads 151,665 tokens to 151,936
+    rows: 271 biased ids, where the allowed ids cost 40-70 ms of host time a request and
+    pass the 1024 ids vLLM's GPU sampler takes. The bias is a mask in fp32: a padded id
+    shifts the processed log-probs only where its logit comes within about 83 of the
+    real ids' log-sum-exp, and is drawn about once in e^100 tokens."""
+    if not (config.restrict_to_tokenizer and model_vocab > tokenizer_size):
+        return {}
+    if model_vocab - tokenizer_size <= tokenizer_size:
+        return {"logit_bias": dict.fromkeys(range(tokenizer_size, model_vocab), -100.0)}
+    return {"allowed_token_ids": list(range(tokenizer_size))}
 
 
 def sampling_vocab(tokenizer_size: int, model_vocab: int, config: RolloutConfig) -> int:
     """How many token ids a server samples from (the trainer scores as many:
-    ``ModelConfig.sampling_vocab_size``): the tokenizer's where :func:`allowed_token_ids`
+    ``ModelConfig.sampling_vocab_size``): the tokenizer's where :func:`vocab_mask`
     restricts sampling to them, else the model's whole vocabulary."""
-    return tokenizer_size if allowed_token_ids(tokenizer_size, model_vocab, config) else model_vocab
+    return tokenizer_size if vocab_mask(tokenizer_size, model_vocab, config) else model_vocab
 
 
 def sampled_log_probs(logprobs: Any, token_ids: np.ndarray) -> np.ndarray:
@@ -172,7 +178,7 @@ def sampled_log_probs(logprobs: Any, token_ids: np.ndarray) -> np.ndarray:
 
 
 def vllm_requests(
-    requests: Sequence[tuple], spec: SamplingSpec, allowed: list[int] | None
+    requests: Sequence[tuple], spec: SamplingSpec, mask: dict[str, Any]
 ) -> tuple[list[dict[str, list[int]]], list[Any]]:
     """``vllm.LLM.generate``'s prompts and per-request ``SamplingParams`` for
     ``(sample_index, prompt_ids)`` requests: one sample each, seeded by its index. A
@@ -184,7 +190,7 @@ def vllm_requests(
     scale = faults.values("temperature_scale", "rollout")  # test-only: a wrong temperature
     params = []
     for r in requests:
-        kwargs = spec.vllm_kwargs(int(r[0]), allowed)
+        kwargs = spec.vllm_kwargs(int(r[0]), mask)
         if len(r) > 2:
             kwargs["max_tokens"] = min(kwargs["max_tokens"], int(r[2]))
         if scale:
@@ -221,7 +227,7 @@ class RolloutServer(Traced):
         tokenizer = self.tokenizer = self.engine.tokenizer
         self.model_vocab_size = int(self.engine.model_config.get_vocab_size())
         self.tokenizer_size = len(tokenizer)
-        self._allowed = allowed_token_ids(self.tokenizer_size, self.model_vocab_size, config)
+        self._mask = vocab_mask(self.tokenizer_size, self.model_vocab_size, config)
         self.sampling_vocab_size = sampling_vocab(
             self.tokenizer_size, self.model_vocab_size, config
         )
@@ -345,7 +351,7 @@ class RolloutServer(Traced):
             self._stale_prefixes = False  # an update in flight left the old weights' KV
             self._reset_prefix_cache()
         self._cached_prefixes = True
-        return vllm_requests(requests, spec, self._allowed)
+        return vllm_requests(requests, spec, self._mask)
 
     def _results(self, outputs: Sequence[Any], spec: SamplingSpec) -> list[dict[str, Any]]:
         completions = [out.outputs[0] for out in outputs]

@@ -78,9 +78,9 @@ def test_text_decoded_once_equals_vllm_detokenizing_each_token(pool):
 
         from polyrl.rollout.server import vllm_requests
 
-        prompts, _ = vllm_requests(requests, spec, server._allowed)
+        prompts, _ = vllm_requests(requests, spec, server._mask)
         params = [
-            SamplingParams(**spec.vllm_kwargs(i, server._allowed) | {"detokenize": True})
+            SamplingParams(**spec.vllm_kwargs(i, server._mask) | {"detokenize": True})
             for i, _ in requests
         ]
         outs = server.engine.generate(prompts, params)

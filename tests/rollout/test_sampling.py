@@ -27,11 +27,40 @@ def test_sampling_spec_errors_name_the_field(field, value, message):
 
 def test_vllm_kwargs_seed_per_sample_and_logprobs_of_the_sampled_token():
     spec = SamplingSpec(temperature=0.5, top_k=-1, seed=7, stop_token_ids=[3])
-    a, b = spec.vllm_kwargs(0, [0, 1]), spec.vllm_kwargs(1, None)
+    a, b = spec.vllm_kwargs(0, {"allowed_token_ids": [0, 1]}), spec.vllm_kwargs(1, {})
     assert a["seed"] != b["seed"] and a["seed"] == derive_seed(7, 0)
     assert a["logprobs"] == 0 and a["n"] == 1 and a["top_k"] == 0 and a["stop_token_ids"] == [3]
-    assert a["allowed_token_ids"] == [0, 1] and b["allowed_token_ids"] is None
-    assert SamplingSpec(seed=None).vllm_kwargs(3, None)["seed"] is None
+    assert a["allowed_token_ids"] == [0, 1] and "allowed_token_ids" not in b
+    assert "logit_bias" not in b
+    assert SamplingSpec(seed=None).vllm_kwargs(3, {})["seed"] is None
+
+
+@pytest.mark.parametrize(
+    "tokenizer, model, form, size",
+    [
+        # Qwen2.5: 151,665 tokens, 151,936 rows. vLLM 0.26's GPU sampler takes at most 1024
+        # allowed ids or 1024 biased ids a request ("Too many allowed token IDs"), and every
+        # request's 151,665-long list cost 40-70 ms of host time: the 271 padded ids instead
+        (151_665, 151_936, "logit_bias", 271),
+        (58, 64, "logit_bias", 6),  # the tiny test model
+        (58, 151_936, "allowed_token_ids", 58),  # the GPU benches' tokenizer on a 0.5B shape
+        (100, 200, "logit_bias", 100),  # a tie: either is as short
+    ],
+)
+def test_the_vocabulary_mask_sends_the_shorter_list(tokenizer, model, form, size):
+    from polyrl.rollout.server import vocab_mask
+
+    config = RolloutConfig(model_path="unused")
+    mask = vocab_mask(tokenizer, model, config)
+    assert list(mask) == [form] and len(mask[form]) == size
+    if form == "logit_bias":  # the ids the tokenizer lacks, pushed down as far as vLLM lets
+        assert sorted(mask[form]) == list(range(tokenizer, model))
+        assert set(mask[form].values()) == {-100.0}
+    else:
+        assert mask[form] == list(range(tokenizer))
+    unrestricted = dataclasses.replace(config, restrict_to_tokenizer=False)
+    assert vocab_mask(tokenizer, model, unrestricted) == {}
+    assert vocab_mask(model, model, config) == {}
 
 
 def test_vllm_requests_are_one_seeded_sample_each():
@@ -39,7 +68,9 @@ def test_vllm_requests_are_one_seeded_sample_each():
     from polyrl.rollout.server import vllm_requests
 
     spec = SamplingSpec(n=2, seed=7, max_tokens=5, detokenize=False)
-    prompts, params = vllm_requests([(4, [1, 2]), (5, [1, 2])], spec, [0, 1, 2])
+    prompts, params = vllm_requests(
+        [(4, [1, 2]), (5, [1, 2])], spec, {"allowed_token_ids": [0, 1, 2]}
+    )
     assert prompts == [{"prompt_token_ids": [1, 2]}] * 2
     assert [p.n for p in params] == [1, 1] and [p.max_tokens for p in params] == [5, 5]
     # the seed is the sample's index mixed with the spec's: 7 * 1_000_003 + index

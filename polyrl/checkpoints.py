@@ -109,10 +109,15 @@ def _complete(run_dir: str | Path) -> list[tuple[int, Path]]:
     )
 
 
+def complete(run_dir: str | Path) -> list[Path]:
+    """Every complete checkpoint under ``run_dir/checkpoints``, newest first."""
+    return [path for _, path in _complete(run_dir)]
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint of the highest step under ``run_dir/checkpoints``."""
-    done = _complete(run_dir)
-    return done[0][1] if done else None
+    done = complete(run_dir)
+    return done[0] if done else None
 
 
 def _digest(path: Path) -> str:

@@ -356,7 +356,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from polyrl.checkpoints import CheckpointMismatch
+    from polyrl.checkpoints import CheckpointDamaged, CheckpointMismatch
     from polyrl.configure.hf_export import export_checkpoint
 
     out = Path(args.out)
@@ -365,7 +365,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         path = export_checkpoint(args.run_dir, out, args.step, args.adapters_only)
-    except (FileNotFoundError, CheckpointMismatch, ValueError) as e:
+    except (FileNotFoundError, CheckpointDamaged, CheckpointMismatch, ValueError) as e:
         raise UserError(str(e)) from None
     size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
     if args.adapters_only:

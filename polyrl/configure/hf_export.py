@@ -72,6 +72,13 @@ def export_checkpoint(
             raise FileNotFoundError(
                 f"--step {step}: {path} is not a complete checkpoint; the run has {have}"
             )
+    if found := checkpoints.damage(path):  # as --resume checks it, before any engine loads it
+        others = [f"--step {p.name.removeprefix('step_')}" for p in checkpoints.complete(run_dir)]
+        others.remove(f"--step {path.name.removeprefix('step_')}")
+        raise checkpoints.CheckpointDamaged(
+            f"checkpoint {path} is damaged ({'; '.join(found)}): restore its files from a "
+            f"copy, or export another checkpoint of the run ({', '.join(others) or 'none'})"
+        )
     manifest = json.loads((path / checkpoints.MANIFEST).read_text())
     cfg = read_run_config(run_dir)
     if adapters_only and cfg.lora is None:

@@ -199,3 +199,24 @@ def test_nonfinite_guard_counts_consecutive_bad_steps(capsys):
     assert "[nonfinite] step 1: actor update skipped (50% of its updates; loss nan" in out
     assert "[nonfinite] step 3: critic update skipped" in out and "step 2" not in out
     assert not NonFiniteGuard(limit=0).observe(0, bad)  # 0: never stop
+
+
+def test_export_refuses_a_damaged_checkpoint_and_names_the_file(tmp_path, capsys):
+    """`polyrl export` loads a checkpoint as --resume does: one whose files differ from the
+    checksums written at save is refused before any engine loads it, naming the file and
+    the other steps to export instead; the run directory is left as it was."""
+    from polyrl.configure.hf_export import export_checkpoint
+
+    for step in (2, 4):
+        _save(tmp_path, step)
+    weights = tmp_path / "checkpoints" / "step_4" / "actor" / "weights.txt"
+    os.truncate(weights, weights.stat().st_size - 1)
+    with pytest.raises(checkpoints.CheckpointDamaged) as err:
+        export_checkpoint(tmp_path, tmp_path / "hf_out")
+    message = str(err.value)
+    assert "step_4" in message and "actor/weights.txt" in message and "--step 2" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert not (tmp_path / "hf_out").exists()
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "hf_out")]) == 2
+    err = capsys.readouterr().err
+    assert "actor/weights.txt" in err and "Traceback" not in err, err

@@ -5,8 +5,8 @@ arrays of the same kind out, plain Python numbers for hyper-parameters. The loss
 differentiable with torch autograd and ``jax.grad``; the backend differentiates them.
 
 Shapes: ``[B, T]`` = batch x response tokens (token ``t`` of sample ``b``); ``[B]`` one
-value per sequence (DPO: per preference pair). ``mask`` is the response mask [B, T]
-(1 on real response tokens, 0 on padding); bool, int or float.
+value per sequence (DPO and the reward model: per preference pair). ``mask`` is the
+response mask [B, T] (1 on real response tokens, 0 on padding); bool, int or float.
 
 Signs: every ``loss`` is *minimised*. ``log_probs`` are the current policy's
 log-probabilities of the sampled tokens, ``old_log_probs`` those of the policy that
@@ -31,7 +31,8 @@ micro-batches and ranks gives the full-batch value, exactly like the loss. Per-t
 metrics (``clipfrac``, ``approx_kl``, ``clipfrac_lower``, ``vf_clipfrac``, ...) are
 token means, ``aggregate(indicator, mask, "token-mean", global_tokens)``, whatever the
 loss's ``agg`` mode, so that a fraction stays a fraction (the definition verl reports, as
-``masked_mean``). Per-pair DPO metrics are sums divided by ``global_pairs``.
+``masked_mean``). Per-pair DPO and reward-model metrics are sums divided by
+``global_pairs``.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ __all__ = [
     "kl_penalty",
     "entropy_from_logits",
     "dpo_loss",
+    "bradley_terry_loss",
+    "pair_accuracy",
     "sft_loss",
 ]
 
@@ -738,16 +741,116 @@ def dpo_loss(
     xp = namespace(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
     logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     losses = DPO_KINDS[kind](logits, beta, label_smoothing, xp)
-    chosen = stop_gradient(beta * (policy_chosen - ref_chosen))
-    rejected = stop_gradient(beta * (policy_rejected - ref_rejected))
-    n = _divisor(global_pairs) if global_pairs is not None else float(policy_chosen.shape[0])
-    metrics = {
-        "rewards/chosen": xp.sum(chosen) / n,
-        "rewards/rejected": xp.sum(rejected) / n,
-        "rewards/margins": xp.sum(chosen - rejected) / n,
-        "rewards/accuracies": xp.sum(xp.astype(chosen > rejected, chosen.dtype)) / n,
+    chosen = beta * (policy_chosen - ref_chosen)
+    rejected = beta * (policy_rejected - ref_rejected)
+    return losses, _pair_metrics(chosen, rejected, None, global_pairs)
+
+
+def _pair_metrics(
+    chosen: Array, rejected: Array, pair_mask: Array | None, global_pairs: Any
+) -> Metrics:
+    """The per-pair reward metrics of DPO and the reward model (gradient stopped), each a
+    summable contribution ``sum_b p_b x_b / global_pairs`` (default: the pairs counted by
+    ``pair_mask``, or ``B``): ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``
+    and ``rewards/accuracies`` (share of pairs with chosen > rejected; ties are wrong)."""
+    xp = namespace(chosen, rejected)
+    chosen, rejected = stop_gradient(chosen), stop_gradient(rejected)
+    p = xp.ones_like(chosen) if pair_mask is None else xp.astype(pair_mask, chosen.dtype)
+    correct, pairs = pair_accuracy(chosen, rejected, p)
+    n = _divisor(global_pairs) if global_pairs is not None else _nonzero_count(xp, pairs)
+    return {
+        "rewards/chosen": xp.sum(chosen * p) / n,
+        "rewards/rejected": xp.sum(rejected * p) / n,
+        "rewards/margins": xp.sum((chosen - rejected) * p) / n,
+        "rewards/accuracies": correct / n,
     }
-    return losses, metrics
+
+
+# --------------------------------------------------------------------------- reward model
+
+
+def _check_pairs(fn: str, **arrays: Array) -> None:
+    check_same_shape(fn, **arrays)
+    first = next(iter(arrays.values()))
+    if first.ndim != 1:
+        raise ValueError(
+            f"{fn}: inputs must be [B] (one scalar reward per response of a pair), got shape "
+            f"{tuple(first.shape)}; take the reward head's value at each sequence's last token"
+        )
+
+
+def pair_accuracy(
+    chosen_rewards: Array, rejected_rewards: Array, pair_mask: Array | None = None
+) -> tuple[Array, Array]:
+    """Pair accuracy of a reward model as ``(correct, pairs)``, both 0-d: [B] -> (), ().
+
+    ``correct = sum_b p_b 1[r^c_b > r^r_b]`` and ``pairs = sum_b p_b`` with ``p =
+    pair_mask`` (1 on real pairs, 0 on padding; default all 1). The held-out accuracy is
+    ``sum(correct) / sum(pairs)`` over every evaluation batch (numerator and denominator,
+    so batches of different sizes combine exactly). A tie counts as wrong, so a reward
+    model that scores everything alike has accuracy 0 (TRL's ``compute_accuracy`` drops
+    tied pairs from both counts instead: such a model's accuracy is then undefined, and a
+    model is not charged for the pairs it cannot tell apart).
+    """
+    arrays = {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
+    _check_pairs("pair_accuracy", **arrays, pair_mask=pair_mask)
+    xp = namespace(chosen_rewards, rejected_rewards)
+    dtype = chosen_rewards.dtype
+    p = xp.ones_like(chosen_rewards) if pair_mask is None else xp.astype(pair_mask, dtype)
+    hit = xp.astype(stop_gradient(chosen_rewards) > stop_gradient(rejected_rewards), dtype)
+    return xp.sum(hit * p), xp.sum(p)
+
+
+def bradley_terry_loss(
+    chosen_rewards: Array,
+    rejected_rewards: Array,
+    margin: float | Array = 0.0,
+    center_coef: float = 0.0,
+    pair_mask: Array | None = None,
+    global_pairs: float | Array | None = None,
+) -> tuple[Array, Metrics]:
+    """Bradley-Terry reward-model loss (Bradley & Terry 1952; InstructGPT, Ouyang et al.
+    2022, eq. 1), one pair per entry: [B] -> scalar.
+
+    ``chosen_rewards`` / ``rejected_rewards`` [B] are the reward model's scalar scores of
+    the preferred and the rejected response of pair ``b`` (the pair layout of
+    :func:`dpo_loss`). With ``h_b = r^c_b - r^r_b`` and ``p = pair_mask``::
+
+        l_b  = -log sigmoid(h_b - margin_b) + center_coef (r^c_b + r^r_b)^2
+        loss = sum_b p_b l_b / global_pairs
+
+    ``margin`` (a number or [B]; Llama 2, Touvron et al. 2023, sec. 3.2.2: larger for
+    clearer preferences) asks for a gap of at least ``margin``; ``center_coef`` (TRL's
+    ``center_rewards_coefficient``; Eisenstein et al. 2023, arXiv:2312.09244) pulls the
+    rewards towards mean 0, since the loss sees only differences. ``pair_mask`` [B] is 1
+    on real pairs and 0 on pairs a backend adds to fill a shape (those add nothing and
+    are not counted). ``global_pairs`` is the number of real pairs in the whole optimizer
+    step (default: this call's, ``sum(pair_mask)``), so the loss and metrics are
+    summable contributions (module docstring). Metrics: ``rewards/chosen``,
+    ``rewards/rejected``, ``rewards/margins`` (mean ``h``), ``rewards/accuracies``
+    (:func:`pair_accuracy`'s share), the same names as :func:`dpo_loss`'s.
+    """
+    _check_pairs(
+        "bradley_terry_loss",
+        chosen_rewards=chosen_rewards,
+        rejected_rewards=rejected_rewards,
+        margin=None if isinstance(margin, numbers.Number | np.generic) else margin,
+        pair_mask=pair_mask,
+    )
+    if not center_coef >= 0.0:
+        raise ValueError(
+            f"bradley_terry_loss: center_coef={center_coef!r} must be >= 0 (0 turns the "
+            "centring term off)"
+        )
+    xp = namespace(chosen_rewards, rejected_rewards)
+    dtype = chosen_rewards.dtype
+    p = xp.ones_like(chosen_rewards) if pair_mask is None else xp.astype(pair_mask, dtype)
+    losses = -log_sigmoid(chosen_rewards - rejected_rewards - margin)
+    if center_coef:
+        losses = losses + center_coef * (chosen_rewards + rejected_rewards) ** 2
+    n = _divisor(global_pairs) if global_pairs is not None else _nonzero_count(xp, xp.sum(p))
+    loss = masked_sum(losses, p) / n
+    return loss, _pair_metrics(chosen_rewards, rejected_rewards, p, global_pairs)
 
 
 def sft_loss(

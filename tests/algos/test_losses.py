@@ -622,3 +622,132 @@ def test_sft_actor_loss_splits_like_the_whole_batch():
     )
     assert whole == pytest.approx(-(lp * mask).sum() / mask.sum(), abs=1e-12)
     assert parts == pytest.approx(whole, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- reward model
+
+# Three pairs: h = r_chosen - r_rejected = [1, 0, -2] (right, tie, wrong).
+RM_CHOSEN, RM_REJECTED = [2.0, 0.0, -1.0], [1.0, 0.0, 1.0]
+
+
+def _softplus(x: float) -> float:  # -log sigmoid(-x) = log(1 + e^x)
+    return math.log1p(math.exp(x))
+
+
+def test_bradley_terry_hand(bk):
+    cases = {
+        "plain": dict(),
+        "margin": dict(margin=0.5),
+        "pair_margin": dict(margin=np.array([0.5, 0.0, 1.0])),
+        "center": dict(center_coef=0.1),
+        "global": dict(global_pairs=6.0),
+        "masked": dict(pair_mask=np.array([1.0, 1.0, 0.0])),
+    }
+
+    def run(kw):
+        arrays = {k: bk.asarray(v) for k, v in kw.items() if isinstance(v, np.ndarray)}
+        plain = {k: v for k, v in kw.items() if k not in arrays}
+
+        def fn(c, r, *xs):
+            return L.bradley_terry_loss(c, r, **plain, **dict(zip(arrays, xs)))
+
+        loss, m = bk.call(fn, bk.asarray(RM_CHOSEN), bk.asarray(RM_REJECTED), *arrays.values())
+        assert bk.is_native(loss)
+        return float(bk.numpy(loss)), {k: float(bk.numpy(v)) for k, v in m.items()}
+
+    out = {name: run(kw) for name, kw in cases.items()}
+    # -log sigmoid(h - margin) = softplus(margin - h)
+    per_pair = [_softplus(-1.0), math.log(2.0), _softplus(2.0)]
+    assert out["plain"][0] == pytest.approx(sum(per_pair) / 3, **APPROX)
+    margin = [_softplus(-0.5), _softplus(0.5), _softplus(2.5)]
+    assert out["margin"][0] == pytest.approx(sum(margin) / 3, **APPROX)
+    pair_margin = [_softplus(-0.5), math.log(2.0), _softplus(3.0)]
+    assert out["pair_margin"][0] == pytest.approx(sum(pair_margin) / 3, **APPROX)
+    # centring: + 0.1 (r_c + r_r)^2 = + 0.1 * [9, 0, 0]
+    assert out["center"][0] == pytest.approx((sum(per_pair) + 0.9) / 3, **APPROX)
+    assert out["global"][0] == pytest.approx(sum(per_pair) / 6, **APPROX)
+    assert out["masked"][0] == pytest.approx(sum(per_pair[:2]) / 2, **APPROX)
+    # metrics: accuracy 1/3 (the tie is wrong), margins (1 + 0 - 2) / 3, chosen 1/3,
+    # rejected 2/3; over the two real pairs: accuracy 1/2, margins 1/2
+    m = out["plain"][1]
+    assert m["rewards/accuracies"] == pytest.approx(1.0 / 3, **APPROX)
+    assert m["rewards/margins"] == pytest.approx(-1.0 / 3, **APPROX)
+    assert m["rewards/chosen"] == pytest.approx(1.0 / 3, **APPROX)
+    assert m["rewards/rejected"] == pytest.approx(2.0 / 3, **APPROX)
+    assert out["global"][1]["rewards/accuracies"] == pytest.approx(1.0 / 6, **APPROX)
+    assert out["masked"][1]["rewards/accuracies"] == pytest.approx(0.5, **APPROX)
+    assert out["masked"][1]["rewards/margins"] == pytest.approx(0.5, **APPROX)
+
+
+def test_bradley_terry_gradient_raises_chosen_lowers_rejected(gbk):
+    """d loss / d r_chosen = -sigmoid(margin - h) / N < 0 and d / d r_rejected = +the same:
+    a gradient step widens every pair's gap, most where the model is most wrong."""
+    (g_c, g_r) = gbk.grad(
+        lambda c, r: L.bradley_terry_loss(c, r, margin=0.5)[0],
+        np.array(RM_CHOSEN),
+        np.array(RM_REJECTED),
+    )
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + math.exp(-x))
+
+    expected = [-sigmoid(0.5 - h) / 3 for h in (1.0, 0.0, -2.0)]
+    np.testing.assert_allclose(g_c, expected, **HAND)
+    np.testing.assert_allclose(g_r, [-g for g in expected], **HAND)
+    assert all(g < 0 for g in g_c)
+
+
+def test_bradley_terry_micro_batches_sum_to_the_whole(bk):
+    rng = np.random.default_rng(7)
+    chosen, rejected = rng.normal(size=8), rng.normal(size=8)
+
+    def run(c, r, n):
+        return bk.call(
+            lambda c, r: L.bradley_terry_loss(c, r, center_coef=0.05, global_pairs=n),
+            bk.asarray(c),
+            bk.asarray(r),
+        )
+
+    whole = as_np(
+        bk,
+        bk.call(
+            lambda c, r: L.bradley_terry_loss(c, r, center_coef=0.05),
+            bk.asarray(chosen),
+            bk.asarray(rejected),
+        ),
+    )
+    parts = [as_np(bk, run(chosen[s], rejected[s], 8.0)) for s in (slice(0, 3), slice(3, 8))]
+    summed = (parts[0][0] + parts[1][0], {k: parts[0][1][k] + parts[1][1][k] for k in whole[1]})
+    assert_tree_close(summed, whole, **REBATCH)
+
+
+def test_pair_accuracy_counts_with_denominator(bk):
+    correct, pairs = bk.call(
+        lambda c, r, p: L.pair_accuracy(c, r, p),
+        bk.asarray([3.0, 1.0, 2.0, 0.5]),
+        bk.asarray([1.0, 1.0, 5.0, 0.0]),
+        bk.asarray([1.0, 1.0, 1.0, 0.0]),  # the last pair is padding
+    )
+    assert (float(bk.numpy(correct)), float(bk.numpy(pairs))) == (1.0, 3.0)
+    # held out in two batches: (1 + 2) / (3 + 2), not the mean of 1/3 and 2/2
+    correct2, pairs2 = L.pair_accuracy(bk.asarray([1.0, 2.0]), bk.asarray([0.0, 1.0]))
+    total = (float(bk.numpy(correct)) + float(bk.numpy(correct2))) / (3.0 + float(pairs2))
+    assert total == pytest.approx(3.0 / 5.0, **APPROX)
+
+
+def test_bradley_terry_errors(bk):
+    v, w = bk.asarray(np.zeros(3)), bk.asarray(np.zeros(4))
+    with pytest.raises(
+        ValueError,
+        match=r"bradley_terry_loss: shape mismatch: chosen_rewards\[3\], "
+        r"rejected_rewards\[4\]",
+    ):
+        L.bradley_terry_loss(v, w)
+    with pytest.raises(ValueError, match=r"margin\[4\]"):
+        L.bradley_terry_loss(v, v, margin=w)
+    with pytest.raises(ValueError, match=r"inputs must be \[B\].*got shape \(3, 1\)"):
+        L.bradley_terry_loss(bk.asarray(np.zeros((3, 1))), bk.asarray(np.zeros((3, 1))))
+    with pytest.raises(ValueError, match=r"center_coef=-0.1 must be >= 0"):
+        L.bradley_terry_loss(v, v, center_coef=-0.1)
+    with pytest.raises(ValueError, match=r"pair_accuracy: shape mismatch.*pair_mask\[4\]"):
+        L.pair_accuracy(v, v, w)

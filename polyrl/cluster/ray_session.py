@@ -29,7 +29,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["init_ray", "local_cpus", "verbose", "VERBOSE_ENV", "worker_line_matters"]
+__all__ = [
+    "init_ray",
+    "copy_worker_logs",
+    "local_cpus",
+    "verbose",
+    "VERBOSE_ENV",
+    "worker_line_matters",
+]
 
 # Set by ``--verbose`` (and inherited by a sweep's trials): phase lines, all worker output.
 VERBOSE_ENV = "POLYRL_VERBOSE"
@@ -74,6 +81,7 @@ def init_ray(
     imports: Iterable[str] = (),
     debug: Any = None,
     cache_dir: str | None = None,
+    copy_logs: bool = True,
 ) -> None:
     """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
     --head``, or ``auto``: docs/scaling.md), else start a private local one of
@@ -81,7 +89,8 @@ def init_ray(
     watched so that it ends with the driver. ``debug``: a ``polyrl.observe.debug.DebugConfig``
     (docs/debugging.md); with it enabled every worker line reaches the driver.
     ``cache_dir``: ``RunConfig.cache_dir``, the compile caches of the driver and every
-    worker (``polyrl.compile_cache``)."""
+    worker (``polyrl.compile_cache``). ``copy_logs=False``: :func:`copy_worker_logs`
+    later (once the run dir may be written)."""
     import ray
 
     from polyrl.cluster.user_code import runtime_env
@@ -116,7 +125,16 @@ def init_ray(
         signal.signal(signal.SIGTERM, term)
     if address == "local":
         _start_watchdog(os.getpid())
-    if not loud:
+    if copy_logs:
+        copy_worker_logs(run_dir, debug)
+
+
+def copy_worker_logs(run_dir: str | Path, debug: Any = None) -> None:
+    """Copy the Ray job's worker output into ``<run_dir>/logs/`` and show the lines that
+    matter (not with ``--verbose`` or the debugger: Ray prints every line itself)."""
+    import ray
+
+    if not (verbose() or (debug is not None and debug.enabled)):
         node = ray._private.worker.global_worker.node
         job = ray.get_runtime_context().get_job_id()
         _WorkerLogs(Path(node.get_logs_dir_path()), job, Path(run_dir) / "logs").start()

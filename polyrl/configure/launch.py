@@ -15,7 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -114,6 +117,43 @@ def prepare(cfg: RunConfig, reward_rows: dict | None = None) -> tuple[RunConfig,
     return cfg, spec
 
 
+def _init_ray(cfg: RunConfig, copy_logs: bool = True) -> None:
+    """The run's Ray (``polyrl.cluster.ray_session.init_ray``): a local start gets the
+    pools' CPUs plus RunConfig.user_cpus for the user's own tasks."""
+    from polyrl.cluster.ray_session import init_ray
+
+    pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
+    cpus = cfg.ray_num_cpus or pool_cpus + cfg.user_cpus
+    init_ray(cfg.run_dir, cpus, cfg.imports, cfg.debug, cfg.cache_dir, copy_logs=copy_logs)
+
+
+def _checks_beside_ray(cfg: RunConfig, startup: Any, checks: Any) -> tuple[Any, bool]:
+    """``checks()`` (every check before a worker starts) on a thread of their own while
+    a local Ray starts on this one (ray.init stays on the main thread): one after the
+    other they took 4.9 s and 4.9 s on the 2-core machine (issue 48). No worker starts
+    before both are done; a run the checks refuse leaves no Ray behind. Start-up phases:
+    "ray" (its start), then "checks" (what is left of them). Joining a cluster
+    (``RAY_ADDRESS``: after the checks, as before) or a Ray already running: the checks
+    alone. Returns their result and whether Ray was started here."""
+    ray = sys.modules.get("ray")
+    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        with startup.phase("checks"):
+            return checks(), False
+    pool = ThreadPoolExecutor(1, thread_name_prefix="polyrl-checks")
+    checked = pool.submit(checks)
+    pool.shutdown(wait=False)
+    try:
+        with startup.phase("ray"):
+            _init_ray(cfg, copy_logs=False)
+        with startup.phase("checks"):  # what is left of them
+            return checked.result(), True
+    except BaseException:
+        import ray
+
+        ray.shutdown()
+        raise
+
+
 def _components(
     cfg: RunConfig, spec: Any, reward_rows: dict | None = None, startup: Any = None
 ) -> SimpleNamespace:
@@ -123,7 +163,6 @@ def _components(
     from transformers import AutoTokenizer
 
     from polyrl.cluster.placement import Placement, trial_placement
-    from polyrl.cluster.ray_session import init_ray
     from polyrl.cluster.roles import build_roles
     from polyrl.configure.validate import raise_if_problems, reward_problems
     from polyrl.data.loader import source_for
@@ -149,11 +188,8 @@ def _components(
     )
     val_prompts = validation_prompts(cfg, tokenizer, **kw) if spec.objective == "rl" else None
     if not ray.is_initialized():
-        # A local start gets the pools' CPUs plus RunConfig.user_cpus for the user's own tasks.
-        pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
         with startup.phase("ray"):
-            cpus = cfg.ray_num_cpus or pool_cpus + cfg.user_cpus
-            init_ray(cfg.run_dir, cpus, cfg.imports, cfg.debug, cfg.cache_dir)
+            _init_ray(cfg)
     # Each reward on a few rows, before any worker starts (here: a reward may use Ray).
     raise_if_problems(reward_problems(reward_rows or {}, cfg.reward_timeout_s))
     debug = DebugSession.start(cfg.debug)
@@ -197,6 +233,7 @@ def train(
     ``overwrite`` (delete its outputs once the checks pass). ``resume`` refuses a run_dir
     with no checkpoint; ``resume_or_start`` (``--resume-or-start``) starts it at step 0."""
     from polyrl.checkpoints import check_resumable, resume_point, run_manifest
+    from polyrl.cluster.ray_session import copy_worker_logs
     from polyrl.cluster.reliability import (
         check_free_space,
         check_fresh_run_dir,
@@ -215,12 +252,17 @@ def train(
     # The checkpoint to continue from, its files checked against their checksums (a
     # damaged one is named and set aside): before the checks and any worker start.
     start = resume_point(cfg.run_dir, start_fresh=resume_or_start) if resume else None
+    cfg = for_debugging(cfg, debug)
     reward_rows: dict = {}
-    with startup.phase("checks"):
-        cfg, spec = prepare(for_debugging(cfg, debug), reward_rows)
-    check_free_space(cfg, spec)
-    # a checkpoint of another backend/algorithm/model fails before workers start
-    check_resumable(start, run_manifest(cfg, spec))
+
+    def checks() -> tuple[RunConfig, Any]:
+        checked, spec = prepare(cfg, reward_rows)
+        check_free_space(checked, spec)
+        # a checkpoint of another backend/algorithm/model fails before workers start
+        check_resumable(start, run_manifest(checked, spec))
+        return checked, spec
+
+    (cfg, spec), ray_started = _checks_beside_ray(cfg, startup, checks)
     run_dir = Path(cfg.run_dir)
     if overwrite and (gone := clear_run_outputs(run_dir)):
         print(f"[polyrl] --overwrite: deleted {', '.join(gone)} in {run_dir}", flush=True)
@@ -228,6 +270,8 @@ def train(
     print(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
     )
+    if ray_started:  # into the run dir, now that --overwrite has cleared it
+        copy_worker_logs(cfg.run_dir, cfg.debug)
     loop = LOOPS[spec.objective]
     from polyrl.observe.health import watch_pending
 

@@ -105,6 +105,9 @@ def _train(capsys, *params: str, flags: tuple[str, ...] = ()) -> tuple[int, str]
 
 
 def test_unwritable_or_full_run_dir_fails_before_any_worker(tmp_path, capsys, monkeypatch):
+    import psutil
+    import ray
+
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     code, out = _train(capsys, f"polyrl.RunConfig.run_dir = {str(blocker / 'run')!r}")
@@ -116,6 +119,10 @@ def test_unwritable_or_full_run_dir_fails_before_any_worker(tmp_path, capsys, mo
     code, out = _train(capsys, f"polyrl.RunConfig.run_dir = {str(run)!r}")
     assert code == 1 and "0 MiB free, the run needs about" in out, out
     assert not (run / "operative_config.gin").exists()  # refused before the run began
+    # the Ray begun beside the checks is gone with the refused run (issue 48)
+    assert not ray.is_initialized()
+    left = [p.name() for p in psutil.Process().children(recursive=True)]
+    assert not {"gcs_server", "raylet"} & set(left), left
 
 
 def test_resume_with_no_checkpoint_is_refused_unless_asked_to_start_fresh(tmp_path, capsys):

@@ -52,6 +52,10 @@ def test_killed_driver_leaves_no_process_and_the_run_was_quiet(tmp_path):
         _wait_for_steps(run, proc, 4)
         tree = [p for p in psutil.Process(proc.pid).children(recursive=True)]
         assert len(tree) >= 4, tree  # Ray's own processes and the role workers
+        # Ray starts beside the checks (issue 48): its GCS before the operative config,
+        # which the driver writes once they pass
+        (gcs,) = [p for p in tree if p.name() == "gcs_server"]
+        assert gcs.create_time() < (run / "operative_config.gin").stat().st_mtime
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         _, alive = psutil.wait_procs(tree, timeout=30)

@@ -129,9 +129,10 @@ def _init_ray(cfg: RunConfig, copy_logs: bool = True) -> None:
 
 def _checks_beside_ray(cfg: RunConfig, startup: Any, checks: Any) -> tuple[Any, bool]:
     """``checks()`` (every check before a worker starts) on a thread of their own while
-    a local Ray starts on this one (ray.init stays on the main thread): one after the
-    other they took 4.9 s and 4.9 s on the 2-core machine (issue 48). No worker starts
-    before both are done; a run the checks refuse leaves no Ray behind. Start-up phases:
+    a local Ray starts on this one (after a ray.init on another thread, ray.shutdown took
+    15 s instead of 1.3 s): on the idle 2-core machine, 2.7 s and 2.3-3.3 s one after the
+    other, 3.6-4.6 s side by side (issue 48). No worker starts before both are done; a
+    run the checks refuse leaves no Ray behind. Start-up phases:
     "ray" (its start), then "checks" (what is left of them). Joining a cluster
     (``RAY_ADDRESS``: after the checks, as before) or a Ray already running: the checks
     alone. Returns their result and whether Ray was started here."""

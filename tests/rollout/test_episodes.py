@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -32,15 +33,22 @@ def envs_by_value(ray_session):
 
 @register_env("test/killer")
 class Killer(Env):
-    """Plays two turns; at turn 1 kills its worker's process when the row says so."""
+    """Plays two turns; at turn 1 kills its worker's process when the row says so, or
+    (``outlive``: False) holds turn 1 until its worker dies, at most 15 s."""
 
     def reset(self, row):
         self.kill = row["extra_info"].get("kill", False)
+        self.outlive = row["extra_info"].get("outlive", True)
         return super().reset(row)
 
     def step(self, turn):
         if turn.index == 1 and self.kill:
             os._exit(1)
+        if turn.index == 1 and not self.outlive:
+            # Episodes run their turns concurrently: without this, an episode sharing the
+            # killer's worker could finish its last step before the killer's (seen once in
+            # CI: episode 3 ended "done")
+            threading.Event().wait(15)
         if turn.index == 1:
             return StepResult(reward=1.0, done=True)
         return StepResult([{"role": "user", "content": "+"}], reward=0.5)
@@ -65,8 +73,8 @@ def test_env_worker_killed_mid_episode_ends_only_its_episodes(ray_session, token
     runner = EpisodeRunner(TextPolicy(tokenizer), EnvPool(2, 20), tokenizer, config)
     try:
         # the first batch's episode k lives on worker k % 2: episode 1 kills worker 1,
-        # which also hosts 3 and 5
-        extras = [{"kill": i == 1} for i in range(6)]
+        # which also hosts 3 and 5 (they do not outlive it)
+        extras = [{"kill": i == 1, "outlive": i % 2 == 0} for i in range(6)]
         spec = SamplingSpec(n=1, max_tokens=4, seed=3)
         batch = runner.generate(_prompts("test/killer", extras), spec)
         assert list(batch["finish_reason"]) == ["done", "env_worker_died"] * 3

@@ -26,6 +26,7 @@ turns): nothing polls.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 import time
@@ -40,7 +41,7 @@ __all__ = ["Producer"]
 Push = Callable[[], dict[str, float]]
 
 
-class Producer:
+class Producer(abc.ABC):
     """The trainer-side interface (:meth:`take`, :meth:`sync`, :meth:`exclusive`,
     :meth:`discard`, :meth:`save`, :meth:`load`) and the generator's hand-off loop
     (:meth:`_next_unit`). A subclass says what a unit is (:meth:`_produce`), when one may
@@ -87,13 +88,13 @@ class Producer:
         """The servers pause the requests in flight while a push lands."""
         return False
 
+    @abc.abstractmethod
     def _produce(self) -> None:
         """The generator's thread: ``while self._next_unit(): <run one unit>``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _admit(self) -> bool:
         """(lock held) Whether a unit may start now (admitting its work)."""
-        raise NotImplementedError
 
     def _done(self) -> bool:
         """(lock held) Nothing is left to generate: the generator ends."""
@@ -109,18 +110,18 @@ class Producer:
         return {}
 
     # ------------------------------------------------------------ trainer side
+    @abc.abstractmethod
     def take(self, step: int) -> tuple[Batch, dict[str, float]]:
         """Step ``step``'s batch (waiting for it) and its ``rollout/`` and ``async/``
         metrics."""
-        raise NotImplementedError
 
-    def save(self, path: Path) -> None:
+    def save(self, path: Path) -> None:  # noqa: B027 (optional: nothing to keep by default)
         """Write what a checkpoint keeps of the producer under ``path`` (nothing here)."""
 
+    @abc.abstractmethod
     def load(self, path: Path | None, step: int) -> None:
         """Start (again) at step ``step`` from checkpoint ``path``, the servers holding
         weight version ``step``."""
-        raise NotImplementedError
 
     def _start(self) -> None:
         """(lock held) Start the generator's thread, once."""

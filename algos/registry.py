@@ -179,3 +179,12 @@ SFT = register_algorithm(
         advantage=None,
     )
 )
+
+REWARD_MODEL = register_algorithm(
+    AlgorithmSpec(
+        name="reward_model",
+        paper="Bradley-Terry reward model (Bradley & Terry 1952; Ouyang et al. 2022, arXiv:2203.02155, step 2)",
+        objective="reward_model",
+        advantage=None,
+    )
+)

@@ -40,6 +40,7 @@ from polyrl.algos.losses import (
     KL_KINDS,
     POLICY_LOSSES,
     aggregate,
+    bradley_terry_loss,
     dpo_loss,
     kl_penalty,
     masked_is_weight,
@@ -55,6 +56,7 @@ __all__ = [
     "DPOActorLoss",
     "SFTActorLoss",
     "CriticLoss",
+    "RewardModelLoss",
     "OBJECTIVES",
 ]
 
@@ -249,6 +251,38 @@ class CriticLoss:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardModelLoss:
+    """Bradley-Terry reward-model training on a micro-batch of *interleaved* pairs (DPO's
+    layout: row ``2i`` chosen, ``2i + 1`` rejected): ``losses.bradley_terry_loss`` of
+    ``outputs["scores"]`` [B] (the value head at each sequence's last real token), with
+    ``margin`` and ``center_coef``, over ``ctx.global_seqs / 2`` pairs. Pairs a backend
+    adds to fill a shape (no response tokens) add nothing. Metrics: DPO's names
+    (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``).
+    """
+
+    margin: float
+    center_coef: float
+
+    def __call__(self, outputs: Mapping[str, Array], batch: Mapping[str, Array], ctx: Any):
+        mask, scores = batch["response_mask"], outputs["scores"]
+        if mask.shape[0] % 2:
+            raise ValueError(
+                f"a reward model trains on interleaved (chosen, rejected) rows; got a "
+                f"micro-batch of {mask.shape[0]} rows (odd): use an even micro_batch_size"
+            )
+        xp = namespace(scores)
+        real = xp.astype(xp.sum(mask, axis=-1)[0::2] > 0, scores.dtype)
+        return bradley_terry_loss(
+            scores[0::2],
+            scores[1::2],
+            margin=self.margin,
+            center_coef=self.center_coef,
+            pair_mask=real,
+            global_pairs=ctx.global_seqs / 2,
+        )
+
+
 def _rl_actor_loss(spec: AlgorithmSpec) -> RLActorLoss:
     entry = POLICY_LOSSES[spec.policy_loss]
     return RLActorLoss(
@@ -276,8 +310,14 @@ def _sft_actor_loss(spec: AlgorithmSpec) -> SFTActorLoss:
 
 
 # objective -> actor-loss builder: "rl" trains on scored rollouts, "preference" on pairs,
-# "sft" on the assistant tokens of chat data.
-OBJECTIVES = {"rl": _rl_actor_loss, "preference": _dpo_actor_loss, "sft": _sft_actor_loss}
+# "sft" on the assistant tokens of chat data; "reward_model" trains no actor, only the
+# critic role's value head on pairs (RewardModelLoss, make_critic_loss).
+OBJECTIVES = {
+    "rl": _rl_actor_loss,
+    "preference": _dpo_actor_loss,
+    "sft": _sft_actor_loss,
+    "reward_model": None,
+}
 
 
 # --------------------------------------------------------------------------- the spec
@@ -294,9 +334,9 @@ def _check_choice(field: str, value: Any, valid: Any) -> None:
 class AlgorithmSpec:
     """One algorithm, as data. Field groups (defaults are per algorithm, see the registry):
 
-    identity: ``name``, ``paper``; ``objective`` ("rl" | "preference" | "sft");
-    ``advantage`` (``ADVANTAGE_ESTIMATORS`` name, None for preference and sft);
-    ``policy_loss`` (``POLICY_LOSSES`` name; unused for preference and sft).
+    identity: ``name``, ``paper``; ``objective`` ("rl" | "preference" | "sft" |
+    "reward_model"); ``advantage`` (``ADVANTAGE_ESTIMATORS`` name, None for the others);
+    ``policy_loss`` (``POLICY_LOSSES`` name; unused but for rl).
 
     policy loss: ``clip_low``, ``clip_high`` (``clip_high > clip_low`` = clip-higher),
     ``dual_clip`` (None = off; only the "ppo" loss), ``agg`` (``AGG_MODES``),
@@ -311,7 +351,8 @@ class AlgorithmSpec:
     advantages: ``gamma``, ``lam`` (GAE / REINFORCE++), ``scale_by_std`` (GRPO; False =
     Dr. GRPO). critic: ``value_clip``, ``critic_agg``. DAPO: ``dynamic_sampling``,
     ``overlong_buffer_len`` (None = off), ``overlong_penalty_factor``. DPO: ``beta``,
-    ``dpo_kind`` (``DPO_KINDS``), ``label_smoothing``.
+    ``dpo_kind`` (``DPO_KINDS``), ``label_smoothing``. Reward model (Bradley-Terry):
+    ``rm_margin``, ``rm_center_coef`` (``losses.bradley_terry_loss``'s margin, center_coef).
     """
 
     name: str
@@ -356,6 +397,9 @@ class AlgorithmSpec:
     beta: float = 0.1
     dpo_kind: str = "sigmoid"
     label_smoothing: float = 0.0
+    # reward model
+    rm_margin: float = 0.0
+    rm_center_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -404,9 +448,27 @@ class AlgorithmSpec:
         return ADVANTAGE_ESTIMATORS[self.advantage].columns if self.objective == "rl" else ()
 
     @property
+    def needs_actor(self) -> bool:
+        """A policy is trained (every objective but "reward_model")."""
+        return self.objective != "reward_model"
+
+    @property
     def needs_critic(self) -> bool:
-        """A value model is trained (the advantage estimator reads ``values``)."""
-        return "values" in self._columns
+        """A value model is trained: the advantage estimator reads ``values``, or the
+        critic role *is* the reward model being trained ("reward_model")."""
+        return "values" in self._columns or self.objective == "reward_model"
+
+    @property
+    def evaluates(self) -> bool:
+        """Held-out data is scored during training (``RunConfig.eval_every``): rl generates
+        and rewards responses, reward_model scores held-out pairs."""
+        return self.objective in ("rl", "reward_model")
+
+    @property
+    def data_kind(self) -> str:
+        """The kind of row the algorithm trains on (``polyrl.data.schema.KINDS``): a
+        reward model reads DPO's preference pairs."""
+        return "preference" if self.objective == "reward_model" else self.objective
 
     @property
     def needs_reference(self) -> bool:
@@ -459,11 +521,16 @@ class AlgorithmSpec:
         """The actor's ``loss_fn(outputs, batch, ctx)`` with this spec's hyper-parameters
         (``overrides`` replace spec fields)."""
         spec = self.replace(**overrides)
+        if not spec.needs_actor:
+            raise ValueError(f"algorithm {spec.name!r} ({spec.objective}) trains no actor")
         return OBJECTIVES[spec.objective](spec)
 
-    def make_critic_loss(self, **overrides: Any) -> CriticLoss:
-        """The critic's ``loss_fn(outputs, batch, ctx)``; ValueError if there is no critic."""
+    def make_critic_loss(self, **overrides: Any) -> CriticLoss | RewardModelLoss:
+        """The critic's ``loss_fn(outputs, batch, ctx)`` (a reward model's: Bradley-Terry);
+        ValueError if there is no critic."""
         spec = self.replace(**overrides)
+        if spec.objective == "reward_model":
+            return RewardModelLoss(margin=spec.rm_margin, center_coef=spec.rm_center_coef)
         if not spec.needs_critic:
             raise ValueError(
                 f"algorithm {spec.name!r} has no critic (advantage "

@@ -96,8 +96,8 @@ class TrainEngine(Protocol):
         adapters: bool = True,
     ) -> dict[str, Any]:
         """No-grad per-token outputs as numpy: ``log_probs`` [B, R] (``entropy``,
-        ``values`` when asked for / a value-head role; the reward role also ``scores``
-        [B]). Zero where ``response_mask`` is 0. ``temperature`` <= 0 is a ValueError.
+        or for a value-head role ``values`` and ``scores`` [B], the head at each row's last
+        real token). Zero where ``response_mask`` is 0. ``temperature`` <= 0 is a ValueError.
         ``adapters=False``: a LoRA actor scores with its adapters off, i.e. as the frozen
         base model (the reference); no effect without LoRA."""
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from polyrl.checkpoints import match_mode
 
-__all__ = ["write_hf", "TOKENIZER_FILES"]
+__all__ = ["write_hf", "value_head_config", "TOKENIZER_FILES"]
 
 # Files of a source model directory besides weights and config.json that an export keeps.
 TOKENIZER_FILES = (
@@ -67,12 +67,15 @@ def write_hf(
     write: bool = True,
     config: Mapping[str, Any] | None = None,
     max_shard_bytes: int = 5 << 30,
+    value_head: bool = False,
 ) -> Path:
     """Write the weights in ``buckets`` as an HF directory at ``out_dir`` (module doc).
 
     ``config``: the ``config.json`` to write (default: ``src_dir``'s, with ``torch_dtype``
     set to the weights' floating dtype). ``write`` False: consume the buckets (each may be
     a collective every rank joins) and write nothing (the ranks other than the first).
+    ``value_head``: the weights are a value model's (``model.*`` + ``score.weight``): the
+    config becomes its sequence classifier's (:func:`value_head_config`).
     """
     from safetensors.torch import save_file
 
@@ -107,12 +110,27 @@ def write_hf(
         if dtype:
             config = {**config, "torch_dtype": dtype}
             config.pop("dtype", None)
+    if value_head:
+        config = value_head_config(config)
     (out / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True))
     match_mode([out / name for name in files], out / "config.json")
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
     return out
+
+
+def value_head_config(config: Mapping[str, Any], bias: bool = False) -> dict[str, Any]:
+    """A causal LM's ``config`` made a value model's (critic, reward model): the family's
+    sequence-classification architecture (token-classification with a ``bias`` on the
+    head) with ``num_labels=1``, whose key layout ``model.* + score.*`` is what a value
+    model exports; transformers' ``AutoModelForSequenceClassification`` and polyrl's
+    reward_model role load it."""
+    archs = config.get("architectures") or [str(config.get("model_type", "")).capitalize()]
+    family = archs[0].split("For")[0]
+    kind = "TokenClassification" if bias else "SequenceClassification"
+    out = {k: v for k, v in config.items() if k not in ("id2label", "label2id")}
+    return {**out, "architectures": [f"{family}For{kind}"], "num_labels": 1}
 
 
 def _cpu_torch(x: Any):

@@ -315,6 +315,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             "actor/rewards/margins",
             "actor/rewards/accuracies",
             "actor/nll",
+            "critic/rewards/accuracies",
+            "val/pair_accuracy",
         )
         if k in final
     ]

@@ -235,12 +235,6 @@ class ModelConfig:
     def trainable(self) -> bool:
         return ROLE_TABLE[Role(self.role)].trained
 
-    @property
-    def scores(self) -> bool:
-        """The role also scores whole sequences: the reward model's value head read at
-        each sequence's last token (``scores``), besides the per-token ``values``."""
-        return self.role == Role.REWARD_MODEL
-
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:

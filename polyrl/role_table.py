@@ -28,6 +28,7 @@ __all__ = [
     "run_roles",
     "trained_roles",
     "reference_in_actor",
+    "exported_role",
 ]
 
 DEFAULT_POOL = "shared"  # the RunConfig.pools entry a role runs in unless told otherwise
@@ -100,12 +101,19 @@ def reference_in_actor(cfg: Any, spec: Any) -> bool:
     return spec.needs_reference and cfg.lora is not None
 
 
+def exported_role(spec: Any) -> Role:
+    """The role whose weights a run exports (``RunConfig.export_final``, ``polyrl
+    export``) and whose batch arithmetic validate-config prints: the actor, or a
+    reward-model run's critic (the reward model it trains)."""
+    return Role.ACTOR if spec.needs_actor else Role.CRITIC
+
+
 def role_names(cfg: Any, spec: Any) -> list[Role]:
     """The placed roles this run starts, in start-up order."""
     rl = spec.objective == "rl"
     separate_reference = spec.needs_reference and not reference_in_actor(cfg, spec)
     starts = {
-        Role.ACTOR: True,
+        Role.ACTOR: spec.needs_actor,
         Role.ROLLOUT: rl,
         Role.REFERENCE: separate_reference,
         Role.CRITIC: spec.needs_critic,

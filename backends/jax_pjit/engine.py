@@ -17,7 +17,7 @@ Per-token outputs (``[B, R]``, zero where ``response_mask`` is 0):
 the same distribution for LM roles; ``values`` for value-head roles, where
 ``values[:, t]`` is the head at position ``P - 1 + t`` -- the state *before* response
 token ``t`` is generated, aligned with ``log_probs[:, t]`` (verl's convention). The
-reward role also returns ``scores`` [B]: the head at each row's last real token.
+Value-head roles also return ``scores`` [B]: the head at each row's last real token.
 """
 
 from __future__ import annotations
@@ -283,8 +283,7 @@ class JaxPjitEngine:
                 out["entropy"] = jnp.where(keep, ent, 0.0)
         else:
             out["values"] = jnp.where(keep, model.values(h), 0.0)
-            if self.model_cfg.scores:
-                out["scores"] = model.values(last_hidden)
+            out["scores"] = model.values(last_hidden)
         return out
 
     def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, dict[str, jax.Array]]]:

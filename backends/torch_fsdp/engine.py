@@ -185,7 +185,7 @@ class TorchFSDPEngine:
     ) -> dict[str, torch.Tensor]:
         check_temperature(temperature)
         if self.cfg.has_value_head:
-            return models.value_outputs(self.model, inputs, scores=self.cfg.scores)
+            return models.value_outputs(self.model, inputs)
         return models.policy_outputs(
             self.model,
             inputs,
@@ -206,7 +206,7 @@ class TorchFSDPEngine:
         adapters: bool = True,
     ) -> dict[str, np.ndarray]:
         """No-grad outputs as numpy, micro-batched: ``log_probs`` [B, R] (+ ``entropy``) for
-        actor/reference; ``values`` [B, R] for critic/reward (+ ``scores`` [B] for reward).
+        actor/reference; ``values`` [B, R] and ``scores`` [B] for critic/reward.
         Zero where ``response_mask`` is 0. ``adapters=False``: a LoRA actor scores as its
         frozen base model (the run's reference)."""
         self._check_usable("forward")

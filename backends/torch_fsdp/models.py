@@ -331,15 +331,14 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return L - 1 - torch.argmax(attention_mask.flip(1).int(), dim=1)
 
 
-def value_outputs(
-    model: nn.Module, inputs: dict[str, torch.Tensor], scores: bool
-) -> dict[str, torch.Tensor]:
-    """``values`` [B, R] (V(s_t) at position P-1+t, 0 where ``response_mask`` is 0) and,
-    with ``scores``, ``scores`` [B] = the head at each sequence's last real token."""
+def value_outputs(model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` [B, R] (V(s_t) at position P-1+t, 0 where ``response_mask`` is 0) and
+    ``scores`` [B] = the head at each sequence's last real token (a reward model's score,
+    read from a critic too: a reward model in training is one)."""
     R = inputs["responses"].shape[1]
     full = model(inputs["input_ids"], inputs["attention_mask"], inputs["position_ids"])
-    result = {"values": _mask(full[:, -R - 1 : -1], inputs["response_mask"])}
-    if scores:
-        idx = last_token_index(inputs["attention_mask"])
-        result["scores"] = full.gather(1, idx[:, None]).squeeze(1)
-    return result
+    idx = last_token_index(inputs["attention_mask"])
+    return {
+        "values": _mask(full[:, -R - 1 : -1], inputs["response_mask"]),
+        "scores": full.gather(1, idx[:, None]).squeeze(1),
+    }

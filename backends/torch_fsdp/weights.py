@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from polyrl.backends.buckets import iter_buckets as group_buckets
-from polyrl.backends.hf_dir import write_hf
+from polyrl.backends.hf_dir import value_head_config, write_hf
 from polyrl.backends.torch_fsdp import lora
 
 __all__ = ["hf_named_tensors", "full", "iter_buckets", "save_hf"]
@@ -77,17 +77,13 @@ def iter_buckets(
     yield from group_buckets(cast, bucket_bytes)
 
 
-def _hf_config(hf_config, value_head: nn.Linear | None):
-    """The config to save: the model's own, or for a value model the family's
-    sequence-classification (head without bias) / token-classification (with bias)
-    architecture with ``num_labels=1``, whose key layout ``model.* + score.*`` matches."""
+def _hf_config(hf_config, dtype: torch.dtype, value_head: nn.Linear | None) -> dict:
+    """The config to save, with ``dtype``: the model's own, or for a value model its
+    classifier's (``polyrl.backends.hf_dir.value_head_config``)."""
     config = copy.deepcopy(hf_config)
-    if value_head is not None:
-        family = type(hf_config).__name__.removesuffix("Config")
-        kind = "TokenClassification" if value_head.bias is not None else "SequenceClassification"
-        config.architectures = [f"{family}For{kind}"]
-        config.num_labels = 1
-    return config
+    config.dtype = dtype  # what config.json records as the weights' dtype
+    out = json.loads(config.to_json_string())
+    return out if value_head is None else value_head_config(out, value_head.bias is not None)
 
 
 def save_hf(
@@ -106,14 +102,13 @@ def save_hf(
     """Write ``model`` as an HF directory at ``out_dir`` (rank 0 writes; every rank must
     call it, the gather is collective): safetensors in ``dtype``, ``config.json`` and the
     tokenizer/generation files copied from ``src_path`` (``polyrl.backends.hf_dir.write_hf``)."""
-    config = _hf_config(hf_config, value_head)
-    config.dtype = dtype  # what config.json records as the weights' dtype
+    config = _hf_config(hf_config, dtype, value_head)
     buckets = iter_buckets(model, min(max_shard_bytes, 1 << 30), dtype, device, lora_scale)
     write_hf(
         buckets,
         src_path,
         out_dir,
         write=is_main,
-        config=json.loads(config.to_json_string()),
+        config=config,
         max_shard_bytes=max_shard_bytes,
     )

@@ -57,6 +57,7 @@ class EngineWorker(Traced):
         from polyrl.backends.base import get_engine  # imports the framework here, lazily
 
         self.role, self.model_path = model.role, model.path
+        self.value_head = model.has_value_head
         setup_worker(model.role, self.rank)
         self.engine = get_engine(self.backend)()
         self.engine.init(model, optim, parallel)
@@ -154,11 +155,14 @@ class EngineWorker(Traced):
     @place("export_hf")
     def export_hf(self, out_dir: str) -> None:
         """The engine's weights (``export_weights``) as an HF directory at ``out_dir``
-        (``polyrl.backends.hf_dir.write_hf``): rank 0 writes, the others join the gathers."""
+        (``polyrl.backends.hf_dir.write_hf``; a value model's as its sequence classifier):
+        rank 0 writes, the others join the gathers."""
         from polyrl.backends.hf_dir import write_hf
 
         buckets = self.engine.export_weights(1 << 30)
-        write_hf(buckets, self.model_path, out_dir, write=self.rank == 0)
+        write_hf(
+            buckets, self.model_path, out_dir, write=self.rank == 0, value_head=self.value_head
+        )
 
     @place("call")
     def call(self, method: str, *args: Any) -> Any:

@@ -42,8 +42,9 @@ def export_checkpoint(
     """``polyrl export``: load the actor of checkpoint ``step`` (default: the latest) of
     ``run_dir`` into the backend that wrote it (read from the checkpoint's manifest) and
     write its weights as an HF directory at ``out_dir`` (a LoRA run's merged weights), or
-    with ``adapters_only`` a LoRA run's adapters as a PEFT adapter directory. Returns the
-    checkpoint loaded.
+    with ``adapters_only`` a LoRA run's adapters as a PEFT adapter directory. A
+    reward-model run (algorithm ``reward_model``) has no actor: its critic is written, as
+    a sequence classifier the reward_model role loads. Returns the checkpoint loaded.
 
     The engine runs in this process on one device (the checkpoint's sharding is
     resharded on load); the model's config and tokenizer come from the run's
@@ -51,8 +52,10 @@ def export_checkpoint(
     against the manifest's model shape.
     """
     from polyrl import checkpoints
+    from polyrl.algos import get_algorithm
     from polyrl.backends.base import engine_on_one_device
     from polyrl.config import ModelConfig, ParallelConfig
+    from polyrl.role_table import exported_role
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -97,15 +100,16 @@ def export_checkpoint(
             "tokenizer) is not a local Hugging Face directory here"
         )
     checkpoints.check_manifest(manifest, {"model": checkpoints.model_shape(model_path)}, str(path))
+    # A reward-model run trained the critic (a value head), exported as a classifier.
+    role = exported_role(get_algorithm(cfg.algorithm))
+    model = ModelConfig(path=model_path, role=role, dtype=cfg.model_dtype, lora=cfg.lora)
     engine = engine_on_one_device(manifest["backend"])
-    engine.init(
-        ModelConfig(path=model_path, role="actor", dtype=cfg.model_dtype, lora=cfg.lora),
-        cfg.actor.optim,
-        ParallelConfig(),
-    )
-    engine.load(str(path / "actor"))
+    engine.init(model, cfg.role_config(role).optim, ParallelConfig())
+    engine.load(str(path / role))
     if adapters_only:
         engine.save_adapters(str(out_dir))
     else:
-        write_hf(engine.export_weights(1 << 30), model_path, out_dir)
+        write_hf(
+            engine.export_weights(1 << 30), model_path, out_dir, value_head=model.has_value_head
+        )
     return path

@@ -181,13 +181,13 @@ def _components(
         "max_prompt_tokens": row_limit(cfg, spec)[0],
         "overlong": cfg.rollout.overlong_prompt,
     }
-    source = source_for(spec.objective)
+    source = source_for(spec.data_kind)
     prompts = (
         source.from_files(cfg.train_files, tokenizer, **kw)
         if cfg.train_files
         else source.from_task(cfg.task, cfg.n_train_prompts, tokenizer, **kw)
     )
-    val_prompts = validation_prompts(cfg, tokenizer, **kw) if spec.objective == "rl" else None
+    val_prompts = validation_prompts(cfg, tokenizer, source, **kw) if spec.evaluates else None
     if not ray.is_initialized():
         with startup.phase("ray"):
             _init_ray(cfg)

@@ -16,6 +16,7 @@ from polyrl.config import RunConfig, closest
 from polyrl.errors import ConfigError, raise_if_problems
 from polyrl.loop.async_rollout import async_problems
 from polyrl.loop.evaluation import check_validation
+from polyrl.role_table import exported_role
 
 __all__ = ["ConfigError", "check_run", "check_cluster", "raise_if_problems", "closest"]
 
@@ -33,24 +34,25 @@ def _dp_fix(mini: int, n: int, dp: int) -> int:
 def rows_per_prompt(cfg: RunConfig, spec: Any) -> int:
     """Rows a step trains on per data row: n samples (RL), 2 (DPO: chosen and
     rejected), 1 (SFT: the conversation)."""
-    return {"rl": cfg.sampling.n, "preference": 2, "sft": 1}[spec.objective]
+    return {"rl": cfg.sampling.n, "preference": 2, "sft": 1}[spec.data_kind]
 
 
 def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None) -> list[str]:
     """The batch arithmetic of one run, as lines of arithmetic (validate-config prints it)."""
     n = rows_per_prompt(cfg, spec)
     unit = {"rl": "samples", "preference": "rows (chosen + rejected)", "sft": "conversations"}[
-        spec.objective
+        spec.data_kind
     ]
     minis = cfg.prompts_per_step // max(cfg.mini_batch_prompts, 1)
-    par = cfg.actor.parallel
+    trained = exported_role(spec)  # the actor, or the reward model trained as the critic
+    par = cfg.role_config(trained).parallel
     per_rank = cfg.mini_batch_prompts * n // max(par.dp_size, 1)
     lines = [
         f"step: prompts_per_step {cfg.prompts_per_step} x n {n} = {cfg.prompts_per_step * n} {unit}",
         f"optimizer: {cfg.prompts_per_step} / mini_batch_prompts {cfg.mini_batch_prompts} = "
         f"{minis} mini-batch(es) x epochs {cfg.epochs} = {minis * cfg.epochs} updates a step, "
         f"{minis * cfg.epochs * cfg.total_steps} in {cfg.total_steps} steps",
-        f"actor: {cfg.mini_batch_prompts * n} {unit} / dp {par.dp_size} = {per_rank} per rank "
+        f"{trained}: {cfg.mini_batch_prompts * n} {unit} / dp {par.dp_size} = {per_rank} per rank "
         f"= {-(-per_rank // par.micro_batch_size)} micro-batch(es) of <= {par.micro_batch_size}",
     ]
     if spec.objective == "rl" and cfg.rollout is not None:
@@ -112,10 +114,10 @@ def _batch_problems(cfg: RunConfig, spec: Any) -> list[str]:
     for role in trained_roles(cfg, spec):
         par = cfg.role_config(role).parallel
         samples = cfg.mini_batch_prompts * n
-        if spec.objective == "preference" and par.micro_batch_size % 2:
+        if spec.data_kind == "preference" and par.micro_batch_size % 2:
             out.append(
-                f"{role}/ParallelConfig.micro_batch_size={par.micro_batch_size} is odd: a DPO "
-                f"micro-batch holds whole (chosen, rejected) pairs; make it even"
+                f"{role}/ParallelConfig.micro_batch_size={par.micro_batch_size} is odd: a "
+                f"{spec.name} micro-batch holds whole (chosen, rejected) pairs; make it even"
             )
         if samples % par.dp_size:
             out.append(
@@ -534,7 +536,7 @@ def dataset_problems(
     from polyrl.data.schema import load_rows as load
     from polyrl.data.tasks import MAKERS, TASKS
 
-    kind = spec.objective  # the row kind of polyrl.data.schema.KINDS
+    kind = spec.data_kind  # the row kind of polyrl.data.schema.KINDS
     overlong = cfg.rollout.overlong_prompt if cfg.rollout is not None else "error"
     limit, limit_name = row_limit(cfg, spec)
     problems, warnings, rows, dropped, longest = [], [], 0, 0, 0

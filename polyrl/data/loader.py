@@ -103,9 +103,10 @@ class PromptSource:
 class PairSource(PromptSource):
     """Preference pairs (``prompt``, ``chosen``, ``rejected``) for DPO.
 
-    ``batch(k, size)`` returns ``2 * size`` rows, interleaved: row ``2i`` is pair ``i``'s
-    chosen and row ``2i + 1`` its rejected response (each ending with EOS), in the
-    sequence layout of ``polyrl.batch``. Mini-batches of even size keep pairs whole.
+    ``batch(k, size)`` (and ``take(idx)``) returns ``2 * size`` rows, interleaved: row
+    ``2i`` is pair ``i``'s chosen and row ``2i + 1`` its rejected response (each ending
+    with EOS), in the sequence layout of ``polyrl.batch``. Mini-batches of even size keep
+    pairs whole. DPO and the reward model (Bradley-Terry) read it.
     """
 
     kind = "preference"
@@ -120,8 +121,7 @@ class PairSource(PromptSource):
         self.responses = [(encode(r["chosen"]), encode(r["rejected"])) for r in self.rows]
         self.pad_id = tokenizer.pad_token_id
 
-    def batch(self, k: int, size: int) -> Batch:
-        idx = self.indices(k, size)
+    def take(self, idx: np.ndarray) -> Batch:
         prompts = [self.prompt_ids[i] for i in idx for _ in range(2)]
         responses = [resp for i in idx for resp in self.responses[i]]
         seq = from_token_lists(prompts, responses, self.pad_id)
@@ -161,6 +161,7 @@ class ChatSource(PromptSource):
         )
 
 
-def source_for(objective: str) -> type[PromptSource]:
-    """The data source of an algorithm's objective ("rl", "preference", "sft")."""
-    return {"rl": PromptSource, "preference": PairSource, "sft": ChatSource}[objective]
+def source_for(kind: str) -> type[PromptSource]:
+    """The data source of a row kind (``AlgorithmSpec.data_kind``: "rl", "preference",
+    "sft")."""
+    return {"rl": PromptSource, "preference": PairSource, "sft": ChatSource}[kind]

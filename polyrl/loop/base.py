@@ -35,7 +35,7 @@ from polyrl.loop.metrics import (
 from polyrl.observe import shadow
 from polyrl.observe.health import HealthMonitor
 from polyrl.observe.timeline import Timeline
-from polyrl.role_table import ENGINE_ROLES, ROLE_TABLE, Role, reference_in_actor
+from polyrl.role_table import ENGINE_ROLES, ROLE_TABLE, Role, exported_role, reference_in_actor
 
 __all__ = ["COMPUTE_PHASES", "Loop", "Turns"]
 
@@ -73,7 +73,7 @@ class Loop(abc.ABC):
             shadow_tolerance=cfg.shadow_tolerance, shadow_sides=shadow.sides(cfg.backend)
         )
         self.dumps = RolloutDumps(self.run_dir, self.tokenizer, cfg.dump_every, cfg.dump_samples)
-        self.actor_loss = spec.make_actor_loss()
+        self.actor_loss = spec.make_actor_loss() if spec.needs_actor else None
         self.reference = self.critic = self.reward_model = self.shadow = None
         self.warming: list[tuple[Role, Any]] = []  # RunConfig.warm_up's calls in flight
         self._start_engines()
@@ -330,17 +330,19 @@ class Loop(abc.ABC):
         return {f"{role}/{k}": v / count for k, v in sums.items()}
 
     def export_hf(self, out: Path, what: str) -> None:
-        """The actor's weights as a Hugging Face directory at ``out`` (RunConfig.export_every
-        / export_final), written under ``out.tmp`` and renamed when complete."""
+        """The actor's weights (a reward-model run's: the critic's, a sequence classifier)
+        as a Hugging Face directory at ``out`` (RunConfig.export_every / export_final),
+        written under ``out.tmp`` and renamed when complete."""
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        # a phase of its own: the timeline shows the export and the actor's span inside it
+        group = getattr(self, exported_role(self.spec))
+        # a phase of its own: the timeline shows the export and the role's span inside it
         with (
             self.timer.phase("export"),
             reliability.writing(f"the {what} export"),
-            self.turns.resident(self.actor),
+            self.turns.resident(group),
         ):
-            self.actor.export_hf(str(tmp))
+            group.export_hf(str(tmp))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -443,6 +445,8 @@ def _progress(step: int, total: int, m: dict[str, float]) -> str:
         ("reward/mean", "reward"),
         ("actor/rewards/margins", "margin"),
         ("actor/rewards/accuracies", "acc"),
+        ("critic/rewards/accuracies", "acc"),
+        ("val/pair_accuracy", "val acc"),
         ("actor/nll", "nll"),
         ("actor/kl_loss", "kl"),
         ("actor/entropy", "entropy"),

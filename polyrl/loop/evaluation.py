@@ -20,6 +20,15 @@ The metrics of step ``s`` are those of the weights step ``s`` samples with; the 
 weights' are logged as one more line, ``step = total_steps``. The first
 ``DUMPED_SAMPLES`` decoded samples of each evaluation go to
 ``<run_dir>/val_samples/step_<s>.jsonl``.
+
+A reward model in training (objective "reward_model") is validated by
+:class:`PairEvaluator` instead, on the same schedule: the model scores every held-out
+preference pair, and
+
+    val/pair_accuracy                    share of pairs whose chosen response scores
+                                         above the rejected one (a tie is wrong;
+                                         polyrl.algos.losses.pair_accuracy)
+    val/rewards/margins                  mean score of chosen minus rejected
 """
 
 from __future__ import annotations
@@ -34,9 +43,16 @@ from typing import Any
 import numpy as np
 
 from polyrl.algos.evaluation import mean_pass_at_k, pass_at_k_values
+from polyrl.algos.losses import pair_accuracy
 from polyrl.batch import Batch
 
-__all__ = ["Evaluator", "validation_sampling", "validation_prompts", "check_validation"]
+__all__ = [
+    "Evaluator",
+    "PairEvaluator",
+    "validation_sampling",
+    "validation_prompts",
+    "check_validation",
+]
 
 DUMPED_SAMPLES = 8
 # A sample counts as correct for pass@k at full credit.
@@ -55,11 +71,11 @@ def check_validation(cfg: Any, spec: Any) -> list[str]:
     """Problems with the validation bindings for algorithm ``spec`` (validate-config
     lists them)."""
     out = []
-    if cfg.eval_every > 0 and spec.objective != "rl":
+    if cfg.eval_every > 0 and not spec.evaluates:
         out.append(
             f"RunConfig.eval_every={cfg.eval_every}: validation generates and scores "
-            f"responses, which {spec.name} (objective {spec.objective!r}) does not; set "
-            f"RunConfig.eval_every = 0"
+            f"responses (or a reward model's held-out pairs), which {spec.name} (objective "
+            f"{spec.objective!r}) does not; set RunConfig.eval_every = 0"
         )
     if cfg.eval_every < 0:
         out.append(f"RunConfig.eval_every={cfg.eval_every} must be >= 0 (0: no validation)")
@@ -80,15 +96,15 @@ def check_validation(cfg: Any, spec: Any) -> list[str]:
     return out
 
 
-def validation_prompts(cfg: Any, tokenizer: Any, **kw: Any) -> Any:
-    """The validation PromptSource (None when validation is off)."""
+def validation_prompts(cfg: Any, tokenizer: Any, source: Any, **kw: Any) -> Any:
+    """The validation data as a ``source`` (``polyrl.data.loader``: PromptSource, or a
+    reward model's PairSource), from ``val_files`` or the task's test split; None when
+    validation is off."""
     if cfg.eval_every <= 0:
         return None
-    from polyrl.data.loader import PromptSource
-
     if cfg.val_files:
-        return PromptSource.from_files(cfg.val_files, tokenizer, **kw)
-    return PromptSource.from_task(cfg.task, cfg.n_val_prompts, tokenizer, split="test", **kw)
+        return source.from_files(cfg.val_files, tokenizer, **kw)
+    return source.from_task(cfg.task, cfg.n_val_prompts, tokenizer, split="test", **kw)
 
 
 class Evaluator:
@@ -162,6 +178,38 @@ class Evaluator:
                 )
             )
         (self.out_dir / f"step_{step}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+class PairEvaluator:
+    """A reward model's held-out pair accuracy (module docstring): ``pairs`` is a
+    ``polyrl.data.loader.PairSource``, ``model`` the engine group being trained (its
+    ``forward`` returns ``scores``, one per row)."""
+
+    def __init__(self, every: int, pairs: Any, model: Any):
+        self.every, self.pairs, self.model = every, pairs, model
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch = self.pairs.take(np.arange(len(self.pairs)))
+        rows = len(batch)
+        scores = self.model.forward(batch.pad_to_multiple(self.model.num_workers))["scores"]
+        scores = np.asarray(scores[:rows], np.float64)
+        correct, pairs = pair_accuracy(scores[0::2], scores[1::2])
+        metrics = {
+            "val/pair_accuracy": float(correct / pairs),
+            "val/rewards/margins": float(np.mean(scores[0::2] - scores[1::2])),
+            "time/validate": time.perf_counter() - t0,
+        }
+        print(
+            f"[validate] step {step}: pair accuracy {metrics['val/pair_accuracy']:.3g}  "
+            f"margin {metrics['val/rewards/margins']:.3g}  ({rows // 2} held-out pairs, "
+            f"{metrics['time/validate']:.2f} s)",
+            flush=True,
+        )
+        return metrics
 
 
 def _line(step: int, m: dict[str, float], prompts: int, n: int) -> str:

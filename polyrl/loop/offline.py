@@ -1,11 +1,15 @@
-"""The offline loops: preference optimisation (DPO and its relatives) on fixed pairs, and
-supervised fine-tuning on chat data. No rollout servers."""
+"""The offline loops: preference optimisation (DPO and its relatives) on fixed pairs,
+supervised fine-tuning on chat data, and reward-model training on pairs. No rollout
+servers."""
 
 from __future__ import annotations
 
-from polyrl.loop.base import COMPUTE_PHASES, Loop
+from typing import Any
 
-__all__ = ["PreferenceTrainer", "SFTTrainer"]
+from polyrl.loop.base import COMPUTE_PHASES, Loop
+from polyrl.loop.evaluation import PairEvaluator
+
+__all__ = ["PreferenceTrainer", "SFTTrainer", "RewardModelTrainer"]
 
 
 class PreferenceTrainer(Loop):
@@ -54,4 +58,39 @@ class SFTTrainer(Loop):
                 self.actor, self.actor_loss, batch, "actor", False, self.cfg.mini_batch_prompts
             )
         metrics["sft/target_tokens"] = float(batch["response_mask"].sum())
+        return metrics | self.timer.metrics(COMPUTE_PHASES)
+
+
+class RewardModelTrainer(Loop):
+    """A Bradley-Terry reward model (objective "reward_model"): ``prompts_per_step`` pairs
+    a step, ``epochs`` passes of mini-batches of ``mini_batch_prompts`` pairs, the critic
+    role (the policy's backbone + a scalar head read at each sequence's last token)
+    trained with ``polyrl.algos.spec.RewardModelLoss``. With held-out pairs
+    (``RunConfig.eval_every``) their pair accuracy is logged (:class:`PairEvaluator`).
+    The export (``export_final`` / ``export_every``, ``polyrl export``) is a sequence
+    classifier: the reward_model role of an RL run loads it
+    (``reward_model/polyrl.RoleConfig.model_path``). No rollout servers, no actor."""
+
+    def __init__(self, cfg: Any, spec: Any, components: Any):
+        super().__init__(cfg, spec, components)
+        self.critic_loss = spec.make_critic_loss()
+        if components.val_prompts is not None:
+            self.evaluator = PairEvaluator(cfg.eval_every, components.val_prompts, self.critic)
+
+    def step(self, step: int) -> dict[str, float]:
+        self.timer.start_step(step + 1)
+        with self.timer.phase("data"):
+            batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
+        with self.timer.phase("update_critic"):
+            metrics = self.update(
+                self.critic,
+                self.critic_loss,
+                batch,
+                "critic",
+                False,
+                mini=2 * self.cfg.mini_batch_prompts,
+                unit=2,
+            )
+        lengths = batch["response_mask"].sum(-1)
+        metrics |= {"response/length_mean": float(lengths.mean())}
         return metrics | self.timer.metrics(COMPUTE_PHASES)

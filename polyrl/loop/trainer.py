@@ -31,13 +31,21 @@ from polyrl.cluster.residency import turn_roles
 from polyrl.config import RunConfig
 from polyrl.loop.async_rollout import Rollouts, mismatch_metrics, staleness_bound
 from polyrl.loop.base import COMPUTE_PHASES, Loop, Turns
-from polyrl.loop.offline import PreferenceTrainer, SFTTrainer
+from polyrl.loop.offline import PreferenceTrainer, RewardModelTrainer, SFTTrainer
 from polyrl.observe import shadow
 from polyrl.observe.health import explained_variance, response_stats
 from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.role_table import Role
 
-__all__ = ["COMPUTE_PHASES", "Loop", "RLTrainer", "PreferenceTrainer", "SFTTrainer", "LOOPS"]
+__all__ = [
+    "COMPUTE_PHASES",
+    "Loop",
+    "RLTrainer",
+    "PreferenceTrainer",
+    "SFTTrainer",
+    "RewardModelTrainer",
+    "LOOPS",
+]
 
 
 class RLTrainer(Loop):
@@ -491,7 +499,12 @@ class RLTrainer(Loop):
 
 
 # Algorithm objective -> its loop.
-LOOPS = {"rl": RLTrainer, "preference": PreferenceTrainer, "sft": SFTTrainer}
+LOOPS = {
+    "rl": RLTrainer,
+    "preference": PreferenceTrainer,
+    "sft": SFTTrainer,
+    "reward_model": RewardModelTrainer,
+}
 
 
 def reward_columns(batch: Batch, scores: np.ndarray) -> Batch:

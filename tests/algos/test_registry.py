@@ -26,10 +26,12 @@ NAMES = [
     "ppo",
     "reinforce_pp",
     "remax",
+    "reward_model",
     "rloo",
     "sft",
 ]
-RL_NAMES = [n for n in NAMES if n not in ("dpo", "sft")]
+RL_NAMES = [n for n in NAMES if n not in ("dpo", "sft", "reward_model")]
+ACTOR_NAMES = [n for n in NAMES if n != "reward_model"]  # reward_model trains the critic
 
 
 def test_names_and_unknown():
@@ -55,6 +57,7 @@ def test_names_and_unknown():
         ("remax", ("reference", "reward"), False, True),
         ("dpo", ("reference",), False, False),
         ("sft", (), False, False),
+        ("reward_model", ("critic",), False, False),
     ],
 )
 def test_needs(name, needs, groups, greedy):
@@ -113,7 +116,7 @@ def _loss_fn(name, **overrides):
     return get_algorithm(name).make_actor_loss(entropy_coef=0.01, **overrides)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ACTOR_NAMES)
 def test_actor_loss_parity_and_micro_batching(bk, backends, make_ctx, name):
     outputs, batch, n_tok, n_seq = contract_batch()
     loss_fn, ctx = _loss_fn(name), make_ctx(n_tok, n_seq)
@@ -242,6 +245,45 @@ def test_critic_loss(bk, make_ctx):
         get_algorithm("grpo").make_critic_loss()
 
 
+def test_reward_model_loss_by_hand(bk, make_ctx):
+    """Bradley-Terry on interleaved rows (chosen 2i, rejected 2i+1) of ``scores``, by hand:
+    pairs (2, 1), (0, 1.5), (3, 3) and a padding pair (no response tokens) that adds
+    nothing; ctx.global_seqs = 8 rows = 4 pairs, of which the padding pair's rows are not
+    counted by a backend, so 6 real rows = 3 pairs normalise the sums."""
+    scores = np.array([2.0, 1.0, 0.0, 1.5, 3.0, 3.0, 9.0, -9.0])
+    mask = np.ones((8, 3))
+    mask[6:] = 0.0
+    fn = get_algorithm("reward_model").make_critic_loss()
+    loss, metrics = _call(
+        bk,
+        lambda out, b: fn(out, b, make_ctx(18.0, 6.0)),
+        {"scores": scores},
+        {"response_mask": mask},
+    )
+    # -log sigmoid(h) = log(1 + exp(-h)) for h = 1, -1.5, 0
+    losses = [np.log1p(np.exp(-1.0)), np.log1p(np.exp(1.5)), np.log(2.0)]
+    np.testing.assert_allclose(loss, sum(losses) / 3, rtol=1e-6)
+    np.testing.assert_allclose(metrics["rewards/accuracies"], 1 / 3, rtol=1e-6)  # a tie is wrong
+    np.testing.assert_allclose(metrics["rewards/margins"], (1.0 - 1.5 + 0.0) / 3, rtol=1e-6)
+    np.testing.assert_allclose(metrics["rewards/chosen"], 5.0 / 3, rtol=1e-6)
+    # margin 1 and centring 0.1: h - 1, plus 0.1 (r_c + r_r)^2 = 0.9, 0.225, 3.6
+    fn = get_algorithm("reward_model").make_critic_loss(rm_margin=1.0, rm_center_coef=0.1)
+    loss, _ = _call(
+        bk,
+        lambda out, b: fn(out, b, make_ctx(18.0, 6.0)),
+        {"scores": scores},
+        {"response_mask": mask},
+    )
+    losses = [np.log(2.0) + 0.9, np.log1p(np.exp(2.5)) + 0.225, np.log1p(np.exp(1.0)) + 3.6]
+    np.testing.assert_allclose(loss, sum(losses) / 3, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"micro-batch of 3 rows \(odd\)"):
+        fn({"scores": scores[:3]}, {"response_mask": mask[:3]}, make_ctx(9.0, 3.0))
+    with pytest.raises(
+        ValueError, match=r"algorithm 'reward_model' \(reward_model\) trains no actor"
+    ):
+        get_algorithm("reward_model").make_actor_loss()
+
+
 def test_dpo_actor_loss_interleaved(make_ctx):
     outputs, batch, _, _ = contract_batch(5)
     batch["response_mask"][3] = 1.0
@@ -294,8 +336,8 @@ def test_entropy_coef_needs_entropy(make_ctx):
 
 
 def test_loss_functions_pickle_and_hash():
-    for name in NAMES:
-        fn = get_algorithm(name).make_actor_loss()
+    fns = [get_algorithm(name).make_actor_loss() for name in ACTOR_NAMES]
+    for fn in fns + [get_algorithm(n).make_critic_loss() for n in ("ppo", "reward_model")]:
         assert pickle.loads(pickle.dumps(fn)) == fn
         hash(fn)
 

@@ -183,7 +183,8 @@ def test_value_heads(backend, tiny_model_dir):
     batch = rl_batch()
     critic = engine(backend, tiny_model_dir, role="critic")
     out = critic.forward(batch)
-    assert set(out) == {"values"} and out["values"].shape == batch["responses"].shape
+    assert set(out) == {"values", "scores"} and out["values"].shape == batch["responses"].shape
+    assert out["scores"].shape == (len(batch),)  # a reward model in training reads these
     assert np.all(out["values"][batch["response_mask"] == 0] == 0)
     losses = [critic.train_step(batch, CRITIC_LOSS)["loss"] for _ in range(5)]
     assert losses[-1] < losses[0], losses  # the head fits the returns

@@ -304,16 +304,16 @@ def test_the_role_table_decides_engines_facts():
     from polyrl.config import ModelConfig
 
     facts = {
-        role: (m.trainable, m.has_value_head, m.scores)
+        role: (m.trainable, m.has_value_head)
         for role in ("actor", "reference", "critic", "reward_model", "shadow")
         for m in [ModelConfig("/m", role=role)]
     }
     assert facts == {
-        "actor": (True, False, False),
-        "reference": (False, False, False),
-        "critic": (True, True, False),
-        "reward_model": (False, True, True),  # one score per sequence
-        "shadow": (False, False, False),
+        "actor": (True, False),
+        "reference": (False, False),
+        "critic": (True, True),  # values per token, a score per sequence
+        "reward_model": (False, True),
+        "shadow": (False, False),
     }
     with pytest.raises(ValueError, match=r"ModelConfig\.role='reward' is not one of \["):
         ModelConfig("/m", role="reward")  # the rule-reward workers host no engine

@@ -157,12 +157,8 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
     """The reward role is its own frozen engine: a response's reward = rule reward +
     coef x the reward model's score, which must equal transformers' sequence classifier
     on the same unpadded sequence."""
-    import torch
+    from reward_model_checks import classifier_scores, rl_step_rewards
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
-
-    from polyrl.configure.launch import _components, prepare
-    from polyrl.loop.trainer import RLTrainer
-    from polyrl.rewards import get_reward_fn
 
     rm_dir = tmp_path / "reward_model"
     set_seed(7)  # a random, non-zero score head
@@ -170,7 +166,7 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(rm_dir)
 
-    cfg, _ = parse_config(
+    batch, got, rule = rl_step_rewards(
         [GRPO],
         _params(
             tmp_path / "rm_run",
@@ -178,40 +174,7 @@ def test_reward_model_role_adds_its_scores(ray_session, tmp_path, tiny_model_dir
             "polyrl.RunConfig.reward_model_coef = 2.0",
         ),
     )
-    cfg, spec = prepare(cfg)
-    trainer = RLTrainer(cfg, spec, _components(cfg, spec))
-    try:
-        batch = trainer.collect(0)
-        got = trainer.reward(batch)["scores"]
-    finally:
-        trainer.shutdown()
-    rule = np.array(
-        [
-            get_reward_fn(s)(t, g, e)
-            for t, g, s, e in zip(
-                batch["response_text"],
-                batch["ground_truth"],
-                batch["data_source"],
-                batch["extra_info"],
-            )
-        ]
-    )
-    rm.eval()
-    # The score head at each sequence's last real token. (Not rm(...).logits: transformers
-    # pools at the last token that is not pad_token_id, and a random policy can sample the
-    # pad id as a real response token.)
-    with torch.no_grad():
-        hf = np.array(
-            [
-                (
-                    rm.model(
-                        torch.from_numpy(ids[mask == 1].astype(np.int64))[None]
-                    ).last_hidden_state[0, -1]
-                    @ rm.score.weight[0]
-                ).item()
-                for ids, mask in zip(batch["input_ids"], batch["attention_mask"])
-            ]
-        )
+    hf = classifier_scores(rm_dir, batch)
     assert np.abs(hf).max() > 1e-3, "a zero head would make this test vacuous"
     # fp32 CPU forward, same weights, two implementations: 1e-4.
     np.testing.assert_allclose(got, rule + 2.0 * hf, atol=1e-4)

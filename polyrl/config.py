@@ -549,6 +549,9 @@ class RunConfig:
       ``<run_dir>/profile/step_<k>/`` with ``summary.json`` (each worker's top ops).
     episodes: ``polyrl.envs.EpisodeConfig``: every row is a multi-turn episode played by
       the environment its ``data_source`` names (docs/agents.md); None: single-turn.
+    judge: ``polyrl.JudgeConfig`` (``polyrl.loop.judge``): an LLM judge on the rollout
+      pool scores every response; ``JudgeConfig.coef`` x its score is added to the reward
+      (docs/rewards.md "Reward models and judges"). None: no judge.
     debug: ``polyrl.observe.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
       binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
     cache_dir: where compiled programs are kept across runs (``polyrl.compile_cache``:
@@ -628,6 +631,7 @@ class RunConfig:
     timeline: bool = True
     profile_steps: tuple[int, ...] = ()
     episodes: object = None
+    judge: object = None
     debug: object = None
     cache_dir: str | None = "~/.cache/polyrl"
     warm_up: bool = True

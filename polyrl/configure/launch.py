@@ -51,6 +51,7 @@ def _register() -> Any:
         logging.getLogger().addFilter(_quiet_gin_lookups)
     from polyrl.data.tiny import TinyModelSpec
     from polyrl.envs import EpisodeConfig
+    from polyrl.loop.judge import JudgeConfig
     from polyrl.observe.debug import DebugConfig
     from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
 
@@ -66,6 +67,7 @@ def _register() -> Any:
         DebugConfig,
         TinyModelSpec,
         EpisodeConfig,
+        JudgeConfig,
     ):
         with contextlib.suppress(ValueError):  # already registered in this process
             gin.external_configurable(cls, module="polyrl")

@@ -428,6 +428,33 @@ def isolation_problems(cfg: RunConfig, spec: Any) -> list[str]:
     return out
 
 
+def judge_problems(cfg: RunConfig, spec: Any) -> list[str]:
+    """An LLM judge (``RunConfig.judge``) scores single-turn RL responses."""
+    from polyrl.loop.judge import JudgeConfig
+
+    if cfg.judge is None:
+        return []
+    if not isinstance(cfg.judge, JudgeConfig):
+        return [f"RunConfig.judge={cfg.judge!r} must be @polyrl.JudgeConfig() or None"]
+    if spec.objective != "rl":
+        return [
+            f"RunConfig.judge is set but {spec.name!r} ({spec.objective}) scores no "
+            "responses; unbind RunConfig.judge"
+        ]
+    if cfg.episodes is not None:
+        return [
+            "RunConfig.judge is set with RunConfig.episodes: episodes are scored by their "
+            "envs; unbind one of them"
+        ]
+    if cfg.max_staleness or cfg.streaming:
+        return [
+            f"RunConfig.judge asks the rollout pool at the reward stage, which must then be "
+            f"idle, but max_staleness={cfg.max_staleness} / streaming={cfg.streaming} "
+            "generate while the trainer rewards; set max_staleness = 0 and streaming = False"
+        ]
+    return []
+
+
 def score_head(path: str) -> str | None:
     """Why the checkpoint at ``path`` has no usable score head (None: it has one)."""
     import json
@@ -756,7 +783,7 @@ def preflight(
     problems = check_run(cfg, spec) + isolation_problems(cfg, spec) + device_problems(cfg)
     if spec.objective == "rl":
         problems += length_problems(cfg)
-    problems += episode_problems(cfg, spec)
+    problems += episode_problems(cfg, spec) + judge_problems(cfg, spec)
     from transformers import AutoTokenizer
 
     try:

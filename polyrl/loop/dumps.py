@@ -6,7 +6,8 @@ progress line), ``RunConfig.dump_samples`` samples spread over the batch go to
 
     step, index, prompt_index (the data row), data_source, prompt (after the chat
     template, special tokens kept), response, ground_truth, reward, advantage (mean over
-    the response tokens), prompt_length, response_length, finish_reason ("stop" | "length")
+    the response tokens), prompt_length, response_length, finish_reason ("stop" | "length"),
+    and with an LLM judge (``RunConfig.judge``) judge: its raw replies, one per attempt
 
 A multi-turn episode (``polyrl.rollout.episodes``) also has ``turns`` (each turn's text,
 tokens, finish_reason, reward, and the observation messages that followed, with their
@@ -62,6 +63,8 @@ def dump_rows(batch: Any, tokenizer: Any, samples: int, step: int) -> list[dict[
                 "finish_reason": str(batch["finish_reason"][i]),
             }
         )
+        if "judge" in batch:  # RunConfig.judge: the judge's raw replies, one per attempt
+            out[-1]["judge"] = list(batch["judge"][i])
         if "turns" in batch:  # a multi-turn episode (polyrl.rollout.episodes): each turn
             out[-1]["turns"] = list(batch["turns"][i])
             out[-1]["drift"] = batch["drift"][i] if "drift" in batch else None

@@ -62,6 +62,11 @@ class RLTrainer(Loop):
         self.rewards = RewardPool(
             cfg.reward_workers, cfg.reward_timeout_s, self.placement.light_options
         )
+        self.judge = None  # RunConfig.judge: an LLM judge on the rollout pool
+        if cfg.judge is not None:
+            from polyrl.loop.judge import Judge
+
+            self.judge = Judge(cfg.judge, self.pool, self.tokenizer)
         self.episodes = None  # RunConfig.episodes: multi-turn episodes in env workers
         if cfg.episodes is not None:
             from polyrl.envs.workers import EnvPool
@@ -159,6 +164,8 @@ class RLTrainer(Loop):
         self.timer.start_step(step + 1)
         turns, phase = self.turns, self.timer.phase
         batch, staleness = self.rollouts.take(step)  # (timed as "generate")
+        if self.judge is not None:
+            self.judge.take_metrics()  # (drops validation's judgements)
         with phase("reward"):
             batch = self.reward(batch)
         dapo = self.spec.dynamic_sampling and not self.cfg.streaming  # (streaming: in take)
@@ -173,6 +180,8 @@ class RLTrainer(Loop):
             metrics |= mismatch_metrics(batch)
             if dapo:
                 metrics["dynamic_sampling/kept_fraction"] = kept
+            if self.judge is not None:
+                metrics |= self.judge.take_metrics()
             # Steps 1, 1 + k * shadow_every: each right after a checkpoint when save_every
             # is a multiple of shadow_every (polyrl diagnose replays it from there).
             if self.shadow is not None and step % self.cfg.shadow_every == 0:
@@ -389,8 +398,10 @@ class RLTrainer(Loop):
 
     def reward(self, batch: Batch) -> Batch:
         """Reward per response — the rule for its data_source, plus ``reward_model_coef`` x
-        the reward model's score when there is one — placed on its last valid token.
-        Episodes come scored by their envs (``token_rewards``: each turn's reward)."""
+        the reward model's score when there is one, plus ``JudgeConfig.coef`` x the LLM
+        judge's score with ``RunConfig.judge`` (its raw replies: the ``judge`` column) —
+        placed on its last valid token. Episodes come scored by their envs
+        (``token_rewards``: each turn's reward)."""
         if "token_rewards" in batch:
             return batch
         scores = self.rewards.score(
@@ -406,6 +417,10 @@ class RLTrainer(Loop):
                     f"{len(scores)} responses"
                 )
             scores = scores + self.cfg.reward_model_coef * rm_scores
+        if self.judge is not None:
+            judged, replies = self.judge.score(batch)
+            scores = scores + self.cfg.judge.coef * judged
+            batch = batch.with_columns(meta={"judge": replies})
         return reward_columns(batch, scores)
 
     def advantages(self, batch: Batch) -> tuple[Batch, dict[str, float]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import signal
 import sys
@@ -376,10 +377,16 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{time.perf_counter() - t0:.1f} s): peft.PeftModel.from_pretrained(base, {str(out)!r})"
         )
         return 0
+    archs = json.loads((out / "config.json").read_text()).get("architectures") or [""]
+    use = (
+        f"a sequence classifier: loads in transformers, or as an RL run's "
+        f"reward_model/polyrl.RoleConfig.model_path = {str(out)!r}"
+        if archs[0].endswith("ForSequenceClassification")  # a reward-model run's
+        else f"loads in transformers and vLLM, or as polyrl.RunConfig.model_path = {str(out)!r}"
+    )
     print(
         f"[export] {path} -> {out} ({size / 2**20:.1f} MiB safetensors, config, tokenizer; "
-        f"{time.perf_counter() - t0:.1f} s): loads in transformers and vLLM, or as "
-        f"polyrl.RunConfig.model_path = {str(out)!r}"
+        f"{time.perf_counter() - t0:.1f} s): {use}"
     )
     return 0
 

@@ -512,7 +512,8 @@ class RunConfig:
       partial_rollout_tokens: with streaming, sample at most this many tokens a request and
       resume a cut sample from its tokens, so weights change between chunks (0: whole
       requests).
-    export_every / export_final: write the actor's weights as a Hugging Face directory
+    export_every / export_final: write the actor's weights (a reward-model run's: the
+      critic's, as a sequence classifier) as a Hugging Face directory
       (safetensors + config + tokenizer, ``polyrl.backends.hf_dir``) every ``export_every``
       steps to ``<run_dir>/exports/step_N`` (0: never) and, with ``export_final``, after
       the last step to ``<run_dir>/hf`` (the directory another run's ``model_path``,

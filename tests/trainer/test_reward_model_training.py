@@ -54,11 +54,11 @@ def _scores_reward_role(backend: str, path: Path, batch) -> np.ndarray:
 
 
 @pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
-def test_exported_reward_model_scores_as_the_trainer(ray_session, tmp_path, backend):
+def test_exported_reward_model_scores_as_the_trainer(ray_session, tmp_path, capsys, backend):
     """Two steps of training, a checkpoint, the run's own export (run/hf) and
     `polyrl export` of the checkpoint: both load as the reward_model role (and as
     transformers' classifier) and score the training pairs as the trainer's critic did."""
-    from polyrl.configure.hf_export import export_checkpoint
+    from polyrl.cli import main
     from polyrl.configure.launch import _components, prepare
     from polyrl.configure.validate import score_head
     from polyrl.loop.trainer import LOOPS, RewardModelTrainer
@@ -86,7 +86,9 @@ def test_exported_reward_model_scores_as_the_trainer(ray_session, tmp_path, back
     finally:
         trainer.shutdown()
     assert np.ptp(trained) > 1e-2, "equal scores would make the comparisons vacuous"
-    export_checkpoint(run, tmp_path / "exported")
+    assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 0
+    printed = capsys.readouterr().out
+    assert f"reward_model/polyrl.RoleConfig.model_path = '{tmp_path / 'exported'}'" in printed
     for path in (run / "hf", tmp_path / "exported"):
         assert score_head(str(path)) is None, path  # validate-config takes it as a reward model
         config = json.loads((path / "config.json").read_text())

@@ -277,11 +277,14 @@ PLOTTED = (
     ("reward/mean", "mean reward"),
     ("val/reward/mean", "validation reward"),
     ("actor/rewards/margins", "DPO reward margin"),
+    ("val/pair_accuracy", "reward model: held-out pair accuracy"),
+    ("critic/rewards/margins", "reward model: margin (chosen - rejected)"),
     ("actor/kl_loss", "KL (actor loss term)"),
     ("kl_in_reward/kl", "KL (in reward)"),
     ("actor/entropy", "entropy (old policy)"),
     ("response/length_mean", "response length"),
     ("critic/loss", "critic loss"),
+    ("judge/failed", "LLM judge: samples without a score"),
 )
 
 

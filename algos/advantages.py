@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from polyrl.algos.distillation import distillation_advantages
 from polyrl.tensor import (
     asarray_like,
     masked_whiten,
@@ -43,6 +44,7 @@ __all__ = [
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
+    "on_policy_distillation",
     "group_index",
 ]
 
@@ -260,35 +262,78 @@ def remax(token_rewards: Array, mask: Array, baseline_scores: Array) -> tuple[Ar
     return adv, returns * m
 
 
+def on_policy_distillation(
+    token_rewards: Array,
+    mask: Array,
+    old_log_probs: Array,
+    teacher_log_probs: Array,
+    group_ids: Any = None,
+    distill_coef: float = 1.0,
+    distill_discount: float = 0.0,
+    task_reward_coef: float = 0.0,
+    scale_by_std: bool = True,
+) -> tuple[Array, dict[str, Array]]:
+    """On-policy distillation's advantage: ``distillation.distillation_advantages`` of the
+    student's sampled log-probs (``old_log_probs``) and the teacher's of the same tokens,
+    weighted by ``distill_coef`` and discounted by ``distill_discount``, plus, when
+    ``task_reward_coef > 0``, that weight times the GRPO advantage of the task reward
+    (:func:`grpo` on ``token_rewards`` and ``group_ids``, ``scale_by_std``).
+
+    Returns ``(advantages [B, T], metrics)``: ``distill/reverse_kl`` (the token mean of
+    ``old_log_probs - teacher_log_probs``) and ``distill/tokens`` (its denominator).
+    """
+    task = None
+    if task_reward_coef:
+        if group_ids is None:
+            raise ValueError(
+                f"on_policy_distillation: task_reward_coef={task_reward_coef!r} mixes in GRPO's "
+                "group advantage, which needs the 'group_ids' column; set task_reward_coef=0"
+            )
+        task = task_reward_coef * grpo(token_rewards, mask, group_ids, scale_by_std=scale_by_std)
+    adv, metrics = distillation_advantages(
+        old_log_probs, teacher_log_probs, mask, distill_coef, distill_discount, task
+    )
+    return adv, {f"distill/{k}": v for k, v in metrics.items()}
+
+
 # --------------------------------------------------------------------------- registry
 
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageEstimator:
     """A registered estimator: which batch columns it reads (passed positionally, in this
-    order), which ``AlgorithmSpec`` fields it takes (by keyword), and whether it returns
-    ``(advantages, returns)`` (else advantages only, and returns = advantages, as verl)."""
+    order), which it reads when present (``optional``, by keyword), which ``AlgorithmSpec``
+    fields it takes (by keyword), whether it returns ``(advantages, returns)`` (else
+    advantages only, and returns = advantages, as verl) and whether it also returns a dict
+    of metrics (``metrics``: ``fn`` returns ``(that, metrics)``)."""
 
     fn: Callable[..., Any]
     columns: tuple[str, ...]
     hparams: tuple[str, ...] = ()
     returns_pair: bool = False
+    optional: tuple[str, ...] = ()
+    metrics: bool = False
 
-    def __call__(self, columns: dict[str, Array], **hparams: Any) -> tuple[Array, Array]:
-        """``(advantages, returns)`` [B, T] from the named ``columns``."""
+    def __call__(self, columns: dict[str, Array], with_metrics: bool = False, **hparams: Any):
+        """``(advantages, returns)`` [B, T] from the named ``columns``; with
+        ``with_metrics``, ``(advantages, returns, metrics)`` (``{}`` when it has none)."""
         missing = [c for c in self.columns if c not in columns]
         if missing:
             raise ValueError(
                 f"advantage estimator {self.fn.__name__!r} needs columns "
                 f"{list(self.columns)}; missing {missing}"
             )
-        out = self.fn(*(columns[c] for c in self.columns), **hparams)
-        return out if self.returns_pair else (out, out)
+        present = {c: columns[c] for c in self.optional if c in columns}
+        out = self.fn(*(columns[c] for c in self.columns), **present, **hparams)
+        out, metrics = out if self.metrics else (out, {})
+        pair = out if self.returns_pair else (out, out)
+        return (*pair, metrics) if with_metrics else pair
 
 
 # name -> estimator; the one source of valid ``AlgorithmSpec.advantage`` names. Column
 # names: "token_rewards" [B, T], "response_mask" [B, T], "values" [B, T] (critic),
-# "group_ids" [B], "baseline_scores" [B] (ReMax greedy scores).
+# "group_ids" [B], "baseline_scores" [B] (ReMax greedy scores), "old_log_probs" [B, T]
+# (the sampling policy's), "teacher_log_probs" [B, T] (the distillation teacher's).
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "gae": AdvantageEstimator(
         gae, ("token_rewards", "values", "response_mask"), ("gamma", "lam"), returns_pair=True
@@ -305,5 +350,12 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     ),
     "remax": AdvantageEstimator(
         remax, ("token_rewards", "response_mask", "baseline_scores"), returns_pair=True
+    ),
+    "distillation": AdvantageEstimator(
+        on_policy_distillation,
+        ("token_rewards", "response_mask", "old_log_probs", "teacher_log_probs"),
+        ("distill_coef", "distill_discount", "task_reward_coef", "scale_by_std"),
+        optional=("group_ids",),
+        metrics=True,
     ),
 }

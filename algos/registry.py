@@ -159,6 +159,22 @@ CISPO = register_algorithm(
     )
 )
 
+DISTILLATION = register_algorithm(
+    AlgorithmSpec(
+        name="distillation",
+        paper=(
+            "on-policy distillation: Agarwal et al. 2024, GKD (arXiv:2306.13649); Thinking "
+            "Machines 2025, On-Policy Distillation; Qwen3 (arXiv:2505.09388)"
+        ),
+        advantage="distillation",  # -kl_coef (log pi_student - log pi_teacher) per token
+        policy_loss="ppo",
+        agg="token-mean",
+        distill_coef=1.0,
+        distill_discount=0.0,
+        task_reward_coef=0.0,
+    )
+)
+
 DPO = register_algorithm(
     AlgorithmSpec(
         name="dpo",

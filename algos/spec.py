@@ -353,6 +353,10 @@ class AlgorithmSpec:
     ``overlong_buffer_len`` (None = off), ``overlong_penalty_factor``. DPO: ``beta``,
     ``dpo_kind`` (``DPO_KINDS``), ``label_smoothing``. Reward model (Bradley-Terry):
     ``rm_margin``, ``rm_center_coef`` (``losses.bradley_terry_loss``'s margin, center_coef).
+    ``dpo_kind`` (``DPO_KINDS``), ``label_smoothing``. On-policy distillation
+    (``advantages.on_policy_distillation``): ``distill_coef`` (the reverse KL's weight),
+    ``distill_discount`` (0: each token's own KL), ``task_reward_coef`` (the GRPO task
+    advantage's weight; 0 = off).
     """
 
     name: str
@@ -400,6 +404,10 @@ class AlgorithmSpec:
     # reward model
     rm_margin: float = 0.0
     rm_center_coef: float = 0.0
+    # on-policy distillation
+    distill_coef: float = 1.0
+    distill_discount: float = 0.0
+    task_reward_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -434,6 +442,16 @@ class AlgorithmSpec:
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(
                 f"AlgorithmSpec.tis_cap must be > 0 (e.g. 2.0) or None (off), got {self.tis_cap!r}"
+            )
+        if not (self.distill_coef >= 0 and 0 <= self.distill_discount <= 1):
+            raise ValueError(
+                f"AlgorithmSpec.distill_coef={self.distill_coef!r} must be >= 0 and "
+                f"distill_discount={self.distill_discount!r} in [0, 1] (0: each token's own KL)"
+            )
+        if not self.task_reward_coef >= 0:
+            raise ValueError(
+                f"AlgorithmSpec.task_reward_coef={self.task_reward_coef!r} must be >= 0 "
+                "(0: no task reward in the distillation advantage)"
             )
         if self.overlong_buffer_len is not None and not self.overlong_buffer_len > 0:
             raise ValueError(
@@ -481,9 +499,16 @@ class AlgorithmSpec:
         return self.objective == "rl"
 
     @property
+    def needs_teacher(self) -> bool:
+        """A frozen teacher computes ``teacher_log_probs`` (on-policy distillation)."""
+        return "teacher_log_probs" in self._columns
+
+    @property
     def needs_groups(self) -> bool:
-        """Several samples per prompt, grouped by ``group_ids`` (GRPO-like baselines)."""
-        return "group_ids" in self._columns or self.dynamic_sampling
+        """Several samples per prompt, grouped by ``group_ids`` (GRPO-like baselines; the
+        distillation's task-reward mix)."""
+        mixed = self.needs_teacher and self.task_reward_coef > 0
+        return "group_ids" in self._columns or self.dynamic_sampling or mixed
 
     @property
     def needs_greedy_baseline(self) -> bool:
@@ -508,14 +533,19 @@ class AlgorithmSpec:
             )
         return dataclasses.replace(self, **overrides)
 
-    def compute_advantages(self, columns: Mapping[str, Array], **overrides: Any):
+    def compute_advantages(
+        self, columns: Mapping[str, Array], with_metrics: bool = False, **overrides: Any
+    ):
         """``(advantages, returns)`` [B, T] from the named ``columns`` (see
-        ``advantages.ADVANTAGE_ESTIMATORS`` for the names each estimator reads)."""
+        ``advantages.ADVANTAGE_ESTIMATORS`` for the names each estimator reads); with
+        ``with_metrics``, ``(advantages, returns, metrics)`` (the estimator's, e.g.
+        ``distill/reverse_kl``; ``{}`` for most)."""
         spec = self.replace(**overrides)
         if spec.objective != "rl":
             raise ValueError(f"algorithm {spec.name!r} ({spec.objective}) has no advantages")
         estimator = ADVANTAGE_ESTIMATORS[spec.advantage]
-        return estimator(dict(columns), **{h: getattr(spec, h) for h in estimator.hparams})
+        hparams = {h: getattr(spec, h) for h in estimator.hparams}
+        return estimator(dict(columns), with_metrics, **hparams)
 
     def make_actor_loss(self, **overrides: Any) -> RLActorLoss | DPOActorLoss | SFTActorLoss:
         """The actor's ``loss_fn(outputs, batch, ctx)`` with this spec's hyper-parameters

@@ -155,7 +155,7 @@ class ModelConfig:
 
     path: local Hugging Face directory (config.json + safetensors + tokenizer).
     role: an engine role of ``polyrl.role_table.ROLE_TABLE`` ("actor", "reference",
-      "critic", "reward_model", "shadow"); the table says whether it trains (an
+      "teacher", "critic", "reward_model", "shadow"); the table says whether it trains (an
       optimizer) and whether it adds a scalar value head on the last hidden state
       (critic, reward_model) instead of scoring tokens.
     value_head_path: for a value-head role, a checkpoint whose ``score``/``value_head``
@@ -374,8 +374,8 @@ class ParallelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RoleConfig:
-    """One engine role's own settings: ``RunConfig.actor``, ``.reference``, ``.critic``,
-    ``.reward_model`` and ``.shadow`` (gin/base.gin binds each as
+    """One engine role's own settings: ``RunConfig.actor``, ``.reference``, ``.teacher``,
+    ``.critic``, ``.reward_model`` and ``.shadow`` (gin/base.gin binds each as
     ``@<role>/polyrl.RoleConfig()``, so ``actor/polyrl.ParallelConfig.micro_batch_size``
     and ``actor/polyrl.OptimConfig.lr`` reach the actor's; docs/training.md "Roles").
 
@@ -383,9 +383,11 @@ class RoleConfig:
     optim: its optimizer; a trained role (actor, critic) needs one, a frozen role none.
     pool: the ``RunConfig.pools`` entry its workers run in; roles in one pool are
       colocated (take turns on its devices).
-    model_path: the reward model's own checkpoint (a sequence-classification model with
-      one score, same tokenizer as the policy); the reward_model role runs only when it
-      is set. Every other role loads ``RunConfig.model_path`` and leaves it None.
+    model_path: the checkpoint of a role with a model of its own (``own_model`` in
+      ``polyrl.role_table``): the reward model's (a sequence-classification model with
+      one score, same tokenizer as the policy; the reward_model role runs only when it is
+      set) and the distillation teacher's (any causal LM sharing the policy's tokenizer).
+      Every other role loads ``RunConfig.model_path`` and leaves it None.
     """
 
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
@@ -402,9 +404,10 @@ class RoleConfig:
         if not facts.trained and self.optim is not None:
             out.append(f"{at}.optim is set but the {role} is frozen (no optimizer); unbind it")
         if self.model_path is not None and not facts.own_model:
+            own = [str(r) for r, f in ROLE_TABLE.items() if f.own_model]
             out.append(
                 f"{at}.model_path={self.model_path!r}: the {role} loads RunConfig.model_path; "
-                f"unbind it (only the reward_model role has a checkpoint of its own)"
+                f"unbind it (only the {' and '.join(own)} roles have checkpoints of their own)"
             )
         return out
 
@@ -467,10 +470,12 @@ class RunConfig:
       training rewards; ``val/...`` metrics go to every tracker.
     max_gen_batches: with DAPO's dynamic sampling, how many prompt batches a step may
       generate to find ``prompts_per_step`` groups whose rewards differ.
-    actor / reference / critic / reward_model / shadow: each engine role's own
+    actor / reference / teacher / critic / reward_model / shadow: each engine role's own
       :class:`RoleConfig` (mesh and micro-batching, optimizer, pool; the reward model's
-      checkpoint); gin/base.gin binds ``@<role>/polyrl.RoleConfig()``. ``shadow`` None:
-      laid out as the reference. The rollout servers' are ``rollout`` (a RolloutConfig).
+      and the teacher's checkpoints); gin/base.gin binds ``@<role>/polyrl.RoleConfig()``.
+      ``shadow`` None: laid out as the reference. The teacher runs with an algorithm that
+      reads its log-probs (``distillation``: ``teacher/polyrl.RoleConfig.model_path``).
+      The rollout servers' are ``rollout`` (a RolloutConfig).
     reward_model_coef: with ``reward_model.model_path`` set, the frozen reward_model
       role scores each response (a sequence-classification checkpoint, one score, e.g.
       saved by ``AutoModelForSequenceClassification``; same tokenizer as the policy);
@@ -589,6 +594,7 @@ class RunConfig:
     rollout: object = None
     actor: RoleConfig = dataclasses.field(default_factory=lambda: RoleConfig(optim=OptimConfig()))
     reference: RoleConfig = dataclasses.field(default_factory=RoleConfig)
+    teacher: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     critic: RoleConfig = dataclasses.field(default_factory=lambda: RoleConfig(optim=OptimConfig()))
     reward_model: RoleConfig = dataclasses.field(default_factory=RoleConfig)
     shadow: RoleConfig | None = None

@@ -44,6 +44,7 @@ class Role(enum.StrEnum):
     REWARD = "reward"
     REWARD_MODEL = "reward_model"
     REFERENCE = "reference"
+    TEACHER = "teacher"
     ACTOR = "actor"
     CRITIC = "critic"
     SHADOW = "shadow"
@@ -65,7 +66,7 @@ class RoleFacts:
       own (reward and env workers: ``RunConfig.reward_workers``, ``RunConfig.episodes``).
     layout_of: a role whose settings this one takes when its own field is None.
     own_model: the role loads a checkpoint of its own (``RoleConfig.model_path``), not
-      ``RunConfig.model_path``.
+      ``RunConfig.model_path`` (the reward model; the distillation teacher).
     other_backend: the role's engine runs on the backend the run does not train on.
     """
 
@@ -84,6 +85,8 @@ ROLE_TABLE: dict[Role, RoleFacts] = {
     Role.REWARD: RoleFacts("reward"),
     Role.REWARD_MODEL: RoleFacts("engine", value_head=True, config="reward_model", own_model=True),
     Role.REFERENCE: RoleFacts("engine", config="reference"),
+    # On-policy distillation's frozen teacher: scores the student's sampled tokens.
+    Role.TEACHER: RoleFacts("engine", config="teacher", own_model=True),
     Role.ACTOR: RoleFacts("engine", trained=True, config="actor"),
     Role.CRITIC: RoleFacts("engine", trained=True, value_head=True, config="critic"),
     # The shadow check's frozen scorer (polyrl.observe.shadow), laid out as the reference.
@@ -116,6 +119,7 @@ def role_names(cfg: Any, spec: Any) -> list[Role]:
         Role.ACTOR: spec.needs_actor,
         Role.ROLLOUT: rl,
         Role.REFERENCE: separate_reference,
+        Role.TEACHER: rl and spec.needs_teacher,
         Role.CRITIC: spec.needs_critic,
         Role.REWARD_MODEL: rl and cfg.reward_model.model_path is not None,
         Role.SHADOW: rl and bool(cfg.shadow_every),

@@ -5,7 +5,8 @@ that import gin (docs/design.md "Configuration"). The bound
 dataclasses — never gin — travel to the Ray workers.
 
 gin names (see gin/base.gin): ``RunConfig`` (the root), ``RoleConfig`` (one per engine
-role, scopes ``actor/``, ``reference/``, ``critic/``, ``reward_model/``, ``shadow/``) with
+role, scopes ``actor/``, ``reference/``, ``teacher/``, ``critic/``, ``reward_model/``,
+``shadow/``) with
 its ``ParallelConfig`` and ``OptimConfig`` (built in the role's scope), ``LoraConfig``,
 ``SamplingSpec``, ``RolloutConfig``, ``TinyModelSpec``.
 """

@@ -477,6 +477,71 @@ def score_head(path: str) -> str | None:
     return f"is a {'/'.join(archs) or 'model'} checkpoint with no score head (config.json architectures)"
 
 
+# ---------------------------------------------------------------- the distillation teacher
+TEACHER_PATH = "teacher/polyrl.RoleConfig.model_path"
+
+
+def teacher_problems(cfg: RunConfig, spec: Any) -> list[str]:
+    """The teacher is bound exactly when the algorithm reads it, is a model directory,
+    and tokenizes as the student (``RunConfig.model_path``, already resolved): its
+    log-probs score the student's token ids."""
+    from pathlib import Path
+
+    path = cfg.teacher.model_path
+    needed = spec.objective == "rl" and spec.needs_teacher
+    if path is None:
+        if not needed:
+            return []
+        return [
+            f"{TEACHER_PATH} is None but algorithm {spec.name!r} scores the student's tokens "
+            f"with a teacher; set it to a local Hugging Face causal LM directory that shares "
+            f"the student's tokenizer (gin/algos/distillation.gin)"
+        ]
+    if not needed:
+        return [
+            f"{TEACHER_PATH}={path!r} is set but algorithm {spec.name!r} reads no teacher, so "
+            f"it would never run; use RunConfig.algorithm = 'distillation' or unbind it"
+        ]
+    if not Path(path, "config.json").exists():
+        return [f"{TEACHER_PATH}={path!r} has no config.json; pass a local Hugging Face model"]
+    try:
+        differences = tokenizer_differences(cfg.model_path, path)
+    except (OSError, ValueError) as e:
+        return [f"{TEACHER_PATH}={path!r}: its tokenizer cannot be loaded ({e})"]
+    if not differences:
+        return []
+    return [
+        f"{TEACHER_PATH}={path!r} does not tokenize as the student (RunConfig.model_path="
+        f"{cfg.model_path!r}), so its log-probs would score other tokens than the student "
+        f"sampled: {'; '.join(differences)}. Use a teacher of the student's tokenizer (the "
+        f"same model family, or a checkpoint trained from the student's)"
+    ]
+
+
+def tokenizer_differences(student: str, teacher: str, shown: int = 3) -> list[str]:
+    """How the tokenizers of two model directories differ, as ``field: student vs
+    teacher`` lines (empty: they map every token to the same id): the vocabulary size,
+    each special token and its id, and the first ``shown`` ids whose token differs."""
+    from transformers import AutoTokenizer
+
+    a, b = AutoTokenizer.from_pretrained(student), AutoTokenizer.from_pretrained(teacher)
+    out = []
+    if len(a) != len(b):
+        out.append(f"vocabulary size: {len(a)} vs {len(b)}")
+    for name in sorted(set(a.SPECIAL_TOKENS_ATTRIBUTES) - {"additional_special_tokens"}):
+        pair = [(getattr(t, name), getattr(t, f"{name}_id")) for t in (a, b)]
+        if pair[0] != pair[1]:
+            (ta, ia), (tb, ib) = pair
+            out.append(f"{name}: {ta!r} (id {ia}) vs {tb!r} (id {ib})")
+    ids_a = {i: tok for tok, i in a.get_vocab().items()}
+    ids_b = {i: tok for tok, i in b.get_vocab().items()}
+    differ = sorted(i for i in ids_a.keys() | ids_b.keys() if ids_a.get(i) != ids_b.get(i))
+    if differ:
+        listed = ", ".join(f"{i}: {ids_a.get(i)!r} vs {ids_b.get(i)!r}" for i in differ[:shown])
+        out.append(f"{len(differ)} ids map to other tokens (id: student vs teacher), e.g. {listed}")
+    return out
+
+
 # ---------------------------------------------------------------- placement by hand
 _DEVICE_KEYS = ("devices", "device_ids", "gpu_ids", "cuda_visible_devices")
 _RESOURCE_NAMES = {"gpu": "GPU", "gpus": "GPU", "num_gpus": "GPU", "cpu": "CPU", "cpus": "CPU"}
@@ -781,6 +846,7 @@ def preflight(
     rollout = dataclasses.replace(cfg.rollout, model_path=model_path)
     cfg = dataclasses.replace(cfg, model_path=model_path, rollout=rollout)
     problems = check_run(cfg, spec) + isolation_problems(cfg, spec) + device_problems(cfg)
+    problems += teacher_problems(cfg, spec)
     if spec.objective == "rl":
         problems += length_problems(cfg)
     problems += episode_problems(cfg, spec) + judge_problems(cfg, spec)

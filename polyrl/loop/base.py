@@ -42,6 +42,7 @@ __all__ = ["COMPUTE_PHASES", "Loop", "Turns"]
 COMPUTE_PHASES = (
     "generate",
     "reference",
+    "teacher_log_probs",
     "old_log_probs",
     "values",
     "update_actor",

@@ -332,6 +332,7 @@ PHASE_ORDER = (
     "reward",
     "dynamic_sampling",
     "reference",
+    "teacher_log_probs",
     "old_log_probs",
     "values",
     "advantages",

@@ -2,7 +2,7 @@
 
 One step, as in the algorithm box::
 
-    prompts -> generate (rollout pool) -> reward -> reference log-probs
+    prompts -> generate (rollout pool) -> reward -> reference (and teacher) log-probs
     -> old log-probs -> values (critic) -> advantages (algos, on the controller)
     -> actor updates over mini-batches x epochs (and critic) -> weight sync
 
@@ -210,7 +210,8 @@ class RLTrainer(Loop):
         return metrics | self.inspect(step, batch, metrics)
 
     def score(self, batch: Batch, actor_turn: contextlib.ExitStack) -> Batch:
-        """Reference log-probs, old log-probs (with entropy) and values. Forwards of roles
+        """Reference log-probs, the teacher's (on-policy distillation: its log-prob of each
+        token the student sampled), old log-probs (with entropy) and values. Forwards of roles
         that stay resident (``polyrl.cluster.residency``) run at once, each timed from their common
         start to its own result; roles taking turns run one after another, reloaded around
         their forward (the actor stays on ``actor_turn`` for the update)."""
@@ -248,6 +249,8 @@ class RLTrainer(Loop):
         if self.ref_scoring is not None:
             role, extra = self.ref_scoring
             calls["reference"] = (role, kw | extra)
+        if Role.TEACHER in self.roles:  # scored as the reference, at the same temperature
+            calls["teacher_log_probs"] = (Role.TEACHER, kw)
         calls["old_log_probs"] = (Role.ACTOR, kw | {"entropy": True})
         if Role.CRITIC in self.roles:
             calls["values"] = (Role.CRITIC, {})
@@ -452,14 +455,13 @@ class RLTrainer(Loop):
             )
             coef, self.kl_state = self.kl_ctrl.update(float(current_kl), len(batch), self.kl_state)
             metrics |= {"kl_in_reward/kl": float(current_kl), "kl_in_reward/coef": coef}
-        columns = {
-            k: batch[k]
-            for k in ("response_mask", "group_ids", "values", "baseline_scores")
-            if k in batch
-        }
-        adv, returns = self.spec.compute_advantages(
-            {**columns, "token_rewards": rewards.astype(np.float32)}
+        names = ("response_mask", "group_ids", "values", "baseline_scores")
+        names += ("old_log_probs", "teacher_log_probs")  # on-policy distillation's
+        columns = {k: batch[k] for k in names if k in batch}
+        adv, returns, found = self.spec.compute_advantages(
+            {**columns, "token_rewards": rewards.astype(np.float32)}, with_metrics=True
         )
+        metrics |= {k: float(v) for k, v in found.items()}
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
         if "values" in batch:  # health checks of the critic (polyrl.observe.health)
@@ -537,6 +539,8 @@ def score_columns(outs: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarra
     columns = {}
     if "reference" in outs:
         columns["ref_log_probs"] = outs["reference"]["log_probs"]
+    if "teacher_log_probs" in outs:
+        columns["teacher_log_probs"] = outs["teacher_log_probs"]["log_probs"]
     columns |= {
         "old_log_probs": outs["old_log_probs"]["log_probs"],
         "old_entropy": outs["old_log_probs"]["entropy"],

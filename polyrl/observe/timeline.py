@@ -42,6 +42,7 @@ PHASE_ROLES = {
     "reward": Role.REWARD,
     "dynamic_sampling": Role.ROLLOUT,
     "reference": Role.REFERENCE,
+    "teacher_log_probs": Role.TEACHER,
     "old_log_probs": Role.ACTOR,
     "values": Role.CRITIC,
     "update_actor": Role.ACTOR,

@@ -256,6 +256,8 @@ def test_registry_columns(backends):
         "group_ids": GROUPS,
         "values": np.zeros_like(r),
         "baseline_scores": np.zeros(6),
+        "old_log_probs": np.zeros_like(r),
+        "teacher_log_probs": np.zeros_like(r),
     }
     for name, est in A.ADVANTAGE_ESTIMATORS.items():
         adv, ret = est(cols, **{h: 1.0 for h in est.hparams})

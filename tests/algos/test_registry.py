@@ -19,6 +19,7 @@ REBATCH = dict(rtol=1e-12, atol=1e-13)  # float64 reassociation of 8 partial sum
 NAMES = [
     "cispo",
     "dapo",
+    "distillation",
     "dpo",
     "dr_grpo",
     "grpo",
@@ -58,11 +59,13 @@ def test_names_and_unknown():
         ("dpo", ("reference",), False, False),
         ("sft", (), False, False),
         ("reward_model", ("critic",), False, False),
+        ("distillation", ("reward", "teacher"), False, False),
     ],
 )
 def test_needs(name, needs, groups, greedy):
     spec = get_algorithm(name)
-    found = tuple(n for n in ("critic", "reference", "reward") if getattr(spec, f"needs_{n}"))
+    roles = ("critic", "reference", "reward", "teacher")
+    found = tuple(n for n in roles if getattr(spec, f"needs_{n}"))
     assert found == needs
     assert spec.needs_groups == groups and spec.needs_greedy_baseline == greedy
 
@@ -353,13 +356,56 @@ def test_compute_advantages(name):
         "values": rng.normal(size=(6, 4)),
         "group_ids": np.repeat([0, 1], 3),
         "baseline_scores": np.full(6, 0.5),
+        "old_log_probs": -rng.random((6, 4)),
+        "teacher_log_probs": -rng.random((6, 4)),
     }
     adv, ret = get_algorithm(name).compute_advantages(cols)
     assert adv.shape == ret.shape == (6, 4) and np.isfinite(adv).all()
     spec = get_algorithm(name)
     est = A.ADVANTAGE_ESTIMATORS[spec.advantage]
-    direct = est.fn(*(cols[c] for c in est.columns), **{h: getattr(spec, h) for h in est.hparams})
+    optional = {c: cols[c] for c in est.optional}
+    hparams = {h: getattr(spec, h) for h in est.hparams}
+    direct = est.fn(*(cols[c] for c in est.columns), **optional, **hparams)
+    direct = direct[0] if est.metrics else direct
     np.testing.assert_allclose(adv, direct[0] if est.returns_pair else direct, **PARITY)
+
+
+def test_distillation_needs_groups_only_with_a_task_reward():
+    spec = get_algorithm("distillation")
+    assert not spec.needs_groups and not spec.needs_reference
+    assert spec.replace(task_reward_coef=0.5).needs_groups
+    with pytest.raises(ValueError, match=r"task_reward_coef=-1.0 must be >= 0"):
+        spec.replace(task_reward_coef=-1.0)
+    with pytest.raises(ValueError, match=r"distill_discount=2.0 in \[0, 1\]"):
+        spec.replace(distill_discount=2.0)
+
+
+def test_distillation_advantages_through_the_spec():
+    """The registry's distillation entry, by hand: A = -coef (student - teacher) on
+    valid tokens, plus task_reward_coef x GRPO's (s - mean) / std of each group."""
+    student = np.array([[-1.0, -2.0, -0.5], [-0.2, -0.3, -4.0]])
+    teacher = np.array([[-1.5, -1.0, -9.0], [-0.2, -1.3, -1.0]])
+    mask = np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    rewards = np.array([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # scores 1 and 0
+    cols = {
+        "token_rewards": rewards,
+        "response_mask": mask,
+        "old_log_probs": student,
+        "teacher_log_probs": teacher,
+        "group_ids": np.array([7, 7]),
+    }
+    spec = get_algorithm("distillation")
+    adv, ret, metrics = spec.compute_advantages(cols, with_metrics=True, distill_coef=2.0)
+    # d = student - teacher on valid tokens: [0.5, -1.0, -], [0.0, 1.0, -3.0]
+    want = np.array([[-1.0, 2.0, 0.0], [0.0, -2.0, 6.0]])
+    np.testing.assert_allclose(adv, want, atol=1e-12)
+    np.testing.assert_allclose(ret, want, atol=1e-12)
+    assert metrics["distill/reverse_kl"] == pytest.approx((0.5 - 1.0 + 0.0 + 1.0 - 3.0) / 5)
+    assert metrics["distill/tokens"] == 5
+    # a group of two with scores 1, 0: mean 0.5, unbiased std sqrt(0.5)
+    task = np.array([0.5, -0.5]) / (np.sqrt(0.5) + 1e-6)
+    mixed, _ = spec.compute_advantages(cols, task_reward_coef=0.25)
+    np.testing.assert_allclose(mixed, want / 2 + 0.25 * task[:, None] * mask, atol=1e-12)
 
 
 def test_kl_controller_from_spec():
@@ -386,7 +432,7 @@ def test_overrides_and_validation():
     with pytest.raises(
         ValueError,
         match=r"AlgorithmSpec.advantage: unknown value 'vtrace'; valid "
-        r"choices: \['gae', 'grpo'",
+        r"choices: \['distillation', 'gae', 'grpo'",
     ):
         AlgorithmSpec(name="x", advantage="vtrace")
     with pytest.raises(ValueError, match=r"AlgorithmSpec.kl_loss_kind: unknown value 'k5'"):

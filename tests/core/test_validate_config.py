@@ -18,6 +18,7 @@ from polyrl.data.tasks import make_preference_rows, make_rows
 GRPO = "gin/experiments/tiny_grpo.gin"
 DPO = "gin/experiments/tiny_dpo.gin"
 MULTITURN = "gin/experiments/tiny_multiturn.gin"
+DISTILL = "gin/experiments/tiny_distill.gin"
 GPU_POOLS = (
     "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'GPU': 2}, 'gen': {'CPU': 1, 'GPU': 4}}",
     "actor/polyrl.RoleConfig.pool = 'train'",
@@ -247,6 +248,27 @@ CASES = [
      "EpisodeConfig.max_turns=0 must be >= 1"),
 ]  # fmt: skip
 
+# On-policy distillation's teacher (issue 50): bound iff the algorithm reads it, and with
+# the student's tokenizer; a mismatch names the field that differs.
+CASES += [
+    ("distillation-without-teacher", DISTILL, ["teacher/polyrl.RoleConfig.model_path = None"],
+     "teacher/polyrl.RoleConfig.model_path is None but algorithm 'distillation' scores the "
+     "student's tokens with a teacher"),
+    ("teacher-unused", GRPO, ["teacher/polyrl.RoleConfig.model_path = '{model}'"],
+     "teacher/polyrl.RoleConfig.model_path='{model}' is set but algorithm 'grpo' reads no "
+     "teacher"),
+    ("teacher-not-a-model", DISTILL, ["teacher/polyrl.RoleConfig.model_path = '{data}'"],
+     "teacher/polyrl.RoleConfig.model_path='{data}' has no config.json"),
+    ("teacher-other-vocabulary", DISTILL,
+     ["teacher/polyrl.RoleConfig.model_path = '{smaller_vocab}'"],
+     "does not tokenize as the student (RunConfig.model_path='{model}')"),
+    ("teacher-other-vocabulary-size", DISTILL,
+     ["teacher/polyrl.RoleConfig.model_path = '{smaller_vocab}'"],
+     "vocabulary size: 58 vs 50"),
+    ("teacher-other-eos", DISTILL, ["teacher/polyrl.RoleConfig.model_path = '{other_eos}'"],
+     "eos_token: '<|im_end|>' (id 1) vs '<|endoftext|>' (id 0)"),
+]  # fmt: skip
+
 GIN_FILES = {
     "unclosed.gin": "include 'gin/experiments/tiny_grpo.gin'\npolyrl.RunConfig.total_steps = (3\n",
     "noequals.gin": "include 'gin/experiments/tiny_grpo.gin'\npolyrl.RunConfig.total_steps 3\n",
@@ -277,7 +299,29 @@ def corpus(tmp_path_factory, tiny_model_dir):
     for name, text in GIN_FILES.items():
         (gin / name).write_text(text)
     write_dataset(make_preference_rows("copy", 64), data / "pairs.parquet")
-    return {"data": str(data), "gin": str(gin), "model": str(tiny_model_dir)}
+    return {
+        "data": str(data),
+        "gin": str(gin),
+        "model": str(tiny_model_dir),
+        **_teachers(tmp_path_factory.mktemp("teachers"), tiny_model_dir),
+    }
+
+
+def _teachers(root, model) -> dict[str, str]:
+    """Copies of the tiny model whose tokenizers differ from its own: one trained to a
+    smaller vocabulary, one whose end-of-sequence token is another special token."""
+    import shutil
+
+    from polyrl.data.tiny import build_tokenizer
+
+    out = {}
+    for name in ("smaller_vocab", "other_eos"):
+        shutil.copytree(model, root / name)
+        out[name] = str(root / name)
+    build_tokenizer(vocab_size=50).save_pretrained(out["smaller_vocab"])
+    config = root / "other_eos" / "tokenizer_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"eos_token": "<|endoftext|>"}))
+    return out
 
 
 def _fill(text: str, corpus: dict) -> str:
@@ -338,6 +382,8 @@ FIXES = [
     ("datasets: preference file for DPO", DPO,
      ["polyrl.RunConfig.train_files = ['{data}/pairs.parquet']"],
      "data: total_steps 20 x prompts_per_step 32 = 640 prompts over 64 rows = 10.00 passes"),
+    ("distillation teacher", DISTILL, ["teacher/polyrl.RoleConfig.model_path = '{model}'"],
+     "roles: actor, rollout, teacher, reward"),
 ]  # fmt: skip
 
 

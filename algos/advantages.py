@@ -272,10 +272,12 @@ def on_policy_distillation(
     distill_discount: float = 0.0,
     task_reward_coef: float = 0.0,
     scale_by_std: bool = True,
+    distill_baseline: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
     """On-policy distillation's advantage: ``distillation.distillation_advantages`` of the
     student's sampled log-probs (``old_log_probs``) and the teacher's of the same tokens,
-    weighted by ``distill_coef`` and discounted by ``distill_discount``, plus, when
+    weighted by ``distill_coef``, discounted by ``distill_discount``, centred on the batch's
+    mean when ``distill_baseline``, plus, when
     ``task_reward_coef > 0``, that weight times the GRPO advantage of the task reward
     (:func:`grpo` on ``token_rewards`` and ``group_ids``, ``scale_by_std``).
 
@@ -291,7 +293,13 @@ def on_policy_distillation(
             )
         task = task_reward_coef * grpo(token_rewards, mask, group_ids, scale_by_std=scale_by_std)
     adv, metrics = distillation_advantages(
-        old_log_probs, teacher_log_probs, mask, distill_coef, distill_discount, task
+        old_log_probs,
+        teacher_log_probs,
+        mask,
+        distill_coef,
+        distill_discount,
+        task,
+        distill_baseline,
     )
     return adv, {f"distill/{k}": v for k, v in metrics.items()}
 
@@ -354,7 +362,13 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "distillation": AdvantageEstimator(
         on_policy_distillation,
         ("token_rewards", "response_mask", "old_log_probs", "teacher_log_probs"),
-        ("distill_coef", "distill_discount", "task_reward_coef", "scale_by_std"),
+        (
+            "distill_coef",
+            "distill_discount",
+            "task_reward_coef",
+            "scale_by_std",
+            "distill_baseline",
+        ),
         optional=("group_ids",),
         metrics=True,
     ),

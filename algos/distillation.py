@@ -18,6 +18,12 @@ reverse KL: on-policy (ratio 1), ``E[-A_t grad log pi(y_t)] = kl_coef grad KL`` 
 ``discount = 0`` (``E[grad log pi] = 0`` removes the ``-1`` of the KL's derivative). Any
 policy loss of ``losses.POLICY_LOSSES`` takes these advantages.
 
+``baseline=True`` replaces ``d_k`` by ``d_k - mean(d)`` (the batch's token mean): a
+constant baseline, so the expected gradient is unchanged (``E[grad log pi] = 0`` again, up
+to the ``O(1 / tokens)`` share of a token in its own mean) while its variance falls when
+the student is far from the teacher: sampled tokens the teacher rules out (``d`` of several
+nats) otherwise dominate every update with large negative advantages.
+
 Shapes: ``[B, T]`` = batch x response tokens, as ``polyrl.algos.advantages``; host side, no
 gradient flows through the advantages.
 """
@@ -42,6 +48,7 @@ def distillation_advantages(
     kl_coef: float = 1.0,
     discount: float = 0.0,
     task_advantages: Array | None = None,
+    baseline: bool = False,
 ) -> tuple[Array, Metrics]:
     """Per-token on-policy distillation advantages (module docstring): [B, T] -> [B, T].
 
@@ -64,6 +71,10 @@ def distillation_advantages(
       published recipe does, its absolute scale says how far the student is from the
       teacher, and centring would reward tokens where the student disagrees less than
       average but still disagrees.
+    * ``baseline`` (default False): subtract the batch's token mean of ``d`` from every
+      ``d`` first (module docstring), the variance reduction GRPO's group mean gives an
+      outcome reward. Off, as every published recipe, by default; on, a student far from
+      its teacher learns much faster (docs/algorithms.md has the tiny copy task's numbers).
 
     Returns ``(advantages, metrics)``: advantages [B, T] (0 at masked positions) and the
     metrics ``reverse_kl`` (token mean of ``d`` over valid tokens; 0 if there are none)
@@ -98,12 +109,12 @@ def distillation_advantages(
     valid = m != 0
     # where, not a product: -inf - -inf at padding would be NaN, and NaN * 0 is NaN
     d = xp.where(valid, student - stop_gradient(teacher_log_probs), xp.zeros_like(student))
-    # y_t = m_t (-d_t) + (m_t discount + 1 - m_t) y_{t+1}: a masked position passes through
-    kl_return = reverse_linear_scan(-d * m, m * discount + (1.0 - m))
+    tokens = xp.sum(m)
+    reverse_kl = masked_sum(d, m) / xp.where(tokens > 0, tokens, xp.ones_like(tokens))
+    reward = -(d - reverse_kl) * m if baseline else -d * m
+    # y_t = m_t r_t + (m_t discount + 1 - m_t) y_{t+1}: a masked position passes through
+    kl_return = reverse_linear_scan(reward, m * discount + (1.0 - m))
     advantages = kl_coef * kl_return * m
     if task_advantages is not None:
         advantages = advantages + stop_gradient(task_advantages) * m
-    tokens = xp.sum(m)
-    total = masked_sum(d, m)
-    reverse_kl = total / xp.where(tokens > 0, tokens, xp.ones_like(tokens))
     return advantages, {"reverse_kl": reverse_kl, "tokens": tokens}

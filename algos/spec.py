@@ -356,7 +356,7 @@ class AlgorithmSpec:
     ``dpo_kind`` (``DPO_KINDS``), ``label_smoothing``. On-policy distillation
     (``advantages.on_policy_distillation``): ``distill_coef`` (the reverse KL's weight),
     ``distill_discount`` (0: each token's own KL), ``task_reward_coef`` (the GRPO task
-    advantage's weight; 0 = off).
+    advantage's weight; 0 = off), ``distill_baseline`` (subtract the batch's mean KL).
     """
 
     name: str
@@ -408,6 +408,7 @@ class AlgorithmSpec:
     distill_coef: float = 1.0
     distill_discount: float = 0.0
     task_reward_coef: float = 0.0
+    distill_baseline: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)

@@ -67,6 +67,17 @@ def test_multi_turn_masked_tokens_carry_no_kl_and_no_discount_step(bk):
     assert metrics["tokens"] == 2.0
 
 
+def test_baseline_subtracts_the_batch_mean_of_d(bk):
+    # d on the valid tokens [0.5, -1, 0], [0, 1]: mean 0.1; the per-token reward is
+    # -(d - 0.1), 0 on padding; the metric stays the mean of d itself
+    adv, metrics = _run(bk, STUDENT, TEACHER, MASK, baseline=True)
+    np.testing.assert_allclose(adv, [[-0.4, 1.1, 0.1], [0.1, -0.9, 0.0]], **HAND)
+    assert metrics["reverse_kl"] == pytest.approx(0.1, abs=1e-12)
+    # discount 1: row 0's first token sums -0.4 + 1.1 + 0.1
+    adv1, _ = _run(bk, STUDENT, TEACHER, MASK, baseline=True, discount=1.0)
+    np.testing.assert_allclose(adv1, [[0.8, 1.2, 0.1], [-0.8, -0.9, 0.0]], **HAND)
+
+
 def test_task_advantage_is_added_on_valid_tokens(bk):
     task = [[0.3, 0.3, 0.3], [-0.3, -0.3, -0.3]]
     adv, _ = _run(bk, STUDENT, TEACHER, MASK, kl_coef=0.5, task=task)
@@ -80,11 +91,14 @@ def test_empty_mask_gives_zero_and_no_nan(bk):
     assert metrics == {"reverse_kl": 0.0, "tokens": 0.0}
 
 
-def test_policy_gradient_with_these_advantages_is_the_reverse_kl_gradient(gbk):
+@pytest.mark.parametrize("baseline", [False, True])
+def test_policy_gradient_with_these_advantages_is_the_reverse_kl_gradient(gbk, baseline):
     """On-policy, E_y~p[-A(y) grad log p(y)] = grad KL(p || q): one position, a vocabulary
     of three, the expectation written out as a p-weighted sum over the three tokens (one
     row each) through the PPO loss at ratio 1. Expected gradient by hand:
-    d KL / d z_j = p_j (d_j - sum_y p_y d_y), d = log p - log q."""
+    d KL / d z_j = p_j (d_j - sum_y p_y d_y), d = log p - log q. The baseline (a constant
+    of the batch, here the rows' plain mean of d) leaves it unchanged:
+    sum_y p_y b grad log p(y) = b grad sum_y p_y = 0."""
     from polyrl.algos.losses import ppo_policy_loss
     from polyrl.tensor import asarray_like, log_softmax, namespace, stop_gradient
 
@@ -103,7 +117,8 @@ def test_policy_gradient_with_these_advantages_is_the_reverse_kl_gradient(gbk):
         xp = namespace(logits)
         lp = log_softmax(logits)[:, None]  # [3, 1]: row y holds log p(y)
         ones = xp.ones_like(lp)
-        adv, _ = distillation_advantages(lp, asarray_like(np.array(log_q)[:, None], lp), ones)
+        teacher = asarray_like(np.array(log_q)[:, None], lp)
+        adv, _ = distillation_advantages(lp, teacher, ones, baseline=baseline)
         weights = stop_gradient(xp.exp(lp))  # p(y): the expectation over the sampled token
         value, _ = ppo_policy_loss(
             lp, stop_gradient(lp), adv, ones, global_tokens=1.0, weights=weights

@@ -406,6 +406,9 @@ def test_distillation_advantages_through_the_spec():
     task = np.array([0.5, -0.5]) / (np.sqrt(0.5) + 1e-6)
     mixed, _ = spec.compute_advantages(cols, task_reward_coef=0.25)
     np.testing.assert_allclose(mixed, want / 2 + 0.25 * task[:, None] * mask, atol=1e-12)
+    # distill_baseline: d minus its mean (0.5 - 1 + 0 + 1 - 3) / 5 = -0.5, i.e. -(d + 0.5)
+    centred, _ = spec.compute_advantages(cols, distill_baseline=True)
+    np.testing.assert_allclose(centred, [[-1.0, 0.5, 0.0], [-0.5, -1.5, 2.5]], atol=1e-12)
 
 
 def test_kl_controller_from_spec():

@@ -103,11 +103,20 @@ def _check_by_hand(batch, metrics, cfg, teacher) -> None:
     assert metrics["distill/tokens"] == mask.sum()
 
 
+# The teacher in a pool of its own (placement as any engine role's), on JAX; shared on torch.
+OWN_POOL = (
+    "polyrl.RunConfig.pools = {'shared': {'CPU': 1.5}, 'teacher': {'CPU': 0.5}}",
+    "teacher/polyrl.RoleConfig.pool = 'teacher'",
+)
+
+
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_advantages_equal_a_hand_computation(ray_session, tmp_path, teacher_dir, backend):
     files = [DISTILL] + ([JAX] if backend == "jax" else [])
     teacher = f"teacher/polyrl.RoleConfig.model_path = {str(teacher_dir)!r}"
-    batch, metrics, cfg = _one_step(files, tmp_path / backend, teacher, TINY)
+    pools = OWN_POOL if backend == "jax" else ()
+    batch, metrics, cfg = _one_step(files, tmp_path / backend, teacher, TINY, *pools)
+    assert cfg.teacher.pool == ("teacher" if pools else "shared")
     assert cfg.algo_overrides["distill_baseline"]  # tiny_distill.gin's; multi-turn: without
     _check_by_hand(batch, metrics, cfg, teacher_dir)
 

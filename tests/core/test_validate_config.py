@@ -257,6 +257,11 @@ CASES += [
     ("teacher-unused", GRPO, ["teacher/polyrl.RoleConfig.model_path = '{model}'"],
      "teacher/polyrl.RoleConfig.model_path='{model}' is set but algorithm 'grpo' reads no "
      "teacher"),
+    ("reference-with-a-model-of-its-own", GRPO,
+     ["reference/polyrl.RoleConfig.model_path = '{model}'"],
+     "reference/polyrl.RoleConfig.model_path='{model}': the reference loads "
+     "RunConfig.model_path; unbind it (only the reward_model and teacher roles have "
+     "checkpoints of their own)"),
     ("teacher-not-a-model", DISTILL, ["teacher/polyrl.RoleConfig.model_path = '{data}'"],
      "teacher/polyrl.RoleConfig.model_path='{data}' has no config.json"),
     ("teacher-other-vocabulary", DISTILL,

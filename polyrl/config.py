@@ -556,8 +556,9 @@ class RunConfig:
     episodes: ``polyrl.envs.EpisodeConfig``: every row is a multi-turn episode played by
       the environment its ``data_source`` names (docs/agents.md); None: single-turn.
     judge: ``polyrl.JudgeConfig`` (``polyrl.loop.judge``): an LLM judge on the rollout
-      pool scores every response; ``JudgeConfig.coef`` x its score is added to the reward
-      (docs/rewards.md "Reward models and judges"). None: no judge.
+      pool (or on servers of its own: ``JudgeConfig.model_path``) scores every response;
+      ``JudgeConfig.coef`` x its score is added to the reward (docs/rewards.md "Reward
+      models and judges"). None: no judge.
     debug: ``polyrl.observe.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
       binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
     cache_dir: where compiled programs are kept across runs (``polyrl.compile_cache``:

@@ -43,6 +43,7 @@ class Role(enum.StrEnum):
     ENV = "env"
     REWARD = "reward"
     REWARD_MODEL = "reward_model"
+    JUDGE = "judge"
     REFERENCE = "reference"
     TEACHER = "teacher"
     ACTOR = "actor"
@@ -55,18 +56,20 @@ class RoleFacts:
     """What a role is, the same in every run.
 
     kind: ``"engine"`` (Ray workers hosting a TrainEngine, ``polyrl.cluster.workers``),
-      ``"rollout"`` (vLLM servers, ``polyrl.rollout.pool``), ``"reward"`` (rule-reward
+      ``"rollout"`` (vLLM servers, ``polyrl.rollout.pool``: the rollout's, an LLM judge's
+      own), ``"reward"`` (rule-reward
       workers, ``polyrl.rewards.workers``) or ``"env"`` (environment workers,
       ``polyrl.envs.workers``).
     trained: the role has an optimizer (``RoleConfig.optim``); else it is frozen.
     value_head: the engine adds a scalar head on the last hidden state (critic values,
       reward-model scores) instead of scoring tokens.
     config: the RunConfig field that holds the role's own settings (an engine role's
-      ``RoleConfig``; the rollout's ``RolloutConfig``); None: the role has none of its
-      own (reward and env workers: ``RunConfig.reward_workers``, ``RunConfig.episodes``).
+      ``RoleConfig``; the rollout's ``RolloutConfig``; the judge's ``JudgeConfig``); None:
+      the role has none of its own (reward and env workers: ``RunConfig.reward_workers``, ``RunConfig.episodes``).
     layout_of: a role whose settings this one takes when its own field is None.
-    own_model: the role loads a checkpoint of its own (``RoleConfig.model_path``), not
-      ``RunConfig.model_path`` (the reward model; the distillation teacher).
+    own_model: the role loads a checkpoint of its own (``RoleConfig.model_path``,
+      ``JudgeConfig.model_path``), not ``RunConfig.model_path`` (the reward model, the
+      distillation teacher, a judge of its own).
     other_backend: the role's engine runs on the backend the run does not train on.
     """
 
@@ -84,6 +87,8 @@ ROLE_TABLE: dict[Role, RoleFacts] = {
     Role.ENV: RoleFacts("env"),
     Role.REWARD: RoleFacts("reward"),
     Role.REWARD_MODEL: RoleFacts("engine", value_head=True, config="reward_model", own_model=True),
+    # An LLM judge's own vLLM servers (RunConfig.judge with JudgeConfig.model_path): frozen.
+    Role.JUDGE: RoleFacts("rollout", config="judge", own_model=True),
     Role.REFERENCE: RoleFacts("engine", config="reference"),
     # On-policy distillation's frozen teacher: scores the student's sampled tokens.
     Role.TEACHER: RoleFacts("engine", config="teacher", own_model=True),
@@ -122,6 +127,7 @@ def role_names(cfg: Any, spec: Any) -> list[Role]:
         Role.TEACHER: rl and spec.needs_teacher,
         Role.CRITIC: spec.needs_critic,
         Role.REWARD_MODEL: rl and cfg.reward_model.model_path is not None,
+        Role.JUDGE: rl and getattr(cfg.judge, "model_path", None) is not None,
         Role.SHADOW: rl and bool(cfg.shadow_every),
     }
     return [role for role, started in starts.items() if started]

@@ -2,14 +2,14 @@
 
 ``build_roles(cfg, spec)`` turns a RunConfig and an AlgorithmSpec into one
 :class:`RoleSpec` per role the run starts (actor, rollout, reference, critic,
-reward_model, shadow), from the role vocabulary and its facts (``polyrl.role_table``:
+reward_model, judge, shadow), from the role vocabulary and its facts (``polyrl.role_table``:
 which roles train, carry a value head, where their settings live). Validation (:func:`role_problems`), placement (``polyrl.cluster.placement``), the
 workers (``polyrl.cluster.workers``) and the trainer all read this table, so none of them
 decides again which roles exist or how a backend lays its processes out: that comes
 from the backend's registry entry (``polyrl.backends.base.ENGINES[...].process``).
 
 Pools (``RunConfig.pools``; a role's is its ``RoleConfig.pool``, the rollout's
-``RolloutConfig.pool``): ``{"name": {"CPU": c, "GPU": g, "nodes": n, <custom>: x}}``.
+``RolloutConfig.pool``, a judge's ``JudgeConfig.pool``): ``{"name": {"CPU": c, "GPU": g, "nodes": n, <custom>: x}}``.
 ``CPU``, ``GPU`` and custom Ray resources (``ray start --resources``) are *per node*;
 ``nodes`` (default 1) is how many nodes the pool spans. A role spreads its workers
 evenly over ``min(nodes, workers)`` of them, node-major: ranks ``0..k-1`` on the first
@@ -66,7 +66,7 @@ class RoleSpec:
 
     name / pool: the role and the ``RunConfig.pools`` entry it runs in.
     num_workers: Ray workers it starts (torch: one per device; JAX: one per host;
-      rollout: servers). hosts: nodes its workers spread over. local_devices: devices
+      rollout and judge: servers). hosts: nodes its workers spread over. local_devices: devices
       each worker drives (torch 1, JAX its host's share of the mesh, rollout its
       tensor-parallel size).
     backend / model / optim / parallel: the engine of a training role (None for the
@@ -140,15 +140,16 @@ def build_roles(cfg: RunConfig, spec: Any) -> dict[str, RoleSpec]:
     """The run's role table (see module docstring); ``cfg.backend`` must be registered."""
     roles = {}
     for name in role_names(cfg, spec):
-        if ROLE_TABLE[name].kind == "rollout":
-            shape = pool_shape(cfg.pools.get(cfg.rollout.pool, {}))
-            servers = cfg.rollout.num_servers
+        if ROLE_TABLE[name].kind == "rollout":  # the rollout's or a judge's vLLM servers
+            own = cfg.role_config(name)
+            shape = pool_shape(cfg.pools.get(own.pool, {}))
+            servers = own.num_servers
             roles[name] = RoleSpec(
                 name,
-                cfg.rollout.pool,
+                own.pool,
                 num_workers=servers,
                 hosts=max(1, min(shape.nodes, servers)),
-                local_devices=cfg.rollout.tensor_parallel_size,
+                local_devices=own.tensor_parallel_size,
             )
         else:
             roles[name] = _engine_role(cfg, name)

@@ -161,7 +161,7 @@ def _checks_beside_ray(cfg: RunConfig, startup: Any, checks: Any) -> tuple[Any, 
 def _components(
     cfg: RunConfig, spec: Any, reward_rows: dict | None = None, startup: Any = None
 ) -> SimpleNamespace:
-    """The run's data, Ray, rollout pool and placement. ``reward_rows``: the rows whose
+    """The run's data, Ray, rollout pool (and an LLM judge's own) and placement. ``reward_rows``: the rows whose
     rewards ``prepare`` left to score once Ray runs; ``startup``: the run's StartupLog."""
     import ray
     from transformers import AutoTokenizer
@@ -173,6 +173,7 @@ def _components(
     from polyrl.loop.evaluation import validation_prompts
     from polyrl.loop.metrics import StartupLog
     from polyrl.observe.debug import DebugSession
+    from polyrl.role_table import Role
     from polyrl.rollout import RolloutPool
 
     startup = startup or StartupLog()
@@ -199,21 +200,29 @@ def _components(
     debug = DebugSession.start(cfg.debug)
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles, reserved=trial_placement())
-    pool = None
+
+    def servers(role: Role, config: Any) -> RolloutPool:
+        # vLLM starts while the trainer starts its roles; RLTrainer waits for it after
+        share = placement.shares[role]
+        return RolloutPool(
+            dataclasses.replace(config, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
+            placement=lambda i: placement.options(role, i),
+            wait=False,
+        )
+
+    pool = judge_pool = None
     if spec.objective == "rl":
-        share = placement.shares["rollout"]
         with startup.phase("rollout servers"):
-            # vLLM starts while the trainer starts its roles; RLTrainer waits for it after
-            pool = RolloutPool(
-                dataclasses.replace(cfg.rollout, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
-                placement=lambda i: placement.options("rollout", i),
-                wait=False,
-            )
+            pool = servers(Role.ROLLOUT, cfg.rollout)
+    if Role.JUDGE in roles:  # JudgeConfig.model_path: the judge's own servers
+        with startup.phase("judge servers"):
+            judge_pool = servers(Role.JUDGE, cfg.judge.servers(cfg.rollout))
     return SimpleNamespace(
         tokenizer=tokenizer,
         prompts=prompts,
         val_prompts=val_prompts,
         pool=pool,
+        judge_pool=judge_pool,
         placement=placement,
         roles=roles,
         debug=debug,

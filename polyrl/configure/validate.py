@@ -64,6 +64,15 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
             "for single-turn runs on GPUs, else 'async')"
         )
         lines.append(rollout_limits(r))
+        judge = cfg.judge
+        if judge is not None:
+            where = (
+                f"{judge.model_path} on {judge.num_servers} server(s) of its own x "
+                f"tensor_parallel {judge.tensor_parallel_size} in pool {judge.pool!r}"
+                if judge.model_path is not None
+                else "the rollout servers (the policy)"
+            )
+            lines.append(f"judge: {where}, one request per sample a step")
     if dataset_rows is not None:
         used = cfg.total_steps * cfg.prompts_per_step
         lines.append(
@@ -301,7 +310,7 @@ def _placement_problems(cfg: RunConfig, spec: Any) -> list[str]:
             out += own.problems(role)
         if own.pool not in cfg.pools:
             where = (
-                "polyrl.RolloutConfig.pool"
+                f"polyrl.{type(own).__name__}.pool"  # RolloutConfig, JudgeConfig
                 if ROLE_TABLE[role].kind == "rollout"
                 else f"{ROLE_TABLE[role].config}/polyrl.RoleConfig.pool"
             )
@@ -446,11 +455,46 @@ def judge_problems(cfg: RunConfig, spec: Any) -> list[str]:
             "RunConfig.judge is set with RunConfig.episodes: episodes are scored by their "
             "envs; unbind one of them"
         ]
+    if cfg.judge.model_path is not None:
+        return _own_judge_problems(cfg, spec)
     if cfg.max_staleness or cfg.streaming:
         return [
             f"RunConfig.judge asks the rollout pool at the reward stage, which must then be "
             f"idle, but max_staleness={cfg.max_staleness} / streaming={cfg.streaming} "
-            "generate while the trainer rewards; set max_staleness = 0 and streaming = False"
+            "generate while the trainer rewards; set max_staleness = 0 and streaming = False, "
+            "or give the judge servers of its own (JudgeConfig.model_path)"
+        ]
+    return []
+
+
+def _own_judge_problems(cfg: RunConfig, spec: Any) -> list[str]:
+    """A judge on servers of its own (``JudgeConfig.model_path``): a model directory with
+    a tokenizer and a chat template (its requests are rendered with them). Its pool is
+    never asked by generation, so rollouts may run ahead and stream (every judgement
+    is asked by the trainer's thread), except ReMax's greedy baseline: it is rewarded
+    where the batch is generated, ahead in a thread of its own with max_staleness."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    path = cfg.judge.model_path
+    where = f"JudgeConfig.model_path={path!r}"
+    if not Path(path, "config.json").is_file():
+        return [f"{where} has no config.json; pass a local Hugging Face model directory"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        return [f"{where}: its tokenizer cannot be loaded ({e}); save one with the model"]
+    if not tokenizer.chat_template:
+        return [
+            f"{where}: its tokenizer has no chat template (the judge's requests are chat "
+            "messages); use an instruct/chat model or set tokenizer.chat_template and save it"
+        ]
+    if spec.needs_greedy_baseline and cfg.max_staleness:
+        return [
+            f"RunConfig.judge with max_staleness={cfg.max_staleness}: {spec.name!r} rewards "
+            "its greedy baseline while generating ahead, beside the step's judgements on the "
+            "same judge servers; set max_staleness = 0"
         ]
     return []
 

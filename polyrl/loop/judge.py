@@ -4,7 +4,7 @@
 (docs/rewards.md "Reward models and judges"). At the reward stage of every step,
 :class:`Judge` renders ``JudgeConfig.template`` for each response (``{prompt}``: the row's
 prompt messages' text, ``{response}``, ``{ground_truth}``) as one user message in the
-judge model's chat template, sends the whole step's requests to the rollout pool together
+judge model's chat template, sends the whole step's requests to the judge's servers together
 (one batched call), reads a score from each reply with ``JudgeConfig.parser`` (a name in
 :data:`PARSERS`; ``"regex"``: the first group of ``JudgeConfig.pattern``), checks it lies
 in ``[min_score, max_score]`` and maps it to ``[0, 1]``. A reply with no readable score in
@@ -13,11 +13,17 @@ aborted and all its requests are *timed out* (vLLM's asynchronous engine, the CP
 stops them at once; the synchronous one, GPU single-turn runs' default, finishes its call
 first). Either is asked again, at most ``retries`` more times; a sample still without
 a score gets ``fallback`` (a *failed* judgement). Each response's reward is its rule
-reward (+ the reward model's) + ``coef`` x its judge score. The judge is the run's own
-rollout pool, i.e. the policy being trained (a self-rewarding setup; with
-``RunConfig.model_path`` a strong model, the judge is that model before training moves
-it): the pool must be idle at the reward stage, so a judged run generates no batch ahead
-(``max_staleness = 0``, no ``streaming``).
+reward (+ the reward model's) + ``coef`` x its judge score.
+
+The judge's servers: by default the run's own rollout pool, i.e. the policy being trained
+(a self-rewarding setup; with ``RunConfig.model_path`` a strong model, the judge is that
+model before training moves it): the pool must be idle at the reward stage, so such a
+run generates no batch ahead (``max_staleness = 0``, no ``streaming``). With
+``JudgeConfig.model_path``, a pool of its own: the frozen role ``judge``
+(``polyrl.role_table``), a second ``RolloutPool`` of that model, built and placed as the
+rollout's (``polyrl.cluster.roles``, ``polyrl.cluster.placement``) from
+:meth:`JudgeConfig.servers`, prompted through its own tokenizer; generation never asks it,
+so rollouts may run ahead and stream (every judgement is asked from the trainer's thread).
 
 Metrics of a step (its own batches' judgements; validation's are not counted):
 ``judge/requests``, ``judge/malformed``, ``judge/timed_out``, ``judge/failed`` (counts)
@@ -37,6 +43,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from polyrl.role_table import DEFAULT_POOL
 
 __all__ = [
     "DEFAULT_TEMPLATE",
@@ -124,6 +132,14 @@ class JudgeConfig:
       with a new seed each time.
     timeout_s: each round of the step's judge requests.
     fallback: the judge score (in [0, 1]) of a sample still without one after the retries.
+    model_path: a local HF directory (model + tokenizer): the judge is that model on vLLM
+      servers of its own (role ``judge``), frozen (no weights are ever pushed to it),
+      prompted through its own tokenizer's chat template; they run as the run's
+      ``RolloutConfig`` says except for the fields below. None: the run's own rollout
+      pool judges (the policy being trained).
+    num_servers / tensor_parallel_size / pool: the judge's servers, GPUs per server and
+      the ``RunConfig.pools`` entry they run in (placed like the rollout servers; in a pool
+      with other roles they share its devices and never sleep).
     """
 
     template: str = DEFAULT_TEMPLATE
@@ -138,6 +154,10 @@ class JudgeConfig:
     retry_temperature: float = 1.0
     timeout_s: float = 60.0
     fallback: float = 0.0
+    model_path: str | None = None
+    num_servers: int = 1
+    tensor_parallel_size: int = 1
+    pool: str = DEFAULT_POOL
 
     def __post_init__(self) -> None:
         from polyrl.errors import raise_if_problems
@@ -177,7 +197,7 @@ class JudgeConfig:
                 f"JudgeConfig.min_score={self.min_score} / max_score={self.max_score}: "
                 "max_score must be above min_score (e.g. 0 and 10)"
             )
-        for name, low in (("retries", 0), ("max_tokens", 1)):
+        for name, low in (("retries", 0), ("max_tokens", 1), ("num_servers", 1)):
             if getattr(self, name) < low:
                 out.append(f"JudgeConfig.{name}={getattr(self, name)} must be >= {low}")
         if self.temperature < 0 or self.retry_temperature < 0:
@@ -185,11 +205,31 @@ class JudgeConfig:
                 f"JudgeConfig.temperature={self.temperature} / retry_temperature="
                 f"{self.retry_temperature} must be >= 0 (0: greedy)"
             )
+        if self.tensor_parallel_size < 1:
+            out.append(
+                f"JudgeConfig.tensor_parallel_size={self.tensor_parallel_size} must be >= 1 "
+                "(GPUs per judge server; 1 on CPU)"
+            )
         if not self.timeout_s > 0:
             out.append(f"JudgeConfig.timeout_s={self.timeout_s} must be > 0 (seconds)")
         if not 0.0 <= self.fallback <= 1.0:
             out.append(f"JudgeConfig.fallback={self.fallback} must be in [0, 1] (a judge score)")
         raise_if_problems(out)
+
+    def servers(self, rollout: Any) -> Any:
+        """The ``RolloutConfig`` of the judge's own servers: the run's ``rollout`` with this
+        judge's model, servers and pool, never asleep, on the asynchronous engine (a
+        round past ``timeout_s`` is aborted at once)."""
+        return dataclasses.replace(
+            rollout,
+            model_path=self.model_path,
+            num_servers=self.num_servers,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pool=self.pool,
+            enable_sleep_mode=False,
+            continue_in_place=False,
+            engine="async",
+        )
 
     def score_of(self, reply: str) -> float | None:
         """The reply's judge score in [0, 1], or None (malformed)."""
@@ -208,8 +248,9 @@ def render(template: str, prompt: Sequence[Mapping[str, str]] | str, response: s
 
 class Judge:
     """Scores a batch's responses with ``config`` on ``pool`` (the run's ``RolloutPool``,
-    idle while the trainer rewards: no rollout runs ahead, validate-config checks it);
-    ``tokenizer``: the judge model's (its chat template renders the request)."""
+    idle while the trainer rewards: no rollout runs ahead, validate-config checks it; or
+    the judge's own); ``tokenizer``: the judge model's (its chat template renders the
+    request)."""
 
     def __init__(self, config: JudgeConfig, pool: Any, tokenizer: Any):
         from polyrl.rollout.sampling import SamplingSpec
@@ -266,7 +307,8 @@ class Judge:
         except concurrent.futures.TimeoutError:
             pass
         # Abort until the call returns: requests still on their way are stopped as they
-        # reach a server. (validate-config: nothing else is in flight on the pool.)
+        # reach a server. (validate-config: nothing else is in flight on the pool, the
+        # rollout's idle at the reward stage, the judge's own asked by one thread.)
         while not call.done():
             self.pool.abort()
             concurrent.futures.wait([call], timeout=0.05)

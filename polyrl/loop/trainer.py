@@ -62,11 +62,20 @@ class RLTrainer(Loop):
         self.rewards = RewardPool(
             cfg.reward_workers, cfg.reward_timeout_s, self.placement.light_options
         )
-        self.judge = None  # RunConfig.judge: an LLM judge on the rollout pool
+        self.judge = None  # RunConfig.judge: an LLM judge on the rollout pool or its own
+        self.judge_pool = components.judge_pool  # JudgeConfig.model_path: its own servers
         if cfg.judge is not None:
             from polyrl.loop.judge import Judge
 
-            self.judge = Judge(cfg.judge, self.pool, self.tokenizer)
+            pool, tokenizer = self.pool, self.tokenizer
+            if self.judge_pool is not None:
+                from transformers import AutoTokenizer
+
+                with self.startup.phase("judge servers"):  # started with the roles above
+                    self.judge_pool.ready()
+                pool = self.judge_pool
+                tokenizer = AutoTokenizer.from_pretrained(cfg.judge.model_path)
+            self.judge = Judge(cfg.judge, pool, tokenizer)
         self.episodes = None  # RunConfig.episodes: multi-turn episodes in env workers
         if cfg.episodes is not None:
             from polyrl.envs.workers import EnvPool
@@ -158,14 +167,16 @@ class RLTrainer(Loop):
         if self.episodes is not None:
             self.episodes.shutdown()
         self.pool.shutdown()
+        if self.judge_pool is not None:
+            self.judge_pool.shutdown()
         super().shutdown()
 
     def step(self, step: int) -> dict[str, float]:
         self.timer.start_step(step + 1)
         turns, phase = self.turns, self.timer.phase
-        batch, staleness = self.rollouts.take(step)  # (timed as "generate")
         if self.judge is not None:
             self.judge.take_metrics()  # (drops validation's judgements)
+        batch, staleness = self.rollouts.take(step)  # (timed as "generate"; DAPO's scoring)
         with phase("reward"):
             batch = self.reward(batch)
         dapo = self.spec.dynamic_sampling and not self.cfg.streaming  # (streaming: in take)

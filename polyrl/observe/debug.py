@@ -61,7 +61,8 @@ __all__ = [
 
 DEBUG_ENV = "POLYRL_DEBUG"  # the DebugConfig as JSON, in every worker's environment
 KV_PREFIX = "polyrl:debug:"
-ROLES = tuple(str(role) for role in Role)  # and "task": any other worker
+# and "task": any other worker; a judge's own servers are rollout servers ("rollout.generate")
+ROLES = tuple(str(role) for role in Role if role is not Role.JUDGE)
 METHODS = ("forward", "train_step", "sync_weights", "call", "score", "generate")
 RESULT_ALIAS = {
     "score": "scores",

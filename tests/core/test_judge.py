@@ -97,6 +97,8 @@ def test_a_registered_parser_is_used():
         ({"timeout_s": 0.0}, r"timeout_s=0.0 must be > 0"),
         ({"fallback": 2.0}, r"fallback=2.0 must be in \[0, 1\]"),
         ({"retry_temperature": -1.0}, r"retry_temperature=-1.0 must be >= 0"),
+        ({"num_servers": 0}, r"JudgeConfig.num_servers=0 must be >= 1"),
+        ({"tensor_parallel_size": 0}, r"JudgeConfig.tensor_parallel_size=0 must be >= 1"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, message):
@@ -118,3 +120,68 @@ def test_validate_config_names_what_a_judge_cannot_run_with():
     assert "max_staleness=1 / streaming=False generate while the trainer rewards" in ahead
     (dpo,) = problems(algorithm="dpo")
     assert dpo.startswith("RunConfig.judge is set but 'dpo' (preference) scores no responses")
+
+
+def test_validate_config_checks_a_judge_of_its_own(tiny_model_dir, tmp_path):
+    """JudgeConfig.model_path: the directory must hold a model, a tokenizer and a chat
+    template; the judge's pool must be one of RunConfig.pools and fit it; rollouts may
+    then run ahead and stream (generation never asks the judge's servers)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from polyrl.algos import get_algorithm
+    from polyrl.configure.launch import parse_config
+    from polyrl.configure.validate import batch_arithmetic, check_run, judge_problems
+
+    plain = tmp_path / "no_template"
+    shutil.copytree(tiny_model_dir, plain)
+    tokenizer = AutoTokenizer.from_pretrained(plain)
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        (plain / name).unlink(missing_ok=True)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(plain)
+
+    def parse(*params: str):
+        return parse_config(["gin/experiments/tiny_judge.gin"], params)[0]
+
+    def problems(path, *params: str, algorithm: str = "grpo") -> list[str]:
+        cfg = parse(f"polyrl.JudgeConfig.model_path = {str(path)!r}", *params)
+        return judge_problems(cfg, get_algorithm(algorithm))
+
+    assert problems(tiny_model_dir) == []
+    assert problems(tiny_model_dir, "polyrl.RunConfig.max_staleness = 1") == []
+    assert problems(tiny_model_dir, "polyrl.RunConfig.streaming = True") == []
+    (missing,) = problems(tmp_path / "nowhere")
+    assert missing == (
+        f"JudgeConfig.model_path={str(tmp_path / 'nowhere')!r} has no config.json; pass a "
+        "local Hugging Face model directory"
+    )
+    (untemplated,) = problems(plain)
+    assert untemplated.startswith(f"JudgeConfig.model_path={str(plain)!r}: its tokenizer has no")
+    (remax,) = problems(tiny_model_dir, "polyrl.RunConfig.max_staleness = 1", algorithm="remax")
+    assert "max_staleness=1: 'remax' rewards its greedy baseline" in remax
+
+    own = f"polyrl.JudgeConfig.model_path = {str(tiny_model_dir)!r}"
+    assert (
+        f"judge: {tiny_model_dir} on 1 server(s) of its own x tensor_parallel 1 in pool "
+        "'shared', one request per sample a step"
+    ) in batch_arithmetic(parse(own), get_algorithm("grpo"), None)
+    assert "judge: the rollout servers (the policy), one request per sample a step" in (
+        batch_arithmetic(parse(), get_algorithm("grpo"), None)
+    )
+    cfg = parse(own, "polyrl.JudgeConfig.pool = 'judges'")
+    assert (
+        "polyrl.JudgeConfig.pool='judges' (judge) is not a pool in RunConfig.pools (['shared'])"
+        in check_run(cfg, get_algorithm("grpo"), cluster=False)
+    )
+    cfg = parse(
+        own,
+        "polyrl.RunConfig.pools = {'shared': {'CPU': 2}, 'judges': {'GPU': 1}}",
+        "polyrl.JudgeConfig.pool = 'judges'",
+        "polyrl.JudgeConfig.tensor_parallel_size = 2",
+    )
+    assert (
+        "judge puts 2 devices on each of its 1 node(s) but pool 'judges' has 1 GPUs per node"
+        in " ".join(check_run(cfg, get_algorithm("grpo"), cluster=False))
+    )

@@ -140,6 +140,9 @@ class JudgeConfig:
     num_servers / tensor_parallel_size / pool: the judge's servers, GPUs per server and
       the ``RunConfig.pools`` entry they run in (placed like the rollout servers; in a pool
       with other roles they share its devices and never sleep).
+    gpu_memory_utilization: the fraction of each GPU a judge server's vLLM takes; None:
+      ``RolloutConfig.gpu_memory_utilization`` (in the rollout's pool, lower both so that
+      they fit side by side).
     """
 
     template: str = DEFAULT_TEMPLATE
@@ -158,6 +161,7 @@ class JudgeConfig:
     num_servers: int = 1
     tensor_parallel_size: int = 1
     pool: str = DEFAULT_POOL
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         from polyrl.errors import raise_if_problems
@@ -210,6 +214,12 @@ class JudgeConfig:
                 f"JudgeConfig.tensor_parallel_size={self.tensor_parallel_size} must be >= 1 "
                 "(GPUs per judge server; 1 on CPU)"
             )
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            out.append(
+                f"JudgeConfig.gpu_memory_utilization={share} must be in (0, 1] (a fraction of "
+                "each GPU), or None for RolloutConfig.gpu_memory_utilization"
+            )
         if not self.timeout_s > 0:
             out.append(f"JudgeConfig.timeout_s={self.timeout_s} must be > 0 (seconds)")
         if not 0.0 <= self.fallback <= 1.0:
@@ -226,6 +236,7 @@ class JudgeConfig:
             num_servers=self.num_servers,
             tensor_parallel_size=self.tensor_parallel_size,
             pool=self.pool,
+            gpu_memory_utilization=self.gpu_memory_utilization or rollout.gpu_memory_utilization,
             enable_sleep_mode=False,
             continue_in_place=False,
             engine="async",

@@ -229,7 +229,10 @@ class Stream(Producer):
         if not parts:
             return batch
         scored = Batch.concat(parts)
-        return batch.with_columns({k: scored[k] for k in scored.tensors if k not in batch})
+        return batch.with_columns(
+            {k: scored[k] for k in scored.tensors if k not in batch},
+            {k: scored[k] for k in scored.meta if k not in batch},  # e.g. the judge's replies
+        )
 
     def _pop(self, count: int) -> list[_Group]:
         """The ``count`` first complete groups, waiting for them (the wait is

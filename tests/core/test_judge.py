@@ -99,6 +99,7 @@ def test_a_registered_parser_is_used():
         ({"retry_temperature": -1.0}, r"retry_temperature=-1.0 must be >= 0"),
         ({"num_servers": 0}, r"JudgeConfig.num_servers=0 must be >= 1"),
         ({"tensor_parallel_size": 0}, r"JudgeConfig.tensor_parallel_size=0 must be >= 1"),
+        ({"gpu_memory_utilization": 1.5}, r"JudgeConfig.gpu_memory_utilization=1.5 must be in"),
     ],
 )
 def test_config_errors_name_the_field(kwargs, message):
@@ -185,3 +186,24 @@ def test_validate_config_checks_a_judge_of_its_own(tiny_model_dir, tmp_path):
         "judge puts 2 devices on each of its 1 node(s) but pool 'judges' has 1 GPUs per node"
         in " ".join(check_run(cfg, get_algorithm("grpo"), cluster=False))
     )
+
+
+def test_the_judge_servers_take_the_rollout_settings_but_their_own():
+    from polyrl.rollout.sampling import RolloutConfig
+
+    rollout = RolloutConfig(
+        model_path="policy",
+        num_servers=4,
+        max_model_len=96,
+        gpu_memory_utilization=0.4,
+        enable_sleep_mode=True,
+        engine="sync",
+        pool="train",
+    )
+    own = JudgeConfig(model_path="judge", num_servers=2, pool="judges", gpu_memory_utilization=0.2)
+    servers = own.servers(rollout)
+    assert (servers.model_path, servers.num_servers, servers.pool) == ("judge", 2, "judges")
+    assert servers.gpu_memory_utilization == 0.2 and servers.max_model_len == 96
+    assert servers.engine == "async" and not servers.enable_sleep_mode  # frozen, never asleep
+    shared = JudgeConfig(model_path="judge").servers(rollout)
+    assert shared.gpu_memory_utilization == 0.4 and shared.pool == "shared"

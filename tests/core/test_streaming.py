@@ -206,17 +206,20 @@ def test_dynamic_sampling_takes_groups_until_enough_are_kept():
     """DAPO on a stream: ``accept`` keeps only groups of even prompt rows; each step gets
     4 of them (looking at up to 3 x 4 groups), kept_fraction is what it kept of what it
     looked at (4 of k groups: it takes as many as it still needs, and they finish out of
-    order), and the filtered groups were replaced by admission."""
+    order), and the filtered groups were replaced by admission. A meta column ``accept``
+    adds (an LLM judge's replies) reaches the step's batch, row by row."""
 
     def accept(batch):
         scores = (batch["prompt_index"] % 2 == 0).astype(np.float32)
-        return batch.with_columns({"scores": scores}), scores > 0
+        notes = [f"row {i}" for i in batch["prompt_index"]]
+        return batch.with_columns({"scores": scores}, {"note": notes}), scores > 0
 
     pool = MiniPool(lambda k: 0.001)
     rows = run(pool, stream(pool, bound=1, steps=4, accept=accept, max_gen_batches=3), 4)
     for step, (batch, m) in enumerate(rows):
         check_batch(batch, 4, 4, step, 1)
         assert (batch["prompt_index"] % 2 == 0).all() and (batch["scores"] == 1).all()
+        assert list(batch["note"]) == [f"row {i}" for i in batch["prompt_index"]]
         looked = 4 / m["dynamic_sampling/kept_fraction"]
         assert looked == pytest.approx(round(looked)) and 4 <= round(looked) <= 12
 

@@ -1,6 +1,6 @@
 """The ``polyrl`` command.
 
-Subcommands: train, sweep, validate-config, validate-dataset, doctor, report, export,
+Subcommands: train, session, sweep, validate-config, validate-dataset, doctor, report, export,
 make-tiny.
 Each handler returns a process exit code; user errors print one clear line (no stack
 trace) and exit non-zero.
@@ -294,6 +294,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             debug=args.debug,
             overwrite=args.overwrite,
             resume_or_start=args.resume_or_start,
+            use_session=not args.no_session,
         )
     except ConfigError as e:
         _print_problems(", ".join(args.gin_file), e.problems)
@@ -322,6 +323,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         if k in final
     ]
     print(f"[polyrl] done: last step {', '.join(shown)}")
+    return 0
+
+
+def cmd_session(args: argparse.Namespace) -> int:
+    from polyrl.configure import session_host as session
+    from polyrl.configure.validate import ConfigError
+
+    if args.action == "status":
+        found, line = session.status()
+        print(f"[session] {line}")
+        return 0 if found is not None and found.gone() is None else 1
+    if args.action == "stop":
+        print(f"[session] {session.stop()}")
+        return 0
+    if not args.gin_file:
+        raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
+    try:
+        s = session.start(args.gin_file, args.gin_param, args.imports)
+    except ConfigError as e:
+        _print_problems(", ".join(args.gin_file), e.problems)
+        return 1
+    except (FileNotFoundError, RuntimeError) as e:
+        print(f"polyrl session: {e}", file=sys.stderr)
+        return 1
+    fp = s.fingerprint
+    print(
+        f"[session] up in {s.ready_s:.1f} s ({s.dir}): {fp['model_path']} on {fp['backend']}, "
+        f"workers {', '.join(s.actors)}. polyrl train runs that fit attach to it; "
+        f"polyrl session stop ends it"
+    )
     return 0
 
 
@@ -470,7 +501,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Ray's distributed debugger in every role, the dashboard on (docs/debugging.md)",
     )
+    p.add_argument(
+        "--no-session",
+        action="store_true",
+        help="start the run's own Ray and workers even when a warm session that fits is up "
+        "(docs/sessions.md)",
+    )
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser(
+        "session",
+        help="a warm session: Ray, rollout servers and role workers kept for the runs that "
+        "attach to them (docs/sessions.md)",
+    )
+    p.add_argument("action", choices=("start", "status", "stop"))
+    gin_args(p)
+    p.set_defaults(func=cmd_session)
     p = sub.add_parser("validate-config", help="check a gin experiment before touching any device")
     gin_args(p)
     p.add_argument(

@@ -11,6 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No test may reach a hub: models and tokenizers are built locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# No test's `polyrl train` attaches to a warm session the user started (docs/sessions.md):
+# the tests' session directory is their own (tests/trainer/test_sessions.py sets one each).
+os.environ.setdefault("POLYRL_SESSION_DIR", f"/tmp/polyrl-tests-{os.getpid()}/session")
 
 import pytest  # noqa: E402
 

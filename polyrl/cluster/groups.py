@@ -49,6 +49,7 @@ import numpy as np
 
 from polyrl import faults
 from polyrl.batch import Batch
+from polyrl.cluster import session
 from polyrl.cluster.reliability import WorkerDied
 
 __all__ = [
@@ -153,12 +154,21 @@ class WorkerGroup:
         self.workers: list[Any] = []
         self.local = None if num_workers else cls(*args, 0)
         self._where: list[Any] = []  # each worker's _where_this_runs, asked at creation
+        # A warm session's workers (polyrl.cluster.session): its host names them, a run
+        # attached to it looks them up and, at its end, lets go of them.
+        self.session = session.borrowed(self.role) if num_workers else None
         if num_workers:
             import ray
 
             remote = ray.remote(cls)
             for rank in range(num_workers):
-                worker = remote.options(**self.actor_options(rank, env)).remote(*args, rank)
+                name = session.actor_name(self.role, rank)
+                if self.session == "attach":
+                    worker = ray.get_actor(name)
+                else:
+                    opts = self.actor_options(rank, env)
+                    opts |= {"name": name} if self.session == "serve" else {}
+                    worker = remote.options(**opts).remote(*args, rank)
                 self.workers.append(worker)
                 self._where.append(worker.__ray_call__.remote(_where_this_runs))
 
@@ -328,10 +338,12 @@ class WorkerGroup:
                 ) from e
 
     def shutdown(self) -> None:
-        """End every worker and wait until its process is gone."""
+        """End every worker and wait until its process is gone (a session's, borrowed by
+        an attached run: let go of them, the session keeps them)."""
         from polyrl.cluster.ray_session import end_actors
 
-        end_actors(self.workers)
+        if self.session != "attach":
+            end_actors(self.workers)
         self.workers = []
 
 

@@ -33,6 +33,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from polyrl.cluster import session
 from polyrl.cluster.roles import RoleSpec, pool_shape
 
 __all__ = [
@@ -160,7 +161,7 @@ class Placement:
         reserved: tuple[Any, int] | None = None,
     ):
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import get_placement_group, placement_group
 
         self.roles = dict(roles)
         self.shares = plan_shares(pools, self.roles)
@@ -176,15 +177,22 @@ class Placement:
         self.gpu_ids: dict[str, list[list[str]]] = {}
         self._owned: list[Any] = []  # groups this placement reserved (not a sweep trial's)
         _, firsts = pool_bundles(used, set(used))
-        for name, res in used.items():
+        mode = session.current()  # a warm session's groups are named; an attached run's
+        for name, res in used.items():  # workers already run in them (polyrl.cluster.session)
             if reserved is None and not _needs_group(res):
                 continue
             shape = pool_shape(res)
             if reserved is not None:
                 pg, first = reserved[0], reserved[1] + firsts[name]
+            elif mode == "attach":
+                self.groups[name], self.first[name] = get_placement_group(f"pool:{name}"), 0
+                continue  # (their GPUs are mapped: the workers are not started again)
             else:
                 strategy = "STRICT_PACK" if shape.nodes == 1 else "STRICT_SPREAD"
-                pg = placement_group(pool_bundles({name: res}, {name})[0], strategy=strategy)
+                named = {"name": f"pool:{name}"} if mode == "serve" else {}
+                pg = placement_group(
+                    pool_bundles({name: res}, {name})[0], strategy=strategy, **named
+                )
                 first = 0
                 if not pg.wait(timeout_seconds=timeout_s):
                     raise TimeoutError(

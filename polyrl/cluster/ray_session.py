@@ -82,21 +82,25 @@ def init_ray(
     debug: Any = None,
     cache_dir: str | None = None,
     copy_logs: bool = True,
+    address: str | None = None,
+    namespace: str | None = None,
 ) -> None:
-    """Join the Ray cluster named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
+    """Join the Ray cluster at ``address`` (a warm session's: ``polyrl.cluster.session``)
+    or named by ``RAY_ADDRESS`` (``host:port`` of a ``ray start
     --head``, or ``auto``: docs/scaling.md), else start a private local one of
     ``num_cpus`` CPUs (never a cluster some other ``ray start`` left on the machine),
     watched so that it ends with the driver. ``debug``: a ``polyrl.observe.debug.DebugConfig``
     (docs/debugging.md); with it enabled every worker line reaches the driver.
     ``cache_dir``: ``RunConfig.cache_dir``, the compile caches of the driver and every
     worker (``polyrl.compile_cache``). ``copy_logs=False``: :func:`copy_worker_logs`
-    later (once the run dir may be written)."""
+    later (once the run dir may be written). ``namespace``: Ray's, where named actors
+    are found (a session's)."""
     import ray
 
     from polyrl.cluster.user_code import runtime_env
     from polyrl.compile_cache import use_cache
 
-    address = os.environ.get("RAY_ADDRESS") or "local"
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
     local: dict[str, Any] = {"num_cpus": local_cpus(num_cpus)} if address == "local" else {}
     env = runtime_env(imports)
     env["env_vars"].update(use_cache(cache_dir))
@@ -116,6 +120,7 @@ def init_ray(
         log_to_driver=loud,
         logging_level=logging.INFO if loud else logging.WARNING,
         runtime_env=env,
+        namespace=namespace,
         **local,
     )
     if term is not None and threading.current_thread() is threading.main_thread():
@@ -129,15 +134,21 @@ def init_ray(
         copy_worker_logs(run_dir, debug)
 
 
-def copy_worker_logs(run_dir: str | Path, debug: Any = None) -> None:
+def copy_worker_logs(
+    run_dir: str | Path, debug: Any = None, session_job: str | None = None
+) -> None:
     """Copy the Ray job's worker output into ``<run_dir>/logs/`` and show the lines that
-    matter (not with ``--verbose`` or the debugger: Ray prints every line itself)."""
+    matter (not with ``--verbose`` or the debugger: Ray prints every line itself).
+    ``session_job``: a warm session's job too (its workers serve this run), from the
+    current end of each of its files on."""
     import ray
 
     if not (verbose() or (debug is not None and debug.enabled)):
-        node = ray._private.worker.global_worker.node
+        logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
         job = ray.get_runtime_context().get_job_id()
-        _WorkerLogs(Path(node.get_logs_dir_path()), job, Path(run_dir) / "logs").start()
+        _WorkerLogs(logs, job, Path(run_dir) / "logs").start()
+        if session_job is not None:
+            _WorkerLogs(logs, session_job, Path(run_dir) / "logs", from_end=True).start()
 
 
 def local_cpus(num_cpus: float | None) -> int | None:
@@ -234,13 +245,30 @@ def _watch(pid: int, poll_s: float = 0.5) -> None:
 class _WorkerLogs(threading.Thread):
     """Copies this job's worker log files into the run dir and echoes lines that matter."""
 
-    def __init__(self, logs_dir: Path, job_id: str, out_dir: Path, poll_s: float = 0.5):
+    def __init__(
+        self,
+        logs_dir: Path,
+        job_id: str,
+        out_dir: Path,
+        poll_s: float = 0.5,
+        from_end: bool = False,
+    ):
         super().__init__(name="polyrl-worker-logs", daemon=True)
         self.logs_dir, self.job_id, self.out_dir, self.poll_s = logs_dir, job_id, out_dir, poll_s
         self.offsets: dict[Path, int] = {}
         self.names: dict[Path, str] = {}
         self.partial: dict[Path, str] = {}
         self.shutdown_noise: set[Path] = set()  # inside a SHUTDOWN_NOISE block
+        for path in self.files() if from_end else ():  # what is there: earlier runs' lines
+            data = path.read_bytes()
+            self.offsets[path] = len(data)
+            for line in data.decode(errors="replace").split("\n"):
+                if line.startswith(":actor_name:"):
+                    self.names[path] = line.split(":", 2)[2]
+
+    def files(self) -> list[Path]:
+        # worker-<worker id>-<job id>-<pid>.out/.err: this job's workers only.
+        return sorted(self.logs_dir.glob(f"worker-*-{self.job_id}-*.[oe][ur][tr]"))
 
     def run(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -250,8 +278,7 @@ class _WorkerLogs(threading.Thread):
             time.sleep(self.poll_s)
 
     def poll(self) -> None:
-        # worker-<worker id>-<job id>-<pid>.out/.err: this job's workers only.
-        for path in sorted(self.logs_dir.glob(f"worker-*-{self.job_id}-*.[oe][ur][tr]")):
+        for path in self.files():
             start = self.offsets.get(path, 0)
             with path.open("rb") as f:
                 f.seek(start)

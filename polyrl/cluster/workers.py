@@ -18,6 +18,7 @@ engines, so worker 0's are returned); the rest run on every worker.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -52,7 +53,13 @@ class EngineWorker(Traced):
         optim: OptimConfig | None,
         parallel: ParallelConfig,
     ) -> bool:
-        """Join the role's group (``env`` from the process model) and build the engine."""
+        """Join the role's group (``env`` from the process model) and build the engine.
+        Called again (a warm session's worker, for each run attached to it:
+        ``polyrl.cluster.session``), the group joined first stays and the engine is built
+        anew: the model's initial weights, a fresh optimizer."""
+        if self.engine is not None:  # free the last run's engine before the new one loads
+            self.engine, self.forwards = None, 0
+            gc.collect()
         os.environ.update(env)
         from polyrl.backends.base import get_engine  # imports the framework here, lazily
 

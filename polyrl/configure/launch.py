@@ -120,27 +120,38 @@ def prepare(cfg: RunConfig, reward_rows: dict | None = None) -> tuple[RunConfig,
     return cfg, spec
 
 
-def _init_ray(cfg: RunConfig, copy_logs: bool = True) -> None:
+def _init_ray(cfg: RunConfig, copy_logs: bool = True, namespace: str | None = None) -> None:
     """The run's Ray (``polyrl.cluster.ray_session.init_ray``): a local start gets the
-    pools' CPUs plus RunConfig.user_cpus for the user's own tasks."""
+    pools' CPUs plus RunConfig.user_cpus for the user's own tasks. ``namespace``: Ray's
+    (a warm session's host: ``polyrl.cluster.session``)."""
     from polyrl.cluster.ray_session import init_ray
 
     pool_cpus = sum(float(r.get("CPU", 0)) for r in cfg.pools.values())
     cpus = cfg.ray_num_cpus or pool_cpus + cfg.user_cpus
-    init_ray(cfg.run_dir, cpus, cfg.imports, cfg.debug, cfg.cache_dir, copy_logs=copy_logs)
+    init_ray(
+        cfg.run_dir,
+        cpus,
+        cfg.imports,
+        cfg.debug,
+        cfg.cache_dir,
+        copy_logs=copy_logs,
+        namespace=namespace,
+    )
 
 
-def _checks_beside_ray(cfg: RunConfig, startup: Any, checks: Any) -> tuple[Any, bool]:
+def _checks_beside_ray(
+    cfg: RunConfig, startup: Any, checks: Any, session_up: bool = False
+) -> tuple[Any, bool]:
     """``checks()`` (every check before a worker starts) on a thread of their own while
     a local Ray starts on this one (after a ray.init on another thread, ray.shutdown took
     15 s instead of 1.3 s): on the idle 2-core machine, 2.7 s and 2.3-3.3 s one after the
     other, 3.6-4.6 s side by side (issue 48). No worker starts before both are done; a
     run the checks refuse leaves no Ray behind. Start-up phases:
     "ray" (its start), then "checks" (what is left of them). Joining a cluster
-    (``RAY_ADDRESS``: after the checks, as before) or a Ray already running: the checks
-    alone. Returns their result and whether Ray was started here."""
-    ray = sys.modules.get("ray")
-    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+    (``RAY_ADDRESS``: after the checks, as before), a Ray already running or a warm
+    session to attach to (``session_up``): the checks alone. Returns their result and
+    whether Ray was started here."""
+    if session_up or _joins_ray():
         with startup.phase("checks"):
             return checks(), False
     pool = ThreadPoolExecutor(1, thread_name_prefix="polyrl-checks")
@@ -156,6 +167,15 @@ def _checks_beside_ray(cfg: RunConfig, startup: Any, checks: Any) -> tuple[Any, 
 
         ray.shutdown()
         raise
+
+
+def _joins_ray() -> bool:
+    """Whether the run joins a Ray it did not start: ``RAY_ADDRESS`` (a cluster, a sweep's
+    trial; ``local`` is a start of its own) or one already initialised in this process (a
+    test, a notebook)."""
+    ray = sys.modules.get("ray")
+    joins = os.environ.get("RAY_ADDRESS", "local") != "local"
+    return joins or (ray is not None and ray.is_initialized())
 
 
 def _components(
@@ -239,13 +259,18 @@ def train(
     debug: bool = False,
     overwrite: bool = False,
     resume_or_start: bool = False,
+    use_session: bool = True,
 ) -> dict:
     """``polyrl train``: parse, validate, write the operative config, run. ``debug``
     (``--debug``): Ray's distributed debugger in every role (docs/debugging.md).
     A run_dir that holds metrics or checkpoints needs ``resume`` (continue it) or
     ``overwrite`` (delete its outputs once the checks pass). ``resume`` refuses a run_dir
-    with no checkpoint; ``resume_or_start`` (``--resume-or-start``) starts it at step 0."""
+    with no checkpoint; ``resume_or_start`` (``--resume-or-start``) starts it at step 0.
+    ``use_session`` (off: ``--no-session``): attach to the warm session that is up and
+    fits the run (``polyrl.cluster.session``; never when the run joins a Ray it did not
+    start)."""
     from polyrl.checkpoints import check_resumable, resume_point, run_manifest
+    from polyrl.cluster import session
     from polyrl.cluster.ray_session import copy_worker_logs
     from polyrl.cluster.reliability import (
         check_free_space,
@@ -275,7 +300,9 @@ def train(
         check_resumable(start, run_manifest(checked, spec))
         return checked, spec
 
-    (cfg, spec), ray_started = _checks_beside_ray(cfg, startup, checks)
+    session_up = use_session and not _joins_ray() and session.exists()
+    (cfg, spec), ray_started = _checks_beside_ray(cfg, startup, checks, session_up)
+    warm = session.find(cfg, spec, startup) if session_up else None
     run_dir = Path(cfg.run_dir)
     if overwrite and (gone := clear_run_outputs(run_dir)):
         print(f"[polyrl] --overwrite: deleted {', '.join(gone)} in {run_dir}", flush=True)
@@ -283,18 +310,23 @@ def train(
     print(
         f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
     )
-    if ray_started:  # into the run dir, now that --overwrite has cleared it
-        copy_worker_logs(cfg.run_dir, cfg.debug)
+    if ray_started or warm:  # into the run dir, now that --overwrite has cleared it
+        copy_worker_logs(cfg.run_dir, cfg.debug, warm.job if warm else None)
     loop = LOOPS[spec.objective]
     from polyrl.observe.health import watch_pending
 
-    components = _components(cfg, spec, reward_rows, startup)
-    trainer = loop(cfg, spec, components)
-    pending = watch_pending(cfg.user_cpus)
     try:
-        return trainer.run(resume=resume, on_step=on_step)
+        with session.attached() if warm else contextlib.nullcontext():
+            components = _components(cfg, spec, reward_rows, startup)
+            components.session = warm
+            trainer = loop(cfg, spec, components)
+        pending = watch_pending(cfg.user_cpus)
+        try:
+            return trainer.run(resume=resume, on_step=on_step)
+        finally:
+            pending.set()
+            trainer.shutdown()
+            if components.debug is not None:
+                components.debug.close()
     finally:
-        pending.set()
-        trainer.shutdown()
-        if components.debug is not None:
-            components.debug.close()
+        session.release()  # (an attached run: the next may attach)

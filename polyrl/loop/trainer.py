@@ -93,6 +93,11 @@ class RLTrainer(Loop):
         self.syncer.ensure_group(self.actor.form_weight_group)  # "nccl": the broadcast group
         roles, sleeps = turn_roles(cfg, self.roles, self.placement.shares, self._gpu_memory)
         self.turns = Turns(roles, self.pool, sleeps, self.timer)
+        if getattr(components, "session", None) is not None:
+            # a warm session's servers hold the weights its last run left: this run's own
+            # initial weights, as a fresh run's servers load them (polyrl.cluster.session)
+            with self.startup.phase("attach"), self.turns.resident(self.actor):
+                self.sync_weights(version=0)
         if components.val_prompts is not None:
             from polyrl.loop.evaluation import Evaluator
 

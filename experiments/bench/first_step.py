@@ -1,8 +1,12 @@
-"""Benchmark: time to the first step, cold and warm (``RunConfig.cache_dir``).
+"""Benchmark: time to the first step, cold, warm (``RunConfig.cache_dir``) and attached to
+a warm session (docs/sessions.md).
 
 Runs ``polyrl train`` on ``--gin`` for ``--steps`` steps in a subprocess, once per entry
 of ``--runs`` (``cold``: the compile cache directory emptied first, and torch's default
-Inductor directory too; ``warm``: the directory as the run before left it), and
+Inductor directory too; ``warm``: the directory as the run before left it; both with
+``--no-session``; ``attached``: attached to a session that ``polyrl session start`` started
+on the same gin before the first run, timed, in a session directory of its own, and
+stopped at the end), and
 timestamps every line the run prints. For each run it reports the seconds from the
 command's start to the run's header line (``[polyrl] run ...``: parsing, validation), to
 each start-up line the run prints (``[start-up] ...``), and to the first progress
@@ -15,8 +19,10 @@ numbers go to stdout and ``--json``.
         --gin_param "polyrl.RunConfig.model_path = '/tmp/models/qwen2-0.5b-random'" \\
         --backend jax_pjit --runs cold,warm --json first_jax.json              # one GPU
 
-The goal (issue 32): warm <= 60 s to the first progress line on each backend, on the
-shipped GRPO experiment; cold is reported.
+    python experiments/bench/first_step.py --runs warm,attached,attached     # fresh vs attached
+
+The goals: warm <= 60 s to the first progress line on each backend, on the shipped GRPO
+experiment (issue 32; cold is reported); attached <= 5 s (issue 48).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -33,6 +40,7 @@ import time
 from pathlib import Path
 
 GOAL_WARM_S = 60.0
+GOAL_ATTACHED_S = 5.0
 PROGRESS = re.compile(r"\] step 1/\d+")
 # vLLM's own start-up timings, as its servers log them (under the run's logs/)
 VLLM_TIMES = re.compile(
@@ -48,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gin_param", action="append", default=[], help="extra gin binding")
     p.add_argument("--backend", choices=["torch_fsdp", "jax_pjit"], help="swap the backend")
     p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--runs", default="cold,warm", help="comma-separated: cold, warm")
+    p.add_argument("--runs", default="cold,warm", help="comma-separated: cold, warm, attached")
     p.add_argument("--cache-dir", help="RunConfig.cache_dir (default: a fresh temp dir)")
     p.add_argument("--timeout", type=float, default=540)
     p.add_argument("--log-dir", help="write each run's output here")
@@ -56,10 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def timed_lines(cmd: list[str], timeout: float) -> tuple[int, list[tuple[float, str]]]:
+def timed_lines(
+    cmd: list[str], timeout: float, env: dict | None = None
+) -> tuple[int, list[tuple[float, str]]]:
     """Run ``cmd``; every output line with its seconds since the start."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     lines = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -70,31 +82,41 @@ def timed_lines(cmd: list[str], timeout: float) -> tuple[int, list[tuple[float, 
     return proc.wait(), lines
 
 
-def one_run(args, kind: str, cache: Path, run_dir: Path) -> dict:
+def polyrl(args, command: list[str], cache: Path, *params: str) -> list[str]:
+    """``polyrl <command>`` on the benchmark's gin files and bindings (and ``params``)."""
+    gin_files = [args.gin] + ([f"gin/backends/{args.backend}.gin"] if args.backend else [])
+    cmd = [sys.executable, "-m", "polyrl.cli", *command]
+    for f in gin_files:
+        cmd += ["--gin_file", f]
+    for b in [*args.gin_param, f"polyrl.RunConfig.cache_dir = '{cache}'", *params]:
+        cmd += ["--gin_param", b]
+    return cmd
+
+
+def one_run(args, kind: str, cache: Path, run_dir: Path, env: dict) -> dict:
     if kind == "cold":
         shutil.rmtree(cache, ignore_errors=True)
         # torch's own default, used by anything that ignores TORCHINDUCTOR_CACHE_DIR
         shutil.rmtree(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}", True)
     shutil.rmtree(run_dir, ignore_errors=True)
-    gin_files = [args.gin] + ([f"gin/backends/{args.backend}.gin"] if args.backend else [])
-    cmd = [sys.executable, "-m", "polyrl.cli", "train"]
-    for f in gin_files:
-        cmd += ["--gin_file", f]
-    for b in [
-        *args.gin_param,
+    train = ["train"] if kind == "attached" else ["train", "--no-session"]
+    cmd = polyrl(
+        args,
+        train,
+        cache,
         f"polyrl.RunConfig.run_dir = '{run_dir}'",
         f"polyrl.RunConfig.total_steps = {args.steps}",
-        f"polyrl.RunConfig.cache_dir = '{cache}'",
-    ]:
-        cmd += ["--gin_param", b]
-    rc, lines = timed_lines(cmd, args.timeout)
+    )
+    rc, lines = timed_lines(cmd, args.timeout, env)
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         log = "\n".join(f"{t:8.2f}  {line}" for t, line in lines)
         (Path(args.log_dir) / f"first_step_{kind}.log").write_text(log)
     header = next((t for t, line in lines if line.startswith("[polyrl] run ")), None)
     first = next((t for t, line in lines if PROGRESS.search(line)), None)
-    starts = [(round(t, 2), line) for t, line in lines if line.startswith("[start-up]")]
+    starts = [
+        (round(t, 2), line) for t, line in lines if line.startswith(("[start-up]", "[session]"))
+    ]
     rows = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
@@ -115,6 +137,7 @@ def one_run(args, kind: str, cache: Path, run_dir: Path) -> dict:
         sys.stderr.write("\n".join(line for _, line in lines[-40:]) + "\n")
     return {
         "kind": kind,
+        "attached": any(line.startswith("[session] attached") for _, line in lines),
         "rc": rc,
         "to_header_s": header,
         "start_lines": starts,
@@ -126,9 +149,26 @@ def one_run(args, kind: str, cache: Path, run_dir: Path) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    kinds = args.runs.split(",")
+    session: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(args.cache_dir or Path(tmp) / "cache")
-        results = [one_run(args, k, cache, Path(tmp) / "run") for k in args.runs.split(",")]
+        env = {**os.environ, "POLYRL_SESSION_DIR": str(Path(tmp) / "session")}
+        try:
+            if "attached" in kinds:  # the session the attached runs attach to
+                rc, lines = timed_lines(
+                    polyrl(args, ["session", "start"], cache), args.timeout, env
+                )
+                session = {"rc": rc, "start_s": lines[-1][0] if lines else None}
+                session["lines"] = [line for _, line in lines]
+            results = [one_run(args, k, cache, Path(tmp) / "run", env) for k in kinds]
+        finally:
+            if "attached" in kinds:
+                subprocess.run([sys.executable, "-m", "polyrl.cli", "session", "stop"], env=env)
+    if session:
+        print(f"session start: {session['start_s']:.1f} s (rc {session['rc']})")
+        for line in session["lines"]:
+            print(f"         {line[:300]}")
     print(f"{'run':<6} {'header s':>9} {'first step s':>13}  step 1 (s)")
     for r in results:
         phases = ", ".join(
@@ -137,6 +177,8 @@ def main(argv=None) -> None:
             if v >= 0.5
         )
         first = r["to_first_step_s"]
+        if r["kind"] == "attached" and not r["attached"]:
+            print("         (did not attach: a run of its own)")
         print(
             f"{r['kind']:<6} {r['to_header_s'] or float('nan'):>9.1f} "
             f"{first or float('nan'):>13.1f}  {phases}"
@@ -149,8 +191,13 @@ def main(argv=None) -> None:
     if warm:
         verdict = "met" if max(warm) <= GOAL_WARM_S else "MISSED"
         print(f"warm first step <= {GOAL_WARM_S:g} s: {verdict} ({max(warm):.1f} s)")
+    attached = [r["to_first_step_s"] or float("inf") for r in results if r["kind"] == "attached"]
+    if attached:
+        verdict = "met" if max(attached) <= GOAL_ATTACHED_S else "MISSED"
+        print(f"attached first step <= {GOAL_ATTACHED_S:g} s: {verdict} ({max(attached):.1f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"gin": args.gin, "runs": results}, indent=1))
+        out = {"gin": args.gin, "session": session, "runs": results}
+        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ __all__ = [
     "Session",
     "session_dir",
     "fingerprint",
-    "exists",
-    "find",
+    "up",
+    "connect",
+    "attach",
     "release",
     "borrowed",
     "kept",
@@ -126,6 +127,8 @@ def fingerprint(cfg: Any, spec: Any) -> dict[str, Any]:
         "pools": dict(cfg.pools),
         "imports": list(cfg.imports),
         "cache_dir": cfg.cache_dir,
+        # --debug: the debugger is set up in the workers a run starts (never a session)
+        "debug": cfg.debug is not None and cfg.debug.enabled,
     }
     for name, role in build_roles(cfg, spec).items():
         where = {k: getattr(role, k) for k in ("pool", "num_workers", "hosts", "local_devices")}
@@ -224,36 +227,22 @@ def _say(line: str) -> None:
     print(f"[session] {line}", flush=True)
 
 
-def exists() -> bool:
-    """Whether the session directory holds a session's state (up, starting or gone)."""
-    return (session_dir() / STATE).exists()
-
-
-def find(cfg: Any, spec: Any, startup: Any) -> Session | None:
-    """The session ``polyrl train`` attaches to, connected (``ray.init`` of its Ray, the
-    start-up phase "attach"), and this run holding its attach lock; None where there is
-    none or it does not fit this run (said in one line: the run starts its own)."""
-    import ray
-
+def up() -> Session | None:
+    """The session ``polyrl train`` may attach to: up, answering, and now this run's (it
+    holds the attach lock); None where there is none, or it is gone or busy (said in one
+    line: the run starts its own)."""
+    global _lock
     where = session_dir()
-    s = Session.read(where)
-    if s is None:
-        _say(
-            f"{where} holds no running session (still starting, or failed): starting this run's own"
-        )
+    if not (where / STATE).exists():
         return None
-    why = s.gone()
+    s = Session.read(where)
+    why = "it holds no session that is up (still starting, or failed)" if s is None else s.gone()
     if why is not None:
         _say(
             f"the session in {where} is gone: {why}; starting this run's own Ray and workers "
             f"(clear it with polyrl session stop)"
         )
         return None
-    why = mismatch(s.fingerprint, fingerprint(cfg, spec))
-    if why is not None:
-        _say(f"not attaching to the session in {where}: {why}; starting this run's own")
-        return None
-    global _lock
     lock = (where / "attach.lock").open("a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -261,29 +250,42 @@ def find(cfg: Any, spec: Any, startup: Any) -> Session | None:
         lock.close()
         _say(f"the session in {where} is busy with another run: starting this run's own")
         return None
+    _lock = lock
+    return s
+
+
+def connect(s: Session, cfg: Any) -> None:
+    """Join the session's Ray (its namespace): ``polyrl train`` does it beside its checks."""
     from polyrl.cluster.ray_session import init_ray
 
-    with startup.phase("attach"):
-        if s.auth_mode:  # as the session's Ray does, or it refuses the connection
-            from ray._raylet import Config
+    if s.auth_mode:  # as the session's Ray does, or it refuses the connection
+        from ray._raylet import Config
 
-            os.environ["RAY_AUTH_MODE"] = s.auth_mode
-            Config.initialize("")
-        init_ray(
-            cfg.run_dir, None, cfg.imports, cfg.debug, cfg.cache_dir, False, s.address, NAMESPACE
-        )
-        why = s.dead_actor()
+        os.environ["RAY_AUTH_MODE"] = s.auth_mode
+        Config.initialize("")
+    init_ray(cfg.run_dir, None, cfg.imports, cfg.debug, cfg.cache_dir, False, s.address, NAMESPACE)
+
+
+def attach(s: Session, cfg: Any, spec: Any) -> Session | None:
+    """After the checks, connected: ``s`` if the run fits it and its workers answer; else
+    None, disconnected and the lock given back, with one line saying why."""
+    import ray
+
+    why = mismatch(s.fingerprint, fingerprint(cfg, spec))
     if why is not None:
-        ray.shutdown()
-        lock.close()
-        _say(
-            f"the session in {where} is broken: {why}; starting this run's own Ray and "
+        line = f"not attaching to the session in {s.dir}: {why}; starting this run's own"
+    elif (why := s.dead_actor()) is not None:
+        line = (
+            f"the session in {s.dir} is broken: {why}; starting this run's own Ray and "
             f"workers (end it with polyrl session stop)"
         )
-        return None
-    _lock = lock
-    _say(f"attached to the session in {where} (host pid {s.pid}, Ray {s.address})")
-    return s
+    else:
+        _say(f"attached to the session in {s.dir} (host pid {s.pid}, Ray {s.address})")
+        return s
+    ray.shutdown()
+    release()
+    _say(line)
+    return None
 
 
 def release() -> None:

@@ -140,32 +140,40 @@ def _init_ray(cfg: RunConfig, copy_logs: bool = True, namespace: str | None = No
 
 
 def _checks_beside_ray(
-    cfg: RunConfig, startup: Any, checks: Any, session_up: bool = False
+    cfg: RunConfig, startup: Any, checks: Any, warm: Any = None
 ) -> tuple[Any, bool]:
     """``checks()`` (every check before a worker starts) on a thread of their own while
     a local Ray starts on this one (after a ray.init on another thread, ray.shutdown took
     15 s instead of 1.3 s): on the idle 2-core machine, 2.7 s and 2.3-3.3 s one after the
     other, 3.6-4.6 s side by side (issue 48). No worker starts before both are done; a
     run the checks refuse leaves no Ray behind. Start-up phases:
-    "ray" (its start), then "checks" (what is left of them). Joining a cluster
-    (``RAY_ADDRESS``: after the checks, as before), a Ray already running or a warm
-    session to attach to (``session_up``): the checks alone. Returns their result and
+    "ray" (its start), then "checks" (what is left of them). With a warm session to
+    attach to (``warm``: ``polyrl.cluster.session.up``), this thread joins its Ray
+    instead (the phase "attach"). Joining a cluster (``RAY_ADDRESS``: after the checks,
+    as before) or a Ray already running: the checks alone. Returns their result and
     whether Ray was started here."""
-    if session_up or _joins_ray():
+    if _joins_ray():
         with startup.phase("checks"):
             return checks(), False
+    from polyrl.cluster import session
+
     pool = ThreadPoolExecutor(1, thread_name_prefix="polyrl-checks")
     checked = pool.submit(checks)
     pool.shutdown(wait=False)
     try:
-        with startup.phase("ray"):
-            _init_ray(cfg, copy_logs=False)
+        if warm is not None:
+            with startup.phase("attach"):
+                session.connect(warm, cfg)
+        else:
+            with startup.phase("ray"):
+                _init_ray(cfg, copy_logs=False)
         with startup.phase("checks"):  # what is left of them
-            return checked.result(), True
+            return checked.result(), warm is None
     except BaseException:
         import ray
 
         ray.shutdown()
+        session.release()
         raise
 
 
@@ -300,9 +308,11 @@ def train(
         check_resumable(start, run_manifest(checked, spec))
         return checked, spec
 
-    session_up = use_session and not _joins_ray() and session.exists()
-    (cfg, spec), ray_started = _checks_beside_ray(cfg, startup, checks, session_up)
-    warm = session.find(cfg, spec, startup) if session_up else None
+    warm = session.up() if use_session and not _joins_ray() else None
+    (cfg, spec), ray_started = _checks_beside_ray(cfg, startup, checks, warm)
+    if warm is not None:
+        with startup.phase("attach"):  # (one that does not fit disconnects: its own Ray)
+            warm = session.attach(warm, cfg, spec)
     run_dir = Path(cfg.run_dir)
     if overwrite and (gone := clear_run_outputs(run_dir)):
         print(f"[polyrl] --overwrite: deleted {', '.join(gone)} in {run_dir}", flush=True)

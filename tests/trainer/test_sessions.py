@@ -20,6 +20,7 @@ from polyrl.configure import session_host
 from polyrl.loop.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
+GIN = "gin/experiments/tiny_grpo.gin"  # the quick start's experiment
 # What differs between two runs of the same seed: wall-clock times (and the health flag
 # that reads them), the start-up phases.
 TIMED = ("time/", "startup/", "sync/seconds", "health/phase_slow")
@@ -42,8 +43,9 @@ def sessions(tmp_path, monkeypatch):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     commands = _quick_start()
 
-    def run(name: str, *params: str) -> subprocess.CompletedProcess:
-        line = commands[name] + "".join(f" --gin_param {shlex.quote(p)}" for p in params)
+    def run(name: str, *params: str, gin: str = GIN, flag: str = "") -> subprocess.CompletedProcess:
+        line = commands[name].replace(GIN, gin)  # (another experiment: the same command)
+        line += flag + "".join(f" --gin_param {shlex.quote(p)}" for p in params)
         return subprocess.run(
             line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
         )
@@ -131,3 +133,19 @@ def test_a_killed_session_is_named_and_the_run_starts_its_own(sessions, tmp_path
     assert not (tmp_path / "session" / "session.json").exists()
     left = [f"{p.pid} {p.name()}" for p in family if p.is_running() and p.status() != "zombie"]
     assert not left, f"the killed session's processes still run: {left}"
+
+
+@pytest.mark.slow  # a session start, an attached and a fresh run on JAX (~2.5 min)
+def test_jax_runs_attach_with_a_fresh_runs_metrics(sessions, tmp_path):
+    gin = "gin/experiments/tiny_grpo_jax.gin"
+    started = sessions("session start", gin=gin)
+    assert started.returncode == 0, started.stdout + started.stderr
+    attached = sessions("train", *_steps(tmp_path / "attached"), gin=gin)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert "[session] attached to the session" in attached.stdout
+    fresh = sessions("train", *_steps(tmp_path / "fresh"), gin=gin, flag=" --no-session")
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    assert "[session]" not in fresh.stdout
+    expected = _untimed(read_jsonl(tmp_path / "fresh" / "metrics.jsonl"))
+    assert [r["step"] for r in expected] == [1, 2]
+    assert _untimed(read_jsonl(tmp_path / "attached" / "metrics.jsonl")) == expected

@@ -254,8 +254,11 @@ def up() -> Session | None:
     return s
 
 
-def connect(s: Session, cfg: Any) -> None:
-    """Join the session's Ray (its namespace): ``polyrl train`` does it beside its checks."""
+def connect(s: Session, cfg: Any) -> Session | None:
+    """Join the session's Ray (its namespace): ``polyrl train`` does it beside its checks.
+    ``s``; None if its Ray refused (said in one line, the lock given back)."""
+    import ray
+
     from polyrl.cluster.ray_session import init_ray
 
     if s.auth_mode:  # as the session's Ray does, or it refuses the connection
@@ -263,7 +266,20 @@ def connect(s: Session, cfg: Any) -> None:
 
         os.environ["RAY_AUTH_MODE"] = s.auth_mode
         Config.initialize("")
-    init_ray(cfg.run_dir, None, cfg.imports, cfg.debug, cfg.cache_dir, False, s.address, NAMESPACE)
+    try:
+        init_ray(
+            cfg.run_dir, None, cfg.imports, cfg.debug, cfg.cache_dir, False, s.address, NAMESPACE
+        )
+    except Exception as e:
+        ray.shutdown()
+        release()
+        said = str(e).strip().splitlines()
+        _say(
+            f"could not join the Ray of the session in {s.dir} ({s.address}: "
+            f"{type(e).__name__}{': ' + said[0] if said else ''}); starting this run's own"
+        )
+        return None
+    return s
 
 
 def attach(s: Session, cfg: Any, spec: Any) -> Session | None:

@@ -141,7 +141,7 @@ def _init_ray(cfg: RunConfig, copy_logs: bool = True, namespace: str | None = No
 
 def _checks_beside_ray(
     cfg: RunConfig, startup: Any, checks: Any, warm: Any = None
-) -> tuple[Any, bool]:
+) -> tuple[Any, bool, Any]:
     """``checks()`` (every check before a worker starts) on a thread of their own while
     a local Ray starts on this one (after a ray.init on another thread, ray.shutdown took
     15 s instead of 1.3 s): on the idle 2-core machine, 2.7 s and 2.3-3.3 s one after the
@@ -149,12 +149,12 @@ def _checks_beside_ray(
     run the checks refuse leaves no Ray behind. Start-up phases:
     "ray" (its start), then "checks" (what is left of them). With a warm session to
     attach to (``warm``: ``polyrl.cluster.session.up``), this thread joins its Ray
-    instead (the phase "attach"). Joining a cluster (``RAY_ADDRESS``: after the checks,
-    as before) or a Ray already running: the checks alone. Returns their result and
-    whether Ray was started here."""
+    instead (the phase "attach"; its own Ray if that fails). Joining a cluster
+    (``RAY_ADDRESS``: after the checks, as before) or a Ray already running: the checks
+    alone. Returns their result, whether Ray was started here and the session joined."""
     if _joins_ray():
         with startup.phase("checks"):
-            return checks(), False
+            return checks(), False, None
     from polyrl.cluster import session
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="polyrl-checks")
@@ -163,12 +163,12 @@ def _checks_beside_ray(
     try:
         if warm is not None:
             with startup.phase("attach"):
-                session.connect(warm, cfg)
-        else:
+                warm = session.connect(warm, cfg)
+        if warm is None:
             with startup.phase("ray"):
                 _init_ray(cfg, copy_logs=False)
         with startup.phase("checks"):  # what is left of them
-            return checked.result(), warm is None
+            return checked.result(), warm is None, warm
     except BaseException:
         import ray
 
@@ -309,7 +309,7 @@ def train(
         return checked, spec
 
     warm = session.up() if use_session and not _joins_ray() else None
-    (cfg, spec), ray_started = _checks_beside_ray(cfg, startup, checks, warm)
+    (cfg, spec), ray_started, warm = _checks_beside_ray(cfg, startup, checks, warm)
     if warm is not None:
         with startup.phase("attach"):  # (one that does not fit disconnects: its own Ray)
             warm = session.attach(warm, cfg, spec)

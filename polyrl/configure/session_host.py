@@ -66,8 +66,6 @@ def _host(where: Path, gin_files: list[str], gin_params: list[str], imports: lis
     from polyrl.loop.trainer import LOOPS
 
     t0 = time.perf_counter()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     _write_state(where, {"pid": os.getpid()})  # starting: polyrl session stop can end it
     try:
         cfg, spec = _checked(where, gin_files, gin_params, imports)
@@ -78,6 +76,10 @@ def _host(where: Path, gin_files: list[str], gin_params: list[str], imports: lis
     except BaseException as e:
         _write_state(where, {"pid": os.getpid(), "error": f"{type(e).__name__}: {e}"})
         raise
+    # Up: SIGTERM ends the workers and Ray in order (while starting it ended the host at
+    # once, and the watchdog of polyrl.cluster.ray_session what the host had started).
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     actors = [actor_name(r, i) for r, i, _ in loop.role_workers() if kept(r)]
     _write_state(
         where,
@@ -121,15 +123,17 @@ def start(gin_files: Sequence[str], gin_params: Sequence[str], imports: Sequence
     host = subprocess.Popen(
         cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log
     )
+    print(f"[session] starting in {where}: host pid {host.pid} ({where / 'host.log'})", flush=True)
     while True:
         s = Session.read(where)
         if s is not None:
             return s
         if host.poll() is not None:
             tail = (where / "host.log").read_text().strip().splitlines()[-5:]
+            said = f"; {where / 'host.log'} ends with:\n  " + "\n  ".join(tail) if tail else ""
             raise RuntimeError(
                 f"the session's host ended (exit {host.returncode}) before its workers were "
-                f"up; {where / 'host.log'} ends with:\n  " + "\n  ".join(tail)
+                f"up{said}"
             )
         time.sleep(0.2)
 
@@ -139,6 +143,9 @@ def status() -> tuple[Session | None, str]:
     where = session_dir()
     s = Session.read(where)
     if s is None:
+        pid = _host_pid(where)
+        if pid is not None and host_process(pid) is not None:
+            return None, f"starting in {where}: host pid {pid} ({where / 'host.log'})"
         return None, f"no session in {where}"
     why = s.gone()
     fp = s.fingerprint

@@ -98,6 +98,7 @@ class RLTrainer(Loop):
             # initial weights, as a fresh run's servers load them (polyrl.cluster.session)
             with self.startup.phase("attach"), self.turns.resident(self.actor):
                 self.sync_weights(version=0)
+            self.pushed_full = False  # as a fresh run's: its first push is whole (with LoRA)
         if components.val_prompts is not None:
             from polyrl.loop.evaluation import Evaluator
 

@@ -135,9 +135,13 @@ def test_a_killed_session_is_named_and_the_run_starts_its_own(sessions, tmp_path
     assert not left, f"the killed session's processes still run: {left}"
 
 
-@pytest.mark.slow  # a session start, an attached and a fresh run on JAX (~2.5 min)
-def test_jax_runs_attach_with_a_fresh_runs_metrics(sessions, tmp_path):
-    gin = "gin/experiments/tiny_grpo_jax.gin"
+@pytest.mark.slow  # a session start, an attached and a fresh run (~2.5 min each)
+@pytest.mark.parametrize(
+    "gin", ["gin/experiments/tiny_grpo_jax.gin", "gin/experiments/tiny_grpo_lora.gin"]
+)
+def test_an_attached_run_has_a_fresh_runs_metrics(sessions, tmp_path, gin):
+    """On JAX; with LoRA (the attached run's first push after step 1 is whole, as a fresh
+    run's: it differed in sync/gb before)."""
     started = sessions("session start", gin=gin)
     assert started.returncode == 0, started.stdout + started.stderr
     attached = sessions("train", *_steps(tmp_path / "attached"), gin=gin)

@@ -115,6 +115,22 @@ class TrainEngine(Protocol):
         weights and optimizer state stay bit-identical, ``nonfinite_skipped`` is 1.
         """
 
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0
+    ) -> dict[str, Any]:
+        """Forward and backward on ``batch`` (this worker's shard) without an optimizer
+        step: the gradients add to those of earlier calls until :meth:`optim_step` (the
+        Tinker API's split of a step, ``polyrl.service``). Returns ``log_probs`` [B, R]
+        (numpy, the policy before the update; zero where ``response_mask`` is 0) and the
+        sums of the loss and ``loss_fn``'s metrics over every rank. Optional: an engine
+        without it cannot serve the Tinker API."""
+
+    def optim_step(self, optim: OptimConfig) -> dict[str, float]:
+        """One optimizer update from the gradients :meth:`forward_backward` accumulated,
+        with ``optim``'s hyper-parameters (``lr_at(step)``, betas, eps, weight decay,
+        ``grad_clip``) instead of the engine's own; clears the gradients. Returns
+        ``grad_norm`` (before clipping) and ``lr``. Optional, as :meth:`forward_backward`."""
+
     def warm_up(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> None:
         """Prepare what ``getattr(self, method)(batch, *args, **kwargs)`` will run
         (``method``: "forward" or "train_step"), so that call finds its programs compiled:

@@ -99,6 +99,7 @@ class JaxPjitEngine:
         self.compile_count = 0
         self.step = 0
         self.opt_state = None
+        self._pending: Any = None  # gradients forward_backward accumulated (optim_step)
         self._host: dict[str, Any] | None = None
         self._jits: dict[Any, Any] = {}
 
@@ -364,22 +365,27 @@ class JaxPjitEngine:
         )
 
     # ----------------------------------------------------------------- training
-    def _grad_step(self, loss_fn: LossFn, entropy: bool):
+    def _grad_step(self, loss_fn: LossFn, entropy: bool, keep: bool = False):
+        """One micro-batch's gradients added to ``grads``; with ``keep`` the program also
+        returns its ``log_probs`` (``forward_backward``)."""
+
         def step(frozen, params, grads, arrays, counts, temperature, key):
             def objective(p):
                 ctx = LossContext(
                     global_tokens=counts[0], global_seqs=counts[1], temperature=temperature
                 )
                 out = self._outputs(frozen, p, arrays, temperature, entropy, key=key)
-                return loss_fn(out, arrays, ctx)
+                loss, metrics = loss_fn(out, arrays, ctx)
+                return loss, (metrics, out["log_probs"] if keep else None)
 
-            (loss, metrics), g = jax.value_and_grad(objective, has_aux=True)(params)
+            (loss, (metrics, log_probs)), g = jax.value_and_grad(objective, has_aux=True)(params)
             grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-            return grads, loss, metrics
+            return (grads, loss, metrics, log_probs) if keep else (grads, loss, metrics)
 
         ps = self.param_shardings
+        outs = (ps, self._rep, self._rep) + ((self._rows,) if keep else ())
         return self._jit(
-            ("grad_step", loss_fn, entropy),
+            ("grad_step", loss_fn, entropy, keep),
             step,
             in_shardings=(
                 self.frozen_shardings,
@@ -390,18 +396,22 @@ class JaxPjitEngine:
                 self._rep,
                 self._rep,
             ),
-            out_shardings=(ps, self._rep, self._rep),
+            out_shardings=outs,
             donate_argnums=(2,),
         )
 
-    def _apply_step(self):
-        clip = self.optim.grad_clip
+    def _apply_step(self, optim: OptimConfig | None = None):
+        """The jitted update with ``optim``'s hyper-parameters (default: the engine's own):
+        another AdamW's betas, eps or weight decay act on the same optimizer state."""
+        optim = optim or self.optim
+        clip = optim.grad_clip
+        tx = self.tx if optim == self.optim else adamw(optim)
 
         def update(params, opt_state, grads, norm, lr):
             if clip is not None:
                 coef = jnp.minimum(1.0, clip / (norm + TORCH_CLIP_EPS))
                 grads = jax.tree.map(lambda g: g * coef, grads)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
+            updates, opt_state = tx.update(grads, opt_state, params)
             return jax.tree.map(
                 lambda p, u: (p + lr * u).astype(p.dtype), params, updates
             ), opt_state
@@ -424,7 +434,7 @@ class JaxPjitEngine:
 
         ps, os_ = self.param_shardings, self._opt_shardings
         return self._jit(
-            "apply_step",
+            ("apply_step", optim.betas, optim.eps, optim.weight_decay, clip),
             apply,
             in_shardings=(ps, os_, ps, self._rep, self._rep),
             out_shardings=(ps, os_, self._rep, self._rep),
@@ -491,20 +501,67 @@ class JaxPjitEngine:
             grads = {**grads, first: grads[first] * jnp.nan}
         return grads, loss + float("nan") if nan_loss else loss
 
-    def train_step(
-        self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
-    ) -> dict[str, float]:
+    def _check_trainable(self, what: str) -> None:
         if self.tx is None:
             raise RuntimeError(
-                f"train_step on the frozen {self.model_cfg.role!r} role: it was built with "
+                f"{what} on the frozen {self.model_cfg.role!r} role: it was built with "
                 "optim=None and has no optimizer; train an 'actor' or 'critic' instead"
             )
         self._check_loaded()
-        check_temperature(temperature)
-        batch = _mask_pad_rows(batch)
+
+    @staticmethod
+    def _counts(batch: Batch) -> np.ndarray:
+        """[valid tokens, sequences with one] over every host's rows."""
         mask = batch["response_mask"]
         counts = np.array([mask.sum(), (mask.sum(axis=1) > 0).sum()], np.float32)
-        counts = distributed.agree(counts, "sum")  # every host's rows count in the step
+        return distributed.agree(counts, "sum")
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0
+    ) -> dict[str, Any]:
+        """Gradients of ``loss_fn`` on ``batch`` added to those pending since the last
+        :meth:`optim_step` (see ``TrainEngine``): ``log_probs`` [B, R] and the loss's and
+        metrics' sums."""
+        self._check_trainable("forward_backward")
+        check_temperature(temperature)
+        counts = jax.device_put(self._counts(batch), self._rep)
+        step = self._grad_step(loss_fn, entropy=False, keep=True)
+        grads = self._pending if self._pending is not None else self._zero_grads()(self.params)
+        parts, sums, temp = [], [], jnp.float32(temperature)
+        for i, (idx, chunk) in enumerate(self._micro_batches(batch)):
+            grads, loss, metrics, log_probs = step(
+                self.frozen, self.params, grads, chunk, counts, temp, self._dropout_key(i)
+            )
+            parts.append((idx, {"log_probs": distributed.local_rows(log_probs)}))
+            sums.append((loss, metrics))
+        self._pending = grads
+        sums = jax.device_get(sums)
+        out: dict[str, Any] = {"loss": float(sum(np.float64(lo) for lo, _ in sums))}
+        for name in sums[0][1]:
+            out[name] = float(sum(np.float64(m[name]) for _, m in sums))
+        scattered = micro_batch.scatter(parts, *batch["responses"].shape)
+        return {"log_probs": scattered["log_probs"], **out}
+
+    def optim_step(self, optim: OptimConfig) -> dict[str, float]:
+        """One AdamW update from the gradients :meth:`forward_backward` accumulated, with
+        ``optim``'s hyper-parameters; the pending gradients are cleared."""
+        self._check_trainable("optim_step")
+        grads = self._pending if self._pending is not None else self._zero_grads()(self.params)
+        self._pending = None
+        lr = optim.lr_at(self.step)
+        self.params, self.opt_state, norm, _ = self._apply_step(optim)(
+            self.params, self.opt_state, grads, jnp.float32(lr), jnp.bool_(True)
+        )
+        self.step += 1
+        return {"grad_norm": float(norm), "lr": lr}
+
+    def train_step(
+        self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0, entropy: bool = False
+    ) -> dict[str, float]:
+        self._check_trainable("train_step")
+        check_temperature(temperature)
+        batch = _mask_pad_rows(batch)
+        counts = self._counts(batch)
         if counts[0] == 0:
             raise ValueError("train_step: response_mask sums to 0 (no response token to train on)")
         chunks = [chunk for _, chunk in self._micro_batches(batch)]

@@ -134,6 +134,14 @@ class TorchFSDPEngine:
                 f"TorchFSDPEngine.{what}: the {self.cfg.role} engine is offloaded; call reload() first"
             )
 
+    def _check_trainable(self, what: str) -> None:
+        self._check_usable(what)
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"TorchFSDPEngine.{what}: role {self.cfg.role!r} is frozen (no optimizer); "
+                "only 'actor' and 'critic' engines train"
+            )
+
     def _check_batch(self, batch: Batch, who: str) -> None:
         batch.require(*MODEL_COLUMNS, who=who)
         # Every rank must run the same number of micro-batches (each is a collective).
@@ -243,12 +251,7 @@ class TorchFSDPEngine:
         contract requires) contribute nothing. A non-finite loss or gradient norm skips
         the update on every rank (see :meth:`_apply_update`); ``nonfinite_skipped`` is 1.
         """
-        self._check_usable("train_step")
-        if self.optimizer is None:
-            raise RuntimeError(
-                f"TorchFSDPEngine.train_step: role {self.cfg.role!r} is frozen (no optimizer); "
-                "only 'actor' and 'critic' engines train"
-            )
+        self._check_trainable("train_step")
         self._check_batch(batch, who="TorchFSDPEngine.train_step")
         mask = batch["response_mask"].astype(np.float32)
         if "is_pad" in batch:
@@ -262,22 +265,56 @@ class TorchFSDPEngine:
         return self._apply_update(self._gradients(batch, loss_fn, ctx, entropy), ctx)
 
     def _gradients(
-        self, batch: Batch, loss_fn: LossFn, ctx: LossContext, entropy: bool
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        ctx: LossContext,
+        entropy: bool,
+        parts: list | None = None,
     ) -> dict[str, torch.Tensor]:
         """Forward and backward over ``batch``'s micro-batches, gradients accumulated in
-        the parameters' ``grad``; the sums of the loss and its metrics."""
+        the parameters' ``grad``; the sums of the loss and its metrics. ``parts``: also
+        collect each micro-batch's ``(row indices, {"log_probs": numpy})`` into it."""
         self.model.train()
         sums: dict[str, torch.Tensor] = {}
         with lora.seeded_dropout(self.cfg.lora, self.step, self.env.rank, self.env.device):
-            for _, mb in self._micro_batches(self._group_rows(batch)):
+            for idx, mb in self._micro_batches(self._group_rows(batch)):
                 inputs = self._to_device(mb)
                 outputs = self._outputs(inputs, ctx.temperature, entropy)
                 loss, metrics = loss_fn(outputs, inputs, ctx)
                 loss.backward()
+                if parts is not None:
+                    log_probs = outputs["log_probs"].detach().float().cpu().numpy()
+                    parts.append((idx, {"log_probs": log_probs}))
                 for key, value in {"loss": loss, **metrics}.items():
                     value = torch.as_tensor(value, dtype=torch.float64).detach()
                     sums[key] = sums.get(key, 0) + value.to(self.env.device)
         return sums
+
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn, *, temperature: float = 1.0
+    ) -> dict[str, object]:
+        """Gradients of ``loss_fn`` on ``batch`` added to the parameters' ``grad``, no
+        optimizer step (see ``TrainEngine``): ``log_probs`` [B, R] (numpy) and the loss's
+        and metrics' sums over every rank."""
+        self._check_trainable("forward_backward")
+        self._check_batch(batch, who="TorchFSDPEngine.forward_backward")
+        mask = batch["response_mask"].astype(np.float32)
+        ctx = self._loss_context(mask, temperature)
+        rows = self._group_rows(batch)
+        parts: list = []
+        sums = self._gradients(batch, loss_fn, ctx, entropy=False, parts=parts)
+        log_probs = micro_batch.scatter(parts, *rows["responses"].shape)["log_probs"]
+        if self.tp_mesh is not None:
+            log_probs = log_probs[tensor_parallel.own_rows(self.tp_mesh, len(batch))]
+        return {"log_probs": log_probs, **self._totals(sums)}
+
+    def optim_step(self, optim: OptimConfig) -> dict[str, float]:
+        """One AdamW update from the gradients :meth:`forward_backward` accumulated, with
+        ``optim``'s hyper-parameters (its ``lr_at`` this update's rate, ``grad_clip``)."""
+        self._check_trainable("optim_step")
+        grad_norm, lr, _ = self._update(optim, loss_finite=True)
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def warm_up(self, method: str, batch: Batch, *args, **kwargs) -> None:
         """``torch.compile`` traces each compiled region on its first call and its graphs
@@ -333,39 +370,52 @@ class TorchFSDPEngine:
         update is skipped on every rank (both numbers are global, so all ranks agree),
         leaving weights and optimizer state untouched; the step counter still advances."""
         self._inject_faults(sums)
-        if self.tp_mesh is not None and self.tp_mesh.get_local_rank() != 0:
-            # The group computed one loss over its rows: count it once, from group rank 0.
-            sums = {k: torch.zeros_like(v) for k, v in sums.items()}
-        keys = sorted(sums)
-        totals = dict(
-            zip(keys, sharding.all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist())
-        )
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = sharding.clip_grad_norm(params, self.optim_cfg.grad_clip)
-        lr = self.optim_cfg.lr_at(self.step)
-        finite = bool(torch.isfinite(grad_norm)) and np.isfinite(totals["loss"])
-        if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-        else:
-            log.warning(
-                "%s update %d: non-finite loss %s or grad norm %s, update skipped",
-                self.cfg.role,
-                self.step,
-                totals["loss"],
-                grad_norm,
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        totals = self._totals(sums)
+        grad_norm, lr, finite = self._update(self.optim_cfg, np.isfinite(totals["loss"]))
         return {
             **totals,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "global_tokens": ctx.global_tokens,
             "global_seqs": ctx.global_seqs,
             "nonfinite_skipped": float(not finite),
         }
+
+    def _totals(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The micro-batches' loss and metric sums, summed over every rank."""
+        if self.tp_mesh is not None and self.tp_mesh.get_local_rank() != 0:
+            # The group computed one loss over its rows: count it once, from group rank 0.
+            sums = {k: torch.zeros_like(v) for k, v in sums.items()}
+        keys = sorted(sums)
+        return dict(
+            zip(keys, sharding.all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist())
+        )
+
+    def _update(self, optim: OptimConfig, loss_finite: bool) -> tuple[float, float, bool]:
+        """Clip the accumulated gradients and step AdamW with ``optim``'s hyper-parameters,
+        unless the loss or the gradient norm is not finite (both global: every rank
+        agrees); the gradients are cleared and the step counter advances either way.
+        Returns (grad norm before clipping, learning rate, whether it stepped)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = sharding.clip_grad_norm(params, optim.grad_clip)
+        lr = optim.lr_at(self.step)
+        finite = bool(torch.isfinite(grad_norm)) and bool(loss_finite)
+        if finite:
+            for group in self.optimizer.param_groups:
+                group.update(
+                    lr=lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+                )
+            self.optimizer.step()
+        else:
+            log.warning(
+                "%s update %d: non-finite loss or grad norm %s, update skipped",
+                self.cfg.role,
+                self.step,
+                grad_norm,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(grad_norm), lr, finite
 
     # --------------------------------------------------------------- weights
     @property

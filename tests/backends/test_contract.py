@@ -178,6 +178,50 @@ def test_padding_rows_and_all_padding_batches(backend, tiny_model_dir):
     assert same(weights(plain), before)
 
 
+def flat(named: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([w.ravel() for w in named.values()])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_backward_then_optim_step_is_a_train_step(backend, tiny_model_dir):
+    """The Tinker API's split step (polyrl.service): forward_backward returns forward's
+    log-probs and, with optim_step under the same OptimConfig after it, updates the
+    weights as one train_step does. With a summed loss (algos/tinker_losses.py) two
+    forward_backward calls on the halves of a batch add up to one on the whole, and
+    optim_step takes the hyper-parameters it is given: a learning rate of 0 changes
+    nothing."""
+    from polyrl.algos.tinker_losses import TinkerLoss
+
+    batch = rl_batch()
+    whole, split = engine(backend, tiny_model_dir), engine(backend, tiny_model_dir)
+    before = split.forward(batch)["log_probs"]
+    out = split.forward_backward(batch, ACTOR_LOSS)
+    np.testing.assert_allclose(out["log_probs"], before, atol=2e-5)
+    want = whole.train_step(batch, ACTOR_LOSS)
+    assert out["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    assert split.optim_step(OPTIM)["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+    np.testing.assert_allclose(flat(weights(split)), flat(weights(whole)), atol=1e-6)
+
+    summed = batch.with_columns({"weights": batch["response_mask"] * 0.5})
+    ce = TinkerLoss("cross_entropy")
+    other = OptimConfig(lr=1e-2, betas=(0.8, 0.95), eps=1e-4, weight_decay=0.1, grad_clip=None)
+    halves, once, still = (engine(backend, tiny_model_dir) for _ in range(3))
+    initial = weights(still)
+    losses = [halves.forward_backward(summed.take(r), ce)["loss"] for r in ([0, 1, 2], [3, 4, 5])]
+    got = once.forward_backward(summed, ce)
+    # the loss is -sum(log_probs * weights), by hand from forward's log-probs
+    assert got["loss"] == pytest.approx(-(before * summed["weights"]).sum(), rel=1e-5)
+    assert sum(losses) == pytest.approx(got["loss"], rel=1e-5)
+    a, b = halves.optim_step(other), once.optim_step(other)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4) and b["lr"] == 1e-2
+    # atol: lr x Adam's first step on summation-order noise (eps=1e-4, as OPTIM's)
+    np.testing.assert_allclose(flat(weights(halves)), flat(weights(once)), atol=1e-5)
+    assert not np.allclose(flat(weights(once)), flat(initial), atol=1e-4)
+    still.forward_backward(summed, ce)
+    still.optim_step(OptimConfig(lr=0.0))
+    np.testing.assert_array_equal(flat(weights(still)), flat(initial))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_value_heads(backend, tiny_model_dir):
     batch = rl_batch()

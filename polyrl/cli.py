@@ -1,7 +1,7 @@
 """The ``polyrl`` command.
 
 Subcommands: train, session, sweep, validate-config, validate-dataset, doctor, report, export,
-make-tiny.
+make-tiny, serve-tinker.
 Each handler returns a process exit code; user errors print one clear line (no stack
 trace) and exit non-zero.
 """
@@ -439,6 +439,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_tinker(args: argparse.Namespace) -> int:
+    from polyrl.configure.validate import ConfigError
+    from polyrl.service import DEFAULT_GIN, serve
+
+    try:
+        serve(args.gin_file or [DEFAULT_GIN], args.gin_param, args.host, args.port)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"polyrl serve-tinker: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polyrl", description="RL post-training of LLMs on a torch or JAX backend."
@@ -586,6 +598,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="write the rows that pass every check here (.jsonl/.parquet)")
     p.set_defaults(func=cmd_validate_dataset)
+
+    p = sub.add_parser(
+        "serve-tinker",
+        help="serve the Tinker API (the `tinker` client's training and sampling) on a "
+        "gin-configured model and backend (docs/tinker.md)",
+    )
+    gin_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.set_defaults(func=cmd_serve_tinker)
 
     p = sub.add_parser("doctor", help="versions, devices, and whether vLLM can start")
     p.add_argument("--skip-vllm", action="store_true", help="do not start vLLM")

@@ -11,9 +11,9 @@ bindings do not reach other processes.
 
 An EngineGroup is a ``polyrl.cluster.groups.WorkerGroup``: creation, placement, dispatch,
 dead-worker reports live there. Each EngineWorker method declares its dispatch:
-``forward`` and ``train_step`` split a Batch into one equal shard per worker (forward
-outputs concatenated in order; train_step metrics are already all-reduced by the
-engines, so worker 0's are returned); the rest run on every worker.
+``forward``, ``train_step`` and ``forward_backward`` split a Batch into one equal shard
+per worker (forward outputs concatenated in order; train_step metrics are already
+all-reduced by the engines, so worker 0's are returned); the rest run on every worker.
 """
 
 from __future__ import annotations
@@ -118,6 +118,16 @@ class EngineWorker(Traced):
     def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
         self._fault("kill_worker", self.engine.step)
         return self.engine.train_step(batch, loss_fn, **kwargs)
+
+    @register(Dispatch.SPLIT, Collect.ALL)
+    def forward_backward(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, Any]:
+        """``TrainEngine.forward_backward`` on this worker's shard (no optimizer step)."""
+        return self.engine.forward_backward(batch, loss_fn, **kwargs)
+
+    @register(Dispatch.ALL, Collect.FIRST)
+    def optim_step(self, optim: OptimConfig) -> dict[str, float]:
+        """``TrainEngine.optim_step`` with ``optim``'s hyper-parameters."""
+        return self.engine.optim_step(optim)
 
     def _fault(self, point: str, at: int) -> None:
         """Test-only (``polyrl.faults``): die if ``point`` is asked for this role (every
@@ -291,6 +301,20 @@ class EngineGroup(WorkerGroup):
 
     def train_step(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, float]:
         return self.call("train_step", batch, loss_fn, **kwargs)
+
+    def forward_backward(self, batch: Batch, loss_fn: Any, **kwargs: Any) -> dict[str, Any]:
+        """Gradients of ``loss_fn`` on ``batch`` (one equal shard per worker: pad it to a
+        multiple of the workers with rows whose ``response_mask`` is 0) added to those
+        pending since the last :meth:`optim_step`: ``log_probs`` [B, R] in input order and
+        the loss's and metrics' sums (already over every rank: worker 0's)."""
+        parts = self.call("forward_backward", batch, loss_fn, **kwargs)
+        log_probs = np.concatenate([p["log_probs"] for p in parts])
+        return {**parts[0], "log_probs": log_probs}
+
+    def optim_step(self, optim: OptimConfig) -> dict[str, float]:
+        """One optimizer update of every worker from the pending gradients, with
+        ``optim``'s hyper-parameters: ``grad_norm`` and ``lr``."""
+        return self.call("optim_step", optim)
 
     def gpu_memory(self) -> list[dict[str, Any] | None]:
         """Each worker's ``EngineWorker.gpu_memory``."""

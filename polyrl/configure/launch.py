@@ -34,7 +34,7 @@ from polyrl.config import (
     SweepConfig,
 )
 
-__all__ = ["parse_config", "prepare", "train", "find_gin", "GIN_ROOT"]
+__all__ = ["parse_config", "prepare", "train", "find_gin", "init_run_ray", "GIN_ROOT"]
 
 GIN_ROOT = Path(__file__).resolve().parents[2] / "gin"
 
@@ -120,7 +120,7 @@ def prepare(cfg: RunConfig, reward_rows: dict | None = None) -> tuple[RunConfig,
     return cfg, spec
 
 
-def _init_ray(cfg: RunConfig, copy_logs: bool = True, namespace: str | None = None) -> None:
+def init_run_ray(cfg: RunConfig, copy_logs: bool = True, namespace: str | None = None) -> None:
     """The run's Ray (``polyrl.cluster.ray_session.init_ray``): a local start gets the
     pools' CPUs plus RunConfig.user_cpus for the user's own tasks. ``namespace``: Ray's
     (a warm session's host: ``polyrl.cluster.session``)."""
@@ -166,7 +166,7 @@ def _checks_beside_ray(
                 warm = session.connect(warm, cfg)
         if warm is None:
             with startup.phase("ray"):
-                _init_ray(cfg, copy_logs=False)
+                init_run_ray(cfg, copy_logs=False)
         with startup.phase("checks"):  # what is left of them
             return checked.result(), warm is None, warm
     except BaseException:
@@ -222,7 +222,7 @@ def _components(
     val_prompts = validation_prompts(cfg, tokenizer, source, **kw) if spec.evaluates else None
     if not ray.is_initialized():
         with startup.phase("ray"):
-            _init_ray(cfg)
+            init_run_ray(cfg)
     # Each reward on a few rows, before any worker starts (here: a reward may use Ray).
     raise_if_problems(reward_problems(reward_rows or {}, cfg.reward_timeout_s))
     debug = DebugSession.start(cfg.debug)

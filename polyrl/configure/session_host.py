@@ -61,7 +61,7 @@ def _host(where: Path, gin_files: list[str], gin_params: list[str], imports: lis
     """The session's host process: build the loop with named workers, record them, wait."""
     import ray
 
-    from polyrl.configure.launch import _components, _init_ray
+    from polyrl.configure.launch import _components, init_run_ray
     from polyrl.loop.metrics import StartupLog
     from polyrl.loop.trainer import LOOPS
 
@@ -69,7 +69,7 @@ def _host(where: Path, gin_files: list[str], gin_params: list[str], imports: lis
     _write_state(where, {"pid": os.getpid()})  # starting: polyrl session stop can end it
     try:
         cfg, spec = _checked(where, gin_files, gin_params, imports)
-        _init_ray(cfg, namespace=NAMESPACE)
+        init_run_ray(cfg, namespace=NAMESPACE)
         with serving():
             components = _components(cfg, spec, startup=StartupLog())
             loop = LOOPS[spec.objective](cfg, spec, components)

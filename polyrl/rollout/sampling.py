@@ -66,6 +66,9 @@ class SamplingSpec:
     detokenize: also return each response's text (meta ``response_text``), decoded once
       per response by the server (``skip_special_tokens``), not token by token inside
       vLLM's engine loop (a response cut inside a multi-byte character ends in U+FFFD).
+    prompt_logprobs: also return each prompt token's log-prob given the tokens before it
+      (``RolloutServer.generate``'s ``prompt_log_probs``; the Tinker API's
+      ``compute_logprobs``, ``polyrl.service``).
     """
 
     n: int = 1
@@ -77,6 +80,7 @@ class SamplingSpec:
     seed: int | None = 0
     ignore_eos: bool = False
     detokenize: bool = True
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -113,6 +117,7 @@ class SamplingSpec:
             detokenize=False,
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,  # flat lists, not a dict and a Logprob object per token
+            prompt_logprobs=0 if self.prompt_logprobs else None,  # the prompt's own tokens
             skip_special_tokens=True,
             # Each request gets SamplingParams of its own (server.vllm_requests): vLLM's
             # defensive deep copy of them per request is waste (with 151k allowed ids it

@@ -177,6 +177,15 @@ def sampled_log_probs(logprobs: Any, token_ids: np.ndarray) -> np.ndarray:
     return values
 
 
+def prompt_log_probs(logprobs: Any) -> np.ndarray:
+    """float32 [prompt length]: each prompt token's log-prob given the ones before it from
+    vLLM's flat prompt log-probs (``prompt_logprobs=0``: each position's entries start
+    with the prompt's own token); NaN for the first token, which nothing predicts."""
+    values = np.asarray(logprobs.logprobs, dtype=np.float32)
+    first = np.asarray(logprobs.start_indices[1:], dtype=np.int64)
+    return np.concatenate([np.full(1, np.nan, np.float32), values[first]])
+
+
 def vllm_requests(
     requests: Sequence[tuple], spec: SamplingSpec, mask: dict[str, Any]
 ) -> tuple[list[dict[str, list[int]]], list[Any]]:
@@ -303,7 +312,8 @@ class RolloutServer(Traced):
         "length" | "abort" | ...), ``text`` (None unless ``spec.detokenize``),
         ``version``, ``token_versions`` (int32 [len], each token's weight version, with
         ``RolloutConfig.continue_in_place``; else None), ``cached_tokens`` (prompt tokens
-        the prefix cache held).
+        the prefix cache held), ``prompt_log_probs`` (float32 [prompt length], NaN first,
+        with ``spec.prompt_logprobs``; else None).
         Arrays, not lists: Ray sends them as buffers, and the pool copies them into its
         padded batch row by row without converting a Python int per token.
         """
@@ -378,6 +388,9 @@ class RolloutServer(Traced):
                     "version": int(versions.min()) if tracked else self.version,
                     "token_versions": versions,
                     "cached_tokens": int(out.num_cached_tokens or 0),
+                    "prompt_log_probs": (
+                        prompt_log_probs(out.prompt_logprobs) if spec.prompt_logprobs else None
+                    ),
                 }
             )
         return results

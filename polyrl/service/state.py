@@ -1,0 +1,452 @@
+"""What the Tinker-compatible service holds and does: training models (each an actor
+:class:`polyrl.cluster.workers.EngineGroup`, LoRA adapters on the served model), sampling
+sessions (weights pushed into the run's :class:`polyrl.rollout.RolloutPool`), and the
+futures a client polls.
+
+Every training request of one model runs in its own single thread, in arrival order (the
+``tinker`` client sends a model's requests one after the other, in seq order); samples of
+all sessions go through one dispatcher that takes whatever has queued up, groups it by
+weights and sampling settings and sends each group to the pool in one call. A sampling
+session names its weights (the base model, a snapshot exported from a training model, or
+a directory saved for sampling); the pool holds one set at a time, so a group of another
+session's samples first pushes that session's weights (``RolloutPool.update_weights``).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyrl.algos.tinker_losses import tinker_loss
+from polyrl.config import LoraConfig, OptimConfig
+from polyrl.service.wire import (
+    RequestError,
+    decode_forward_backward,
+    forward_backward_output,
+    sample_response,
+)
+
+__all__ = ["TinkerService"]
+
+log = logging.getLogger(__name__)
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_ALPHA = 32.0  # Tinker's adapters' alpha, whatever the rank
+KEEP_FUTURES = 10_000  # finished futures kept for clients that poll again
+SCHEME = "tinker://"
+
+
+class Futures:
+    """Request id -> ``concurrent.futures.Future`` whose result is the response: a dict
+    (JSON) or bytes (protobuf). The newest ``KEEP_FUTURES`` are kept."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._all: collections.OrderedDict[str, cf.Future] = collections.OrderedDict()
+        self._ids = itertools.count()
+
+    def add(self, future: cf.Future) -> str:
+        with self._lock:
+            rid = f"req-{next(self._ids)}"
+            self._all[rid] = future
+            while len(self._all) > KEEP_FUTURES:
+                self._all.popitem(last=False)
+        return rid
+
+    def get(self, rid: str) -> cf.Future | None:
+        with self._lock:
+            return self._all.get(rid)
+
+
+@dataclasses.dataclass
+class TrainingModel:
+    model_id: str
+    lora: LoraConfig
+    executor: cf.ThreadPoolExecutor
+    group: Any = None  # the EngineGroup, once created
+    saves: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """A sampling session: ``key`` names the weights it samples (what the pool must hold),
+    ``buckets`` gives them for a push."""
+
+    sampler_id: str
+    model_path: str | None
+    key: str
+    buckets: Callable[[], list]
+
+
+def _dir_buckets(path: Path) -> Callable[[], list]:
+    """An HF directory's safetensors as weight buckets (one per file)."""
+
+    def load() -> list:
+        from safetensors.torch import load_file
+
+        return [list(load_file(str(f)).items()) for f in sorted(path.glob("*.safetensors"))]
+
+    return load
+
+
+class TinkerService:
+    """The service's state. ``actor``: the run's actor RoleSpec (``polyrl.cluster.roles``),
+    the template of every training model; ``pool``: the started RolloutPool; ``state_dir``:
+    where saved states and sampler weights go; ``name``: the served model's name."""
+
+    def __init__(self, actor: Any, pool: Any, state_dir: Path, name: str, max_model_len: int):
+        self.actor, self.pool, self.name = actor, pool, name
+        self.state_dir = Path(state_dir)
+        self.model_path = Path(actor.model.path)
+        self.max_model_len = max_model_len
+        self.futures = Futures()
+        self._lock = threading.Lock()
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.sessions: set[str] = set()
+        self.loaded = str(self.model_path)  # the weights the pool holds (a Sampler.key)
+        self.pad_id = 0
+        self._samples: queue.Queue = queue.Queue()
+        self._dispatcher = threading.Thread(target=self._sample_loop, daemon=True)
+        self._dispatcher.start()
+
+    # ------------------------------------------------------------------ helpers
+    def _future(self, fn: Callable[[], Any], executor: cf.Executor) -> str:
+        return self.futures.add(executor.submit(fn))
+
+    def model(self, model_id: str) -> TrainingModel:
+        with self._lock:
+            found = self.models.get(model_id)
+        if found is None:
+            raise RequestError(
+                f"model_id={model_id!r} names no training model of this service "
+                "(create_lora_training_client first)"
+            )
+        return found
+
+    def check_base_model(self, base_model: str | None) -> None:
+        if base_model not in (self.name, str(self.model_path), None):
+            raise RequestError(
+                f"base_model={base_model!r} is not served here; this service serves "
+                f"{self.name!r} ({self.model_path})"
+            )
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "supported_models": [
+                {
+                    "model_name": self.name,
+                    "max_context_length": self.max_model_len,
+                    "trainable": True,
+                    "sampleable": True,
+                }
+            ]
+        }
+
+    def create_session(self) -> str:
+        session = f"session-{uuid.uuid4().hex[:12]}"
+        with self._lock:
+            self.sessions.add(session)
+        return session
+
+    # ------------------------------------------------------------ training models
+    def create_model(self, session_id: str, seq_id: int, base_model: str, lora: Any) -> str:
+        """Start a training model (a future: its workers take seconds to start)."""
+        self.check_base_model(base_model)
+        if lora is None:
+            raise RequestError("lora_config is missing; this service trains LoRA adapters")
+        targets = (ATTN if lora.train_attn else ()) + (MLP if lora.train_mlp else ())
+        if not targets:
+            raise RequestError(
+                "lora_config: train_attn and train_mlp are both False; adapters go on the "
+                "attention and/or MLP projections here (the unembedding gets none)"
+            )
+        if lora.rank < 1:
+            raise RequestError(f"lora_config.rank={lora.rank} must be >= 1")
+        model_id = f"{session_id}:train:{seq_id}"
+        config = LoraConfig(rank=lora.rank, alpha=LORA_ALPHA, target_modules=targets)
+        model = TrainingModel(model_id, config, cf.ThreadPoolExecutor(1, f"tinker-{seq_id}"))
+        with self._lock:
+            if model_id in self.models:
+                raise RequestError(f"model_seq_id={seq_id} already names a model of this session")
+            self.models[model_id] = model
+        if lora.train_unembed:
+            log.info("%s: train_unembed is accepted; the unembedding gets no adapter", model_id)
+
+        def start() -> dict[str, Any]:
+            from polyrl.cluster.workers import EngineGroup
+
+            spec = dataclasses.replace(
+                self.actor, model=dataclasses.replace(self.actor.model, lora=config)
+            )
+            model.group = EngineGroup(spec)
+            return {"model_id": model_id, "type": "create_model"}
+
+        return self._future(start, model.executor)
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        model = self.model(model_id)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_name": self.name,
+            "model_data": {
+                "arch": "causal_lm",
+                "model_name": self.name,
+                "tokenizer_id": str(self.model_path),
+            },
+            "is_lora": True,
+            "lora_rank": model.lora.rank,
+        }
+
+    def forward_backward(self, body: bytes) -> tuple[str, str]:
+        """Decode and check the request now (a bad one is a 400), run it in the model's
+        thread: ``TrainEngine.forward_backward``, or for ``forward_only`` a no-grad forward
+        whose loss the same loss function computes on the host. (request id, model id)."""
+        request, batch, lengths, config = decode_forward_backward(body, self.pad_id)
+        try:
+            loss = tinker_loss(request.loss_fn, config)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        model = self.model(request.model_id)
+
+        def run() -> bytes:
+            workers = model.group.num_workers
+            padded = batch.pad_to_multiple(workers) if len(batch) % workers else batch
+            if "is_pad" in padded:  # pad rows: nothing to score or to learn
+                keep = 1.0 - padded["is_pad"].astype(np.float32)[:, None]
+                padded = padded.with_columns({k: padded[k] * keep for k in _MASKED if k in padded})
+            if request.forward_only:
+                out = model.group.forward(padded.select(*_MODEL_COLUMNS))
+                value, _ = loss(out, {k: padded[k] for k in padded.tensors})
+                out = {"log_probs": out["log_probs"], "loss": float(value)}
+            else:
+                out = model.group.forward_backward(padded, loss)
+            metrics = {"loss:sum": float(out["loss"])}
+            return forward_backward_output(out["log_probs"][: len(batch)], lengths, metrics)
+
+        return self._future(run, model.executor), request.model_id
+
+    def optim_step(self, model_id: str, adam: Any) -> str:
+        model = self.model(model_id)
+        if getattr(adam, "type", "adam") not in ("adam", "adamw"):
+            raise RequestError(f"optim_params type {adam.type!r} is not served; send AdamParams")
+        try:
+            optim = OptimConfig(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+                grad_clip=adam.grad_clip_norm or None,
+            )
+        except ValueError as e:
+            raise RequestError(f"adam_params: {e}") from e
+
+        def run() -> dict[str, Any]:
+            out = model.group.optim_step(optim)
+            return {"metrics": {f"{k}:mean": float(v) for k, v in out.items()}}
+
+        return self._future(run, model.executor)
+
+    def _path(self, model: TrainingModel, kind: str, name: str | None) -> tuple[str, Path]:
+        if name is None:
+            model.saves += 1
+            name = f"{kind}-{model.saves:06d}"
+        if not name or "/" in name or name.startswith("."):
+            raise RequestError(f"path={name!r} must be a plain name (no '/')")
+        uri = f"{SCHEME}{model.model_id}/{kind}/{name}"
+        return uri, self.local(uri)
+
+    def local(self, uri: str) -> Path:
+        """The directory a ``tinker://<model id>/<kind>/<name>`` path names here."""
+        if not uri.startswith(SCHEME) or uri.count("/") != 4:
+            raise RequestError(
+                f"path={uri!r} is no {SCHEME}<model id>/<weights|sampler_weights>/<name> path "
+                "of this service"
+            )
+        model_id, kind, name = uri[len(SCHEME) :].split("/")
+        if kind not in ("weights", "sampler_weights"):
+            raise RequestError(f"path={uri!r}: {kind!r} is not 'weights' or 'sampler_weights'")
+        return self.state_dir / model_id.replace(":", "_") / kind / name
+
+    def save_state(self, model_id: str, name: str | None) -> str:
+        model = self.model(model_id)
+        uri, path = self._path(model, "weights", name)
+
+        def run() -> dict[str, Any]:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            model.group.call_all("save", str(path))
+            return {"path": uri, "type": "save_weights"}
+
+        return self._future(run, model.executor)
+
+    def load_state(self, model_id: str, uri: str, optimizer: bool) -> str:
+        model = self.model(model_id)
+        path = self.local(uri)
+        if not optimizer:
+            raise RequestError(
+                "optimizer=False: loading weights without the optimizer state is not served; "
+                "use load_state_with_optimizer"
+            )
+
+        def run() -> dict[str, Any]:
+            if not path.exists():
+                raise RequestError(f"path={uri!r}: nothing was saved there")
+            model.group.call_all("load", str(path))
+            return {"path": uri, "model_id": model_id, "type": "load_weights"}
+
+        return self._future(run, model.executor)
+
+    def save_for_sampler(self, model_id: str, name: str | None) -> str:
+        """With a name: an HF directory a later ``create_sampling_client(model_path)`` reads;
+        without: a snapshot of the current weights and a sampling session on it."""
+        model = self.model(model_id)
+        uri, path = self._path(model, "sampler_weights", name)
+
+        def run() -> dict[str, Any]:
+            if name is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                model.group.export_hf(str(path))
+                return {"path": uri, "type": "save_weights_for_sampler"}
+            buckets = model.group.host_buckets(1 << 28)
+            sampler = self._add_sampler(uri, uri, lambda: buckets)
+            return {"sampling_session_id": sampler, "type": "save_weights_for_sampler"}
+
+        return self._future(run, model.executor)
+
+    # ------------------------------------------------------------------ sampling
+    def _add_sampler(self, model_path: str | None, key: str, buckets: Callable) -> str:
+        sampler_id = f"sampler-{uuid.uuid4().hex[:12]}"
+        with self._lock:
+            self.samplers[sampler_id] = Sampler(sampler_id, model_path, key, buckets)
+        return sampler_id
+
+    def create_sampler(self, model_path: str | None, base_model: str | None) -> str:
+        if model_path is None:
+            self.check_base_model(base_model)
+            return self._add_sampler(None, str(self.model_path), _dir_buckets(self.model_path))
+        path = self.local(model_path)
+        if not (path / "config.json").exists():
+            raise RequestError(
+                f"model_path={model_path!r}: no sampler weights were saved there "
+                "(save_weights_for_sampler(name) writes them)"
+            )
+        return self._add_sampler(model_path, str(path), _dir_buckets(path))
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        with self._lock:
+            found = self.samplers.get(sampler_id)
+        if found is None:
+            raise RequestError(f"sampling_session_id={sampler_id!r} names no sampling session")
+        return found
+
+    def sample(self, request: Any) -> tuple[str, int]:
+        """Queue one sample request; (request id, samples it will hold)."""
+        from polyrl.rollout import SamplingSpec
+
+        sampler = self.sampler(request.sampling_session_id)
+        params = request.sampling_params
+        try:
+            prompt = request.prompt.to_ints()
+        except Exception as e:
+            raise RequestError(f"prompt: {e}; this service serves text prompts only") from e
+        unsupported = {
+            "topk_prompt_logprobs": request.topk_prompt_logprobs,
+            "topk_sample_logprobs": request.topk_sample_logprobs,
+            "target_prompt_logprobs": request.target_prompt_logprobs,
+            "prompt_alt_tokens_k": request.prompt_alt_tokens_k,
+            "prompt_logprobs_last_n": request.prompt_logprobs_last_n,
+        }
+        asked = [k for k, v in unsupported.items() if v]
+        if asked:
+            raise RequestError(f"{asked[0]} is not served here; leave it unset")
+        stop = params.stop
+        if isinstance(stop, str) or (stop and any(isinstance(s, str) for s in stop)):
+            raise RequestError(
+                f"sampling_params.stop={stop!r}: stop strings are not served; pass token ids"
+            )
+        room = self.max_model_len - len(prompt)
+        if not prompt or room < 1:
+            raise RequestError(
+                f"prompt has {len(prompt)} tokens; this service takes 1 to "
+                f"{self.max_model_len - 1} (its max_model_len is {self.max_model_len})"
+            )
+        if request.num_samples < 1:
+            raise RequestError(f"num_samples={request.num_samples} must be >= 1")
+        try:
+            spec = SamplingSpec(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=max(params.top_k, 0),
+                max_tokens=self.max_model_len,
+                stop_token_ids=tuple(stop or ()),
+                seed=params.seed,
+                ignore_eos=stop == [],
+                detokenize=False,
+                prompt_logprobs=bool(request.prompt_logprobs),
+            )
+        except ValueError as e:
+            raise RequestError(f"sampling_params: {e}") from e
+        cap = min(params.max_tokens or room, room)
+        future: cf.Future = cf.Future()
+        rid = self.futures.add(future)
+        self._samples.put((sampler, spec, prompt, request.num_samples, cap, future))
+        return rid, request.num_samples
+
+    def _sample_loop(self) -> None:
+        while True:
+            items = [self._samples.get()]
+            if items[0] is None:
+                return
+            while not self._samples.empty():
+                items.append(self._samples.get())
+            stop = any(i is None for i in items)
+            groups: dict[tuple, list] = {}
+            for item in (i for i in items if i is not None):
+                groups.setdefault((item[0].key, item[1]), []).append(item)
+            for group in groups.values():
+                self._sample_group(group)
+            if stop:
+                return
+
+    def _sample_group(self, group: list) -> None:
+        sampler, spec = group[0][0], group[0][1]
+        try:
+            if self.loaded != sampler.key:
+                self.pool.update_weights(sampler.buckets())
+                self.loaded = sampler.key
+            requests = [(j, prompt, cap) for _, _, prompt, n, cap, _ in group for j in range(n)]
+            results = self.pool.generate_ids(requests, spec)
+        except Exception as e:  # every request of the group fails with it
+            for item in group:
+                item[5].set_exception(e)
+            return
+        start = 0
+        for _, _, _, n, _, future in group:
+            future.set_result(sample_response(results[start : start + n], spec.prompt_logprobs))
+            start += n
+
+    def shutdown(self) -> None:
+        self._samples.put(None)
+        self._dispatcher.join(timeout=30)
+        for model in list(self.models.values()):
+            model.executor.shutdown(wait=True)
+            if model.group is not None:
+                model.group.shutdown()
+
+
+_MODEL_COLUMNS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+_MASKED = ("response_mask", "weights", "advantages")  # zero on pad rows

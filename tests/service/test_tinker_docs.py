@@ -1,0 +1,80 @@
+"""docs/tinker.md as written: its start command in a shell, then its client block against
+the service that command started (the environment from its export lines)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tinker")
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "tinker.md"
+
+
+def blocks(section: str) -> list[str]:
+    """The fenced blocks of ``## section`` in docs/tinker.md."""
+    text = DOC.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+
+
+def test_the_documented_command_serves_the_documented_client_block(tmp_path):
+    command = blocks("Start")[0].strip()
+    exports, code = blocks("Connect")[:2]
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the polyrl CLI
+    client_env = dict(re.findall(r"export (\w+)=(\S+)", exports))
+    assert command.startswith("polyrl serve-tinker") and set(client_env) == {
+        "TINKER_BASE_URL",
+        "TINKER_API_KEY",
+    }
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            command,
+            shell=True,
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log.read_text()
+            try:
+                if httpx.get(client_env["TINKER_BASE_URL"] + "/api/v1/healthz").is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(1)
+        printed = blocks("Start")[1].strip().split(" serving ")[0]
+        assert printed in log.read_text()
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env={**env, **client_env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        losses = [float(x) for x in re.findall(r"^loss ([\d.e+-]+)", run.stdout, re.M)]
+        assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
+    finally:
+        os.killpg(server.pid, 15)  # the shell and the service in its session
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()

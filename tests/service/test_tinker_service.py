@@ -1,0 +1,222 @@
+"""The Tinker-compatible service (polyrl/service) driven by the real ``tinker`` client over
+HTTP: one service per module (real Ray, the actor's EngineGroup, a vLLM rollout server)
+on the tiny model, torch_fsdp backend (tests/service/test_tinker_jax.py: the JAX one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker_helpers import (  # noqa: E402
+    copy_prompts,
+    datum,
+    forward_log_probs,
+    sft_steps,
+    step,
+)
+
+
+@pytest.fixture(scope="module")
+def served(ray_session, tmp_path_factory):
+    from polyrl.service import serve_in_thread, start
+
+    run_dir = tmp_path_factory.mktemp("tinker")
+    service = start(gin_params=[f"polyrl.RunConfig.run_dir = '{run_dir}'"])
+    server, url = serve_in_thread(service)
+    yield service, url
+    server.should_exit = True
+    service.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    service, url = served
+    return tinker.ServiceClient(base_url=url, api_key="tml-local")
+
+
+@pytest.fixture(scope="module")
+def trainer(served, client):
+    return client.create_lora_training_client(base_model=served[0].name, rank=8).result()
+
+
+def test_capabilities_and_info_name_the_served_model(served, client, trainer):
+    service, _ = served
+    caps = client.get_server_capabilities()
+    assert [m.model_name for m in caps.supported_models] == [service.name]
+    info = trainer.get_info()
+    assert info.is_lora and info.lora_rank == 8 and info.model_data.model_name == service.name
+    assert len(trainer.get_tokenizer().encode("copy 123")) > 2
+
+
+def test_sft_loop_lowers_the_loss(trainer):
+    tok = trainer.get_tokenizer()
+    data = [datum(tok, f"copy {n} -> {n}") for n in ("123", "456", "789", "246")]
+    losses = sft_steps(trainer, data, steps=4, lr=1e-2)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_sampler_log_probs_equal_forward_log_probs(trainer):
+    """The rollout server's log-probs of the tokens it sampled, and its prompt log-probs
+    (compute_logprobs), against the trainer's forward on the same tokens: both fp32 on
+    CPU, different kernels (vLLM's and torch's); they agree to ~1e-6 here, 1e-4 allowed."""
+    tok = trainer.get_tokenizer()
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt = tok.encode("copy 314 ->")
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    out = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
+    assert len(out.sequences) == 4
+    for seq in out.sequences:
+        got = forward_log_probs(trainer, prompt + list(seq.tokens))[len(prompt) - 1 :]
+        np.testing.assert_allclose(seq.logprobs, got, atol=1e-4)
+    tokens = prompt + list(out.sequences[0].tokens)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    assert scored[0] is None
+    np.testing.assert_allclose(scored[1:], forward_log_probs(trainer, tokens), atol=1e-4)
+
+
+def test_save_state_then_load_state_continues_exactly(trainer):
+    """Two steps after save_state, then load_state_with_optimizer and the same two steps:
+    the same losses and log-probs, bit for bit (weights and Adam moments restored)."""
+    tok = trainer.get_tokenizer()
+    data = [datum(tok, "copy 135 -> 135"), datum(tok, "copy 864 -> 864")]
+    path = trainer.save_state("before").result().path
+    assert path.startswith("tinker://")
+    first = [step(trainer, data, lr=5e-3) for _ in range(2)]
+    trainer.load_state_with_optimizer(path).result()
+    again = [step(trainer, data, lr=5e-3) for _ in range(2)]
+    assert first[1][0] != first[0][0]  # the steps changed the model
+    for (loss_a, lps_a), (loss_b, lps_b) in zip(first, again):
+        assert loss_a == loss_b
+        np.testing.assert_array_equal(lps_a, lps_b)
+
+
+def test_named_sampler_weights_and_the_base_model_sample(served, client, trainer):
+    """save_weights_for_sampler(name) writes an HF directory a new sampling client reads;
+    the base model's client samples the untrained weights: the pool swaps between them."""
+    tok = trainer.get_tokenizer()
+    tokens = tok.encode("copy 271 -> 271")
+    saved = trainer.save_weights_for_sampler("named").result().path
+    named = client.create_sampling_client(model_path=saved).result()
+    base = client.create_sampling_client(base_model=served[0].name).result()
+    trained = forward_log_probs(trainer, tokens)
+    for _ in range(2):  # back and forth: each call pushes its weights first
+        lp_named = named.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
+        lp_base = base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
+        np.testing.assert_allclose(lp_named, trained, atol=1e-4)
+        assert np.abs(np.asarray(lp_base) - trained).max() > 1e-2
+
+
+def test_two_clients_at_once_train_their_own_models(served, trainer):
+    """A second session's model starts from the base weights (not the first's), and both
+    train side by side: requests of both in flight before either is awaited."""
+    service, url = served
+    other_client = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    other = other_client.create_lora_training_client(base_model=service.name, rank=4).result()
+    tok = trainer.get_tokenizer()
+    tokens = tok.encode("copy 555 -> 555")
+    base = other_client.create_sampling_client(base_model=service.name).result()
+    lp_base = base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
+    np.testing.assert_allclose(forward_log_probs(other, tokens), lp_base, atol=1e-4)
+    data = [datum(tok, "copy 555 -> 555")]
+    futures = [
+        (
+            c.forward_backward(data, "cross_entropy"),
+            c.optim_step(types.AdamParams(learning_rate=1e-2)),
+        )
+        for c in (trainer, other)
+    ]
+    losses = [fb.result().metrics["loss:sum"] for fb, opt in futures]
+    assert all(opt.result().metrics["lr:mean"] == 1e-2 for _, opt in futures)
+    assert losses[0] != losses[1]  # two models, two states
+    assert info_rank(other) == 4 and info_rank(trainer) == 8
+
+
+def info_rank(training_client) -> int:
+    return training_client.get_info().lora_rank
+
+
+def test_malformed_requests_get_the_clients_error_shape_and_the_service_goes_on(served, trainer):
+    import httpx
+
+    service, url = served
+    post = lambda path, **kw: httpx.post(url + path, timeout=30, **kw)  # noqa: E731
+    cases = [
+        (post("/api/v1/create_model", content=b"{not json"), "no JSON"),
+        (post("/api/v1/create_model", json={"session_id": "s"}), "model_seq_id"),
+        (post("/api/v1/forward_backward", content=b"\xff\x00junk"), "ForwardBackwardRequest"),
+        (
+            post("/api/v1/optim_step", json={"model_id": "nope", "adam_params": {}}),
+            "model_id='nope'",
+        ),
+        (post("/api/v1/retrieve_future", json={"request_id": "req-x"}), "req-x"),
+    ]
+    for response, field in cases:
+        assert response.status_code in (400, 404), response.text
+        assert field in response.json()["error"] and response.json()["category"] == "user"
+    tok = trainer.get_tokenizer()
+    ids = tok.encode("copy 12 -> 12")
+    shifted = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[:-1], "weights": [1.0] * (len(ids) - 1)},
+    )
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    long = types.ModelInput.from_ints([5] * 200)
+    with pytest.raises(Exception, match="max_model_len"):
+        sampler.sample(long, 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(Exception, match="stop strings"):
+        sampler.sample(
+            types.ModelInput.from_ints(ids), 1, types.SamplingParams(max_tokens=2, stop=["x"])
+        ).result()
+    # last: a client whose request failed refuses further requests (the client's rule)
+    with pytest.raises(Exception, match="shifted by one"):
+        trainer.forward_backward([shifted], "cross_entropy").result()
+    assert httpx.get(url + "/api/v1/healthz").json() == {"status": "ok"}
+    fresh = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    again = fresh.create_lora_training_client(base_model=service.name, rank=2).result()
+    with pytest.raises(Exception, match="loss_fn='dro'"):
+        again.forward_backward([datum(tok, "copy 1 -> 1")], "dro").result()
+
+
+@pytest.mark.slow  # ~1 min: 12 rounds of sampling and training
+def test_rl_loop_raises_the_copy_reward(served, client):
+    """The hosted service's RL loop as tinker-cookbook writes it: sample from the current
+    weights, score, importance_sampling forward_backward with group-centred advantages,
+    optim_step, a new sampler. The copy task's reward rises."""
+    from polyrl.rewards.rules import positional_match
+
+    tc = client.create_lora_training_client(base_model=served[0].name, rank=16).result()
+    tok = tc.get_tokenizer()
+    prompts = copy_prompts(tok, 8)
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, stop=[tok.eos_token_id])
+    rewards = []
+    for _ in range(12):
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        outs = [sampler.sample(types.ModelInput.from_ints(p), 8, params) for p, _ in prompts]
+        data, round_rewards = [], []
+        for (prompt, answer), out in zip(prompts, (o.result() for o in outs)):
+            scores = [
+                positional_match(tok.decode(s.tokens, skip_special_tokens=True), answer)
+                for s in out.sequences
+            ]
+            round_rewards += scores
+            for seq, score in zip(out.sequences, scores):
+                tokens = prompt + list(seq.tokens)
+                n = len(prompt) - 1
+                advantage = score - float(np.mean(scores))
+                data.append(
+                    types.Datum(
+                        model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": tokens[1:],
+                            "logprobs": [0.0] * n + list(seq.logprobs),
+                            "advantages": [0.0] * n + [advantage] * len(seq.tokens),
+                        },
+                    )
+                )
+        rewards.append(float(np.mean(round_rewards)))
+        tc.forward_backward(data, "importance_sampling").result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    print("rewards", rewards)
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1, rewards

@@ -446,6 +446,7 @@ class TinkerService:
             model.executor.shutdown(wait=True)
             if model.group is not None:
                 model.group.shutdown()
+        self.pool.shutdown()
 
 
 _MODEL_COLUMNS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")

@@ -1,6 +1,6 @@
 """The Tinker-compatible service (polyrl/service) driven by the real ``tinker`` client over
-HTTP: one service per module (real Ray, the actor's EngineGroup, a vLLM rollout server)
-on the tiny model, torch_fsdp backend (tests/service/test_tinker_jax.py: the JAX one)."""
+HTTP: one service per backend (real Ray, the actor's EngineGroup, a vLLM rollout server)
+on the tiny model; every test on torch_fsdp, and in the slow tier on jax_pjit too."""
 
 from __future__ import annotations
 
@@ -18,12 +18,17 @@ from tinker_helpers import (  # noqa: E402
 )
 
 
-@pytest.fixture(scope="module")
-def served(ray_session, tmp_path_factory):
-    from polyrl.service import serve_in_thread, start
+@pytest.fixture(
+    scope="module",
+    params=["torch_fsdp", pytest.param("jax_pjit", marks=pytest.mark.slow)],
+)
+def served(request, ray_session, tmp_path_factory):
+    from polyrl.service import DEFAULT_GIN, serve_in_thread, start
 
     run_dir = tmp_path_factory.mktemp("tinker")
-    service = start(gin_params=[f"polyrl.RunConfig.run_dir = '{run_dir}'"])
+    backend = f"gin/backends/{request.param}.gin"
+    service = start([DEFAULT_GIN, backend], [f"polyrl.RunConfig.run_dir = '{run_dir}'"])
+    assert service.actor.backend == request.param
     server, url = serve_in_thread(service)
     yield service, url
     server.should_exit = True

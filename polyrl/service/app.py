@@ -112,6 +112,7 @@ def make_app(service: TinkerService) -> Any:
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str) -> dict[str, Any]:
+        await asyncio.to_thread(service.finish_session, session_id)
         return {}
 
     # -------------------------------------------------------------------- training

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -45,6 +46,10 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32.0  # Tinker's adapters' alpha, whatever the rank
 KEEP_FUTURES = 10_000  # finished futures kept for clients that poll again
+# Weight snapshots (save_weights_and_get_sampling_client) kept in the driver's memory, the
+# newest first: an RL loop makes one a round. An older sampling client still samples
+# while the rollout servers hold its weights; after that it is refused by name.
+KEEP_SNAPSHOTS = 4
 SCHEME = "tinker://"
 
 
@@ -115,6 +120,7 @@ class TinkerService:
         self._lock = threading.Lock()
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.snapshots: collections.OrderedDict[str, list] = collections.OrderedDict()
         self.sessions: set[str] = set()
         self.loaded = str(self.model_path)  # the weights the pool holds (a Sampler.key)
         self.pad_id = 0
@@ -321,10 +327,37 @@ class TinkerService:
                 model.group.export_hf(str(path))
                 return {"path": uri, "type": "save_weights_for_sampler"}
             buckets = model.group.host_buckets(1 << 28)
-            sampler = self._add_sampler(uri, uri, lambda: buckets)
+            with self._lock:
+                self.snapshots[uri] = buckets
+                while len(self.snapshots) > KEEP_SNAPSHOTS:
+                    self.snapshots.popitem(last=False)
+            sampler = self._add_sampler(uri, uri, functools.partial(self._snapshot, uri))
             return {"sampling_session_id": sampler, "type": "save_weights_for_sampler"}
 
         return self._future(run, model.executor)
+
+    def _snapshot(self, uri: str) -> list:
+        with self._lock:
+            buckets = self.snapshots.get(uri)
+        if buckets is None:
+            raise RequestError(
+                f"the weights of this sampling client ({uri}) were dropped: the service keeps "
+                f"the newest {KEEP_SNAPSHOTS} snapshots; create a new sampling client (or "
+                "save_weights_for_sampler(name) for weights to keep)"
+            )
+        return buckets
+
+    def finish_session(self, session_id: str) -> None:
+        """The client closed its session: its training models end (their workers go)."""
+        with self._lock:
+            self.sessions.discard(session_id)
+            ending = [m for k, m in self.models.items() if k.startswith(f"{session_id}:")]
+            for model in ending:
+                del self.models[model.model_id]
+        for model in ending:
+            model.executor.shutdown(wait=True)
+            if model.group is not None:
+                model.group.shutdown()
 
     # ------------------------------------------------------------------ sampling
     def _add_sampler(self, model_path: str | None, key: str, buckets: Callable) -> str:

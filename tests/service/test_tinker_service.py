@@ -136,6 +136,26 @@ def test_two_clients_at_once_train_their_own_models(served, trainer):
     assert all(opt.result().metrics["lr:mean"] == 1e-2 for _, opt in futures)
     assert losses[0] != losses[1]  # two models, two states
     assert info_rank(other) == 4 and info_rank(trainer) == 8
+    # closing a client's session ends its models (their workers), not the other's
+    other_client.close("success").result()
+    assert other.model_id not in service.models and trainer.model_id in service.models
+
+
+def test_old_snapshots_are_dropped_by_name_while_new_ones_sample(served, trainer):
+    """An RL loop makes a weight snapshot a round; the service keeps the newest
+    KEEP_SNAPSHOTS. A sampling client whose snapshot went is refused, naming it, once the
+    rollout servers hold other weights; the newest still samples."""
+    from polyrl.service.state import KEEP_SNAPSHOTS
+
+    prompt = types.ModelInput.from_ints(trainer.get_tokenizer().encode("copy 1"))
+    params = types.SamplingParams(max_tokens=2)
+    samplers = [
+        trainer.save_weights_and_get_sampling_client().result() for _ in range(KEEP_SNAPSHOTS + 1)
+    ]
+    assert len(samplers[-1].sample(prompt, 1, params).result().sequences) == 1
+    with pytest.raises(Exception, match="were dropped"):
+        samplers[0].sample(prompt, 1, params).result()
+    assert len(samplers[1].sample(prompt, 1, params).result().sequences) == 1
 
 
 def info_rank(training_client) -> int:

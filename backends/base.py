@@ -131,6 +131,10 @@ class TrainEngine(Protocol):
         ``grad_clip``) instead of the engine's own; clears the gradients. Returns
         ``grad_norm`` (before clipping) and ``lr``. Optional, as :meth:`forward_backward`."""
 
+    def reset_optimizer(self) -> None:
+        """A fresh optimizer on the current weights: no moments, no pending gradients
+        (a Tinker ``load_state`` without the optimizer). Optional, as :meth:`forward_backward`."""
+
     def warm_up(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> None:
         """Prepare what ``getattr(self, method)(batch, *args, **kwargs)`` will run
         (``method``: "forward" or "train_step"), so that call finds its programs compiled:

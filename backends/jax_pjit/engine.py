@@ -542,6 +542,15 @@ class JaxPjitEngine:
         scattered = micro_batch.scatter(parts, *batch["responses"].shape)
         return {"log_probs": scattered["log_probs"], **out}
 
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments and step count and any pending gradients (a fresh
+        optimizer on the current weights; ``step`` stays)."""
+        self._check_trainable("reset_optimizer")
+        self._pending = None
+        self.opt_state = self._jit("opt_init", self.tx.init, out_shardings=self._opt_shardings)(
+            self.params
+        )
+
     def optim_step(self, optim: OptimConfig) -> dict[str, float]:
         """One AdamW update from the gradients :meth:`forward_backward` accumulated, with
         ``optim``'s hyper-parameters; the pending gradients are cleared."""

@@ -309,6 +309,13 @@ class TorchFSDPEngine:
             log_probs = log_probs[tensor_parallel.own_rows(self.tp_mesh, len(batch))]
         return {"log_probs": log_probs, **self._totals(sums)}
 
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments and step counts and any pending gradients (a fresh
+        optimizer on the current weights; ``step`` stays)."""
+        self._check_trainable("reset_optimizer")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+
     def optim_step(self, optim: OptimConfig) -> dict[str, float]:
         """One AdamW update from the gradients :meth:`forward_backward` accumulated, with
         ``optim``'s hyper-parameters (its ``lr_at`` this update's rate, ``grad_clip``)."""

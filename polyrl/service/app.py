@@ -155,12 +155,14 @@ def make_app(service: TinkerService) -> Any:
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
         req = await body(request, types.LoadWeightsRequest)
-        if req.model_id is None:
-            raise RequestError(
-                "load_weights without model_id (create_training_client_from_state) is not "
-                "served; create a LoRA training client, then load_state_with_optimizer"
-            )
-        return future(service.load_state(req.model_id, req.path, req.optimizer), req.model_id)
+        if req.model_id is not None:
+            return future(service.load_state(req.model_id, req.path, req.optimizer), req.model_id)
+        if req.session_id is None or req.model_seq_id is None:
+            raise RequestError("load_weights needs model_id, or session_id and model_seq_id")
+        rid = service.create_from_state(
+            req.session_id, req.model_seq_id, req.path, req.optimizer, req.base_model
+        )
+        return future(rid)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import concurrent.futures as cf
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -95,6 +96,11 @@ class Sampler:
     buckets: Callable[[], list]
 
 
+def _lora_file(state: Path) -> Path:
+    """Beside a saved state: the LoRA settings a model loading it must have."""
+    return state.parent / f"{state.name}.lora.json"
+
+
 def _dir_buckets(path: Path) -> Callable[[], list]:
     """An HF directory's safetensors as weight buckets (one per file)."""
 
@@ -168,9 +174,9 @@ class TinkerService:
         return session
 
     # ------------------------------------------------------------ training models
-    def create_model(self, session_id: str, seq_id: int, base_model: str, lora: Any) -> str:
-        """Start a training model (a future: its workers take seconds to start)."""
-        self.check_base_model(base_model)
+    @staticmethod
+    def lora_config(lora: Any) -> LoraConfig:
+        """The client's ``LoraConfig`` as polyrl's (alpha 32, projections by flag)."""
         if lora is None:
             raise RequestError("lora_config is missing; this service trains LoRA adapters")
         targets = (ATTN if lora.train_attn else ()) + (MLP if lora.train_mlp else ())
@@ -181,26 +187,56 @@ class TinkerService:
             )
         if lora.rank < 1:
             raise RequestError(f"lora_config.rank={lora.rank} must be >= 1")
+        return LoraConfig(rank=lora.rank, alpha=LORA_ALPHA, target_modules=targets)
+
+    def _new_model(self, session_id: str, seq_id: int, config: LoraConfig) -> TrainingModel:
         model_id = f"{session_id}:train:{seq_id}"
-        config = LoraConfig(rank=lora.rank, alpha=LORA_ALPHA, target_modules=targets)
         model = TrainingModel(model_id, config, cf.ThreadPoolExecutor(1, f"tinker-{seq_id}"))
         with self._lock:
             if model_id in self.models:
                 raise RequestError(f"model_seq_id={seq_id} already names a model of this session")
             self.models[model_id] = model
+        return model
+
+    def _start(self, model: TrainingModel) -> None:
+        from polyrl.cluster.workers import EngineGroup
+
+        lora = dataclasses.replace(self.actor.model, lora=model.lora)
+        model.group = EngineGroup(dataclasses.replace(self.actor, model=lora))
+
+    def create_model(self, session_id: str, seq_id: int, base_model: str, lora: Any) -> str:
+        """Start a training model (a future: its workers take seconds to start)."""
+        self.check_base_model(base_model)
+        model = self._new_model(session_id, seq_id, self.lora_config(lora))
         if lora.train_unembed:
-            log.info("%s: train_unembed is accepted; the unembedding gets no adapter", model_id)
+            log.info(
+                "%s: train_unembed is accepted; the unembedding gets no adapter", model.model_id
+            )
 
         def start() -> dict[str, Any]:
-            from polyrl.cluster.workers import EngineGroup
-
-            spec = dataclasses.replace(
-                self.actor, model=dataclasses.replace(self.actor.model, lora=config)
-            )
-            model.group = EngineGroup(spec)
-            return {"model_id": model_id, "type": "create_model"}
+            self._start(model)
+            return {"model_id": model.model_id, "type": "create_model"}
 
         return self._future(start, model.executor)
+
+    def create_from_state(
+        self, session_id: str, seq_id: int, uri: str, optimizer: bool, base_model: str | None
+    ) -> str:
+        """``create_training_client_from_state[_with_optimizer]``: a training model with the
+        saved state's adapters (its LoRA settings from the save), then its load."""
+        self.check_base_model(base_model)
+        path = self.local(uri)
+        sidecar = _lora_file(path)
+        if not sidecar.exists():
+            raise RequestError(f"path={uri!r}: no state was saved there (save_state writes one)")
+        config = LoraConfig(**json.loads(sidecar.read_text()))
+        model = self._new_model(session_id, seq_id, config)
+
+        def run() -> dict[str, Any]:
+            self._start(model)
+            return self._load(model, path, uri, optimizer)
+
+        return self._future(run, model.executor)
 
     def info(self, model_id: str) -> dict[str, Any]:
         model = self.model(model_id)
@@ -294,26 +330,30 @@ class TinkerService:
         def run() -> dict[str, Any]:
             path.parent.mkdir(parents=True, exist_ok=True)
             model.group.call_all("save", str(path))
+            lora = model.lora
+            settings = {
+                "rank": lora.rank,
+                "alpha": lora.alpha,
+                "target_modules": lora.target_modules,
+            }
+            _lora_file(path).write_text(json.dumps(settings))
             return {"path": uri, "type": "save_weights"}
 
         return self._future(run, model.executor)
 
+    def _load(self, model: TrainingModel, path: Path, uri: str, optimizer: bool) -> dict:
+        if not _lora_file(path).exists():
+            raise RequestError(f"path={uri!r}: no state was saved there (save_state writes one)")
+        model.group.call_all("load", str(path))
+        if not optimizer:  # the weights alone: a fresh optimizer on them
+            model.group.call_all("reset_optimizer")
+        return {"path": uri, "model_id": model.model_id, "type": "load_weights"}
+
     def load_state(self, model_id: str, uri: str, optimizer: bool) -> str:
+        """``load_state`` (weights; a fresh optimizer) or ``load_state_with_optimizer``."""
         model = self.model(model_id)
         path = self.local(uri)
-        if not optimizer:
-            raise RequestError(
-                "optimizer=False: loading weights without the optimizer state is not served; "
-                "use load_state_with_optimizer"
-            )
-
-        def run() -> dict[str, Any]:
-            if not path.exists():
-                raise RequestError(f"path={uri!r}: nothing was saved there")
-            model.group.call_all("load", str(path))
-            return {"path": uri, "model_id": model_id, "type": "load_weights"}
-
-        return self._future(run, model.executor)
+        return self._future(lambda: self._load(model, path, uri, optimizer), model.executor)
 
     def save_for_sampler(self, model_id: str, name: str | None) -> str:
         """With a name: an HF directory a later ``create_sampling_client(model_path)`` reads;

@@ -189,7 +189,7 @@ def test_forward_backward_then_optim_step_is_a_train_step(backend, tiny_model_di
     weights as one train_step does. With a summed loss (algos/tinker_losses.py) two
     forward_backward calls on the halves of a batch add up to one on the whole, and
     optim_step takes the hyper-parameters it is given: a learning rate of 0 changes
-    nothing."""
+    nothing. After reset_optimizer the next step is a first step again."""
     from polyrl.algos.tinker_losses import TinkerLoss
 
     batch = rl_batch()
@@ -220,6 +220,16 @@ def test_forward_backward_then_optim_step_is_a_train_step(backend, tiny_model_di
     still.forward_backward(summed, ce)
     still.optim_step(OptimConfig(lr=0.0))
     np.testing.assert_array_equal(flat(weights(still)), flat(initial))
+
+    # reset_optimizer: the next step is a first step again (no moments, bias correction
+    # from the start), as that of an engine whose weights were never stepped
+    fresh = engine(backend, tiny_model_dir)
+    fresh.set_weights(weights(once))
+    once.reset_optimizer()
+    for eng in (once, fresh):
+        eng.forward_backward(summed, ce)
+        eng.optim_step(other)
+    np.testing.assert_allclose(flat(weights(once)), flat(weights(fresh)), atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

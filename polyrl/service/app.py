@@ -45,6 +45,11 @@ def _error(status: int, message: str, category: str = "user") -> Any:
     return JSONResponse({"error": message, "category": category}, status_code=status)
 
 
+def _try_again(request_id: str) -> dict[str, Any]:
+    """The answer to a poll that came before its result: the client polls again."""
+    return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+
+
 def make_app(service: TinkerService) -> Any:
     """The FastAPI application of ``service``."""
     from fastapi import FastAPI, Request
@@ -203,7 +208,7 @@ def make_app(service: TinkerService) -> Any:
         try:
             result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(found)), POLL_S)
         except TimeoutError:
-            return {"type": "try_again", "request_id": req.request_id, "queue_state": "active"}
+            return _try_again(req.request_id)
         except RequestError as e:
             return {"error": str(e), "category": "user"}
         except Exception as e:

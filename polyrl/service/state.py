@@ -271,7 +271,7 @@ class TinkerService:
                 keep = 1.0 - padded["is_pad"].astype(np.float32)[:, None]
                 padded = padded.with_columns({k: padded[k] * keep for k in _MASKED if k in padded})
             if request.forward_only:
-                out = model.group.forward(padded.select(*_MODEL_COLUMNS))
+                out = model.group.forward(padded)
                 value, _ = loss(out, {k: padded[k] for k in padded.tensors})
                 out = {"log_probs": out["log_probs"], "loss": float(value)}
             else:
@@ -522,5 +522,4 @@ class TinkerService:
         self.pool.shutdown()
 
 
-_MODEL_COLUMNS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 _MASKED = ("response_mask", "weights", "advantages")  # zero on pad rows

@@ -81,6 +81,21 @@ def test_sampler_log_probs_equal_forward_log_probs(trainer):
     np.testing.assert_allclose(scored[1:], forward_log_probs(trainer, tokens), atol=1e-4)
 
 
+def test_the_client_polls_again_while_a_result_is_not_ready(trainer, monkeypatch):
+    """retrieve_future answers try_again when a result takes longer than its wait (here
+    1 ms, 20 s in service): the client polls again and gets the result, as against the
+    hosted service."""
+    from polyrl.service import app
+
+    answers = []
+    monkeypatch.setattr(app, "POLL_S", 0.001)
+    original = app._try_again
+    monkeypatch.setattr(app, "_try_again", lambda rid: answers.append(rid) or original(rid))
+    tok = trainer.get_tokenizer()
+    loss, lps = step(trainer, [datum(tok, "copy 908 -> 908")], lr=0.0)
+    assert answers and len(lps) == len(tok.encode("copy 908 -> 908")) - 1 and loss > 0
+
+
 def test_save_state_then_load_state_continues_exactly(served, trainer):
     """Two steps after save_state, then load_state_with_optimizer and the same two steps:
     the same losses and log-probs, bit for bit (weights and Adam moments restored); so do

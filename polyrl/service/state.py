@@ -193,16 +193,28 @@ class TinkerService:
         model_id = f"{session_id}:train:{seq_id}"
         model = TrainingModel(model_id, config, cf.ThreadPoolExecutor(1, f"tinker-{seq_id}"))
         with self._lock:
+            if session_id not in self.sessions:
+                raise RequestError(
+                    f"session_id={session_id!r} names no open session of this service "
+                    "(a new ServiceClient opens one)"
+                )
             if model_id in self.models:
                 raise RequestError(f"model_seq_id={seq_id} already names a model of this session")
             self.models[model_id] = model
         return model
 
     def _start(self, model: TrainingModel) -> None:
+        """Start the model's workers; a model that fails to start is forgotten (its id
+        then names nothing) and the failure is its creation's."""
         from polyrl.cluster.workers import EngineGroup
 
         lora = dataclasses.replace(self.actor.model, lora=model.lora)
-        model.group = EngineGroup(dataclasses.replace(self.actor, model=lora))
+        try:
+            model.group = EngineGroup(dataclasses.replace(self.actor, model=lora))
+        except BaseException:
+            with self._lock:
+                self.models.pop(model.model_id, None)
+            raise
 
     def create_model(self, session_id: str, seq_id: int, base_model: str, lora: Any) -> str:
         """Start a training model (a future: its workers take seconds to start)."""

@@ -200,6 +200,17 @@ def test_malformed_requests_get_the_clients_error_shape_and_the_service_goes_on(
 
     service, url = served
     post = lambda path, **kw: httpx.post(url + path, timeout=30, **kw)  # noqa: E731
+    session = next(iter(service.sessions))
+
+    def model(session_id: str, base_model: str) -> dict:
+        lora = {"rank": 4}
+        return {
+            "session_id": session_id,
+            "model_seq_id": 99,
+            "base_model": base_model,
+            "lora_config": lora,
+        }
+
     cases = [
         (post("/api/v1/create_model", content=b"{not json"), "no JSON"),
         (post("/api/v1/create_model", json={"session_id": "s"}), "model_seq_id"),
@@ -209,6 +220,8 @@ def test_malformed_requests_get_the_clients_error_shape_and_the_service_goes_on(
             "model_id='nope'",
         ),
         (post("/api/v1/retrieve_future", json={"request_id": "req-x"}), "req-x"),
+        (post("/api/v1/create_model", json=model("nope", service.name)), "session_id='nope'"),
+        (post("/api/v1/create_model", json=model(session, "Qwen/Qwen3-8B")), "base_model="),
     ]
     for response, field in cases:
         assert response.status_code in (400, 404), response.text

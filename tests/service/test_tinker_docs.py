@@ -24,6 +24,25 @@ def blocks(section: str) -> list[str]:
     return re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
 
 
+def test_the_documented_command_and_block_parse():
+    """The fast half (the slow test below runs them): the command is `polyrl
+    serve-tinker` on the default gin file at the port the export lines name, and the
+    client block compiles and reads the service's address from the environment."""
+    import shlex
+
+    from polyrl.cli import build_parser
+    from polyrl.service import DEFAULT_GIN
+
+    args = build_parser().parse_args(shlex.split(blocks("Start")[0].strip())[1:])
+    exports, code = blocks("Connect")[:2]
+    url = dict(re.findall(r"export (\w+)=(\S+)", exports))["TINKER_BASE_URL"]
+    assert args.command == "serve-tinker" and not args.gin_file
+    assert url == f"http://{args.host}:{args.port}" and (ROOT / DEFAULT_GIN).exists()
+    compile(code, "docs/tinker.md", "exec")
+    assert "base_url" not in code and "ServiceClient()" in code
+
+
+@pytest.mark.slow  # ~1 min: the service's start in a process of its own, the block's steps
 def test_the_documented_command_serves_the_documented_client_block(tmp_path):
     command = blocks("Start")[0].strip()
     exports, code = blocks("Connect")[:2]

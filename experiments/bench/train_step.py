@@ -29,6 +29,10 @@ the frozen base; ``+lora`` in a suite entry does the same per run. The table's
         --response-len 1024 --dtype bfloat16 --grad-ckpt --steps 3 --warmup 1 \
         --suite torch_fsdp,torch_fsdp+lora,jax_pjit,jax_pjit+lora --json lora.json
 
+``--split`` (``+split`` in a suite entry) times the Tinker API's step instead:
+``TrainEngine.forward_backward`` then ``optim_step`` (docs/tinker.md), the same work as
+``train_step`` split in two calls.
+
 ``--profile DIR`` traces one more step after the timed ones with the backend's profiler
 (torch.profiler / jax.profiler, ``profiling.py``) and prints its top ops by time.
 
@@ -106,6 +110,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="ModelConfig.compile")
     p.add_argument("--ragged", action="store_true", help="ragged prompt/response lengths")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (ModelConfig.lora)")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="time TrainEngine.forward_backward + optim_step (the Tinker API's step, "
+        "docs/tinker.md) instead of train_step",
+    )
     p.add_argument("--lora-rank", type=int, default=16, help="LoraConfig.rank (alpha = 2 x rank)")
     p.add_argument(
         "--lora-targets",
@@ -364,7 +374,16 @@ def run(args) -> dict:
             )
             local = args.batch // world
             shard = batch.take(slice(rank * local, (rank + 1) * local))
-            step = lambda: engine.train_step(shard, nll_loss)  # noqa: E731
+            if args.split:  # the Tinker API's step: forward_backward, then optim_step
+                optim = OptimConfig(lr=1e-5)
+
+                def step() -> dict:
+                    out = engine.forward_backward(shard, nll_loss)
+                    del out["log_probs"]
+                    return {**out, **engine.optim_step(optim)}
+
+            else:
+                step = lambda: engine.train_step(shard, nll_loss)  # noqa: E731
     for _ in range(args.warmup):
         step()
     times = []
@@ -403,6 +422,7 @@ def run(args) -> dict:
         "lora": None if not args.lora else {"rank": args.lora_rank, "targets": args.lora_targets},
         "trained_params": trained_params(engine),
         "ragged": args.ragged,
+        "split": args.split,
         "real_tokens": tokens,
         "padded_tokens": int(batch["attention_mask"].size),
         "xla_allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR"),
@@ -447,9 +467,10 @@ def suite(args, argv: list[str]) -> dict:
             name, *flags = entry.split("+")
             budget = [f for f in flags if f.startswith("budget=")]
             flags = [f for f in flags if f not in budget]
-            if set(flags) - {"pack", "compile", "lora"}:
+            if set(flags) - {"pack", "compile", "lora", "split"}:
                 raise SystemExit(
-                    f"--suite entry {entry!r}: flags after '+' are pack, compile, lora, budget=F"
+                    f"--suite entry {entry!r}: flags after '+' are pack, compile, lora, split, "
+                    "budget=F"
                 )
             name, _, attn = name.partition("@")
             name, _, allocator = name.partition(":")

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tinker")
-
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "tinker.md"
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-tinker = pytest.importorskip("tinker")
-from tinker import types  # noqa: E402
-from tinker_helpers import (  # noqa: E402
+import tinker  # (pinned in requirements/cpu.lock: missing must fail, not skip)
+from tinker import types
+from tinker_helpers import (
     copy_prompts,
     datum,
     forward_log_probs,

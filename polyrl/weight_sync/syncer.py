@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from polyrl.backends.buckets import TensorMeta
+from polyrl.weight_sync.base import OutsideUpdateError
 from polyrl.weight_sync.registry import get_transport
 
 __all__ = ["SyncStats", "WeightSyncer"]
@@ -171,10 +172,12 @@ class WeightSyncer:
         return [(s, getattr(s, method).remote(*args)) for s in self.servers]
 
     def _get_live(self, sent: list[tuple[Any, Any]], stats: SyncStats | None = None) -> None:
-        """Wait for each (server, ref). A server that died goes to the transport's
-        ``lost`` (the object store drops it from the rest of the push, ``SyncStats.lost``;
-        the others fail, and the broadcast group's failure goes to its ``recover``). The
-        wait counts in ``stats.wait_seconds``."""
+        """Wait for each (server, ref) of a server still in the push. A server that died,
+        or that Ray restarted since the push began (its bucket found no update open:
+        ``OutsideUpdateError``), goes to the transport's ``lost`` (the object store drops
+        it from the rest of the push, ``SyncStats.lost``, and ``RolloutPool.commit``
+        re-syncs it; the others fail, and the broadcast group's failure goes to its
+        ``recover``). The wait counts in ``stats.wait_seconds``."""
         start = time.perf_counter()
         try:
             self._wait_each(sent)
@@ -186,10 +189,12 @@ class WeightSyncer:
         import ray
 
         for server, ref in sent:
+            if all(s is not server for s in self.servers):
+                continue  # out of the push already (e.g. its begin failed): its loads too
             try:
                 self._get([ref])
-            except ray.exceptions.RayActorError as error:
-                self.strategy.lost(self, server, error)
+            except (ray.exceptions.RayActorError, OutsideUpdateError) as error:
+                self.strategy.lost(self, server, error)  # died, or restarted mid-push
             else:
                 self.strategy.acknowledge(ref)
 

@@ -300,6 +300,42 @@ def test_server_killed_during_weight_push_is_resynced_before_it_generates(
         assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected
 
 
+def test_server_restarted_between_begin_and_a_bucket_is_left_out_and_resynced(
+    pool, padded_model_dir, ray_session
+):
+    """A push's calls to one server can straddle a Ray restart: ``begin_weight_update``
+    goes to the old life (unwaited, as every push sends it) and a bucket to the new one,
+    which has no update open (the streaming run of tests/trainer/test_streaming_runs.py
+    hit it: the trainer's process pushed to a server the driver had just re-synced).
+    Server 0 is killed after begin went out and has restarted before bucket 0 is sent:
+    the push completes on server 1, reports server 0 lost, and commit() re-syncs it."""
+    ray = ray_session
+    new = load_hf(padded_model_dir, seed=55)
+    server = pool.servers[0]
+    boot = ray.get(server.info.remote())["boot_id"]
+
+    def buckets():  # the first is packed after the push sent begin to every server
+        ray.kill(server, no_restart=False)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if ray.get(server.info.remote(), timeout=180)["boot_id"] != boot:
+                    break
+            except ray.exceptions.RayActorError:  # restarting
+                time.sleep(0.5)
+        yield from iter_buckets(new.state_dict().items(), 64 * 1024)
+
+    stats = pool.weight_syncer().push(buckets(), pool.version + 1)
+    assert stats.lost == [0] and stats.buckets > 1
+    pool.commit(stats)
+    assert pool.weight_versions() == [stats.version] * 2
+    prompts = prompts_batch([5, 7], seed=6)
+    out = pool.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=6, seed=0))
+    for row, prompt in enumerate(prompts["prompt_ids"]):  # row 0 on server 0, row 1 on 1
+        expected = hf_greedy(new, prompt, 6, vocab=58, eos=pool.eos_token_id)
+        assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected
+
+
 # slow: the asynchronous engine (the default) always runs its core in its own process,
 # so every default-tier push takes this path
 @pytest.mark.slow

@@ -26,6 +26,10 @@ Points and where they fire:
 * ``kill_in_generate@rollout:<i>=<calls>``: rollout server ``i`` SIGKILLs itself as its
   listed (0-based) generate calls arrive, with the requests of its other calls in flight
   (only in its first life: not again after Ray restarts it);
+* ``hold_in_generate@rollout:<i>=<calls>``: with ``RolloutConfig.continue_in_place``,
+  rollout server ``i`` pauses its listed (0-based) generate calls once each of their
+  requests has sampled a token, until the next weight update finishes (it lands
+  mid-request for sure);
 * ``fail_write@run_dir=0`` / ``disk_full@run_dir=0``: the start-up probe of the run dir
   fails with ``ENOSPC`` / sees 0 bytes free;
 * ``temperature_scale@<backend>=<percent>``: every forward of that backend's engines

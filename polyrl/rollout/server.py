@@ -346,6 +346,7 @@ class RolloutServer(Traced):
         inputs, params = self._requests(requests, spec, expected_version)
         engine_start = time.time()
         work = self.engine.submit(self.engine.agenerate(inputs, params))
+        await self._hold_for_a_push(work, len(inputs))
         outputs = await asyncio.wrap_future(work)
         record("generate.vllm", engine_start, time.time() - engine_start, None)
         results = self._results(outputs, spec)
@@ -406,6 +407,28 @@ class RolloutServer(Traced):
             if not ray.get_runtime_context().was_current_actor_reconstructed:
                 faults.kill_self()
 
+    async def _hold_for_a_push(self, work: Any, requests: int) -> None:
+        """Test-only (``polyrl.faults``): with ``hold_in_generate@rollout:<i>=<N>`` and
+        ``continue_in_place``, server ``i``'s generate call ``N`` (0-based) is paused, as
+        a weight update pauses it, once each of its requests has sampled a token, and goes
+        on when the next update finishes: that update surely lands mid-request."""
+        import asyncio
+
+        call = self.generate_calls - 1
+        if not (
+            self.config.continue_in_place
+            and faults.active("hold_in_generate", call, f"rollout:{self.index}")
+        ):
+            return
+        while not work.done():
+            sampled = self.engine.tokens_in_flight()
+            if len(sampled) >= requests and min(sampled) >= 1:
+                break
+            await asyncio.sleep(0.005)
+        if not work.done() and not self._paused:
+            self.engine.pause()
+            self._paused = True  # finish_weight_update resumes it
+
     def _check_version(self, expected: int | None) -> None:
         if self.updating:
             raise StaleWeightsError(
@@ -430,7 +453,8 @@ class RolloutServer(Traced):
         self.update_span = [time.time(), 0.0]
         with self._timed("begin"):
             if self.config.continue_in_place:  # requests in flight wait, KV kept
-                self.engine.pause()
+                if not self._paused:  # (a test's hold_in_generate may have paused it)
+                    self.engine.pause()
                 self._paused = True
             elif self.engine.concurrent:  # requests started before the update end first
                 self.engine.drain(self.config.request_timeout_s)

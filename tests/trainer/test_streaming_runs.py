@@ -58,11 +58,15 @@ def test_partial_rollouts_reach_the_trainer_with_two_versions(ray_session, tmp_p
 
 @pytest.mark.slow  # 50 s; the default tier has the server's own case
 # (tests/rollout/test_async_engine.py, a push in the middle of 240-token requests)
-def test_pushes_in_flight_continue_the_round_in_place(ray_session, tmp_path):
+def test_pushes_in_flight_continue_the_round_in_place(ray_session, tmp_path, monkeypatch):
     """continue_in_place with whole requests (no chunks) of 32 tokens at staleness 1: the
     pushes land while a round is in flight (async/pushed_in_flight) instead of waiting
     for it, so the rows of those rounds carry two versions (rollout/multi_version_rows)
-    and the trainer gets them; no row is staler than 1."""
+    and the trainer gets them; no row is staler than 1. Whether a push meets a round in
+    flight is timing, so server 0 holds the round after push 1 (its calls 0-1 are the
+    first round's two data batches, call 2 the next round's) once each of its requests
+    has a token, until push 2 lands (polyrl.faults hold_in_generate)."""
+    monkeypatch.setenv(faults.ENV, "hold_in_generate@rollout:0=2")
     rows = _run(
         tmp_path / "in_place",
         *STREAM,

@@ -561,6 +561,9 @@ class RunConfig:
       models and judges"). None: no judge.
     debug: ``polyrl.observe.debug.DebugConfig`` (breakpoints inside remote roles; gin/base.gin
       binds ``@polyrl.DebugConfig()``), turned on by ``polyrl train --debug``.
+    tinker: :class:`TinkerConfig`: the settings of ``polyrl
+      serve-tinker`` (gin/experiments/tinker_service.gin binds it; docs/tinker.md); a
+      training run ignores it.
     cache_dir: where compiled programs are kept across runs (``polyrl.compile_cache``:
       torch Inductor/Triton, JAX's persistent cache, vLLM's compile cache), shared safely
       by concurrent runs; a warm cache shortens the first step. None or "": each
@@ -641,6 +644,7 @@ class RunConfig:
     episodes: object = None
     judge: object = None
     debug: object = None
+    tinker: object = None
     cache_dir: str | None = "~/.cache/polyrl"
     warm_up: bool = True
 
@@ -667,6 +671,27 @@ class RunConfig:
         if found is None and facts.layout_of is not None:
             return self.role_config(facts.layout_of)
         return found
+
+
+@dataclasses.dataclass(frozen=True)
+class TinkerConfig:
+    """``polyrl serve-tinker``'s own settings (``polyrl.service``; docs/tinker.md):
+    ``polyrl.RunConfig.tinker = @polyrl.TinkerConfig()`` (gin/experiments/tinker_service.gin),
+    then ``polyrl.TinkerConfig.*``.
+
+    max_training_clients: training clients served at once. Each one's workers are the
+      actor's (``actor/polyrl.RoleConfig.pool``, ``polyrl.RunConfig.pools``) and ask for
+      ``1/max_training_clients`` of the actor's share of its pool (CPUs and GPUs): that
+      many share the actor's devices, and one more is refused until a session closes.
+    """
+
+    max_training_clients: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_training_clients < 1:
+            raise ValueError(
+                f"TinkerConfig.max_training_clients={self.max_training_clients} must be >= 1"
+            )
 
 
 SPACE_KINDS = ("grid", "choice", "uniform", "loguniform", "randint")

@@ -207,11 +207,16 @@ class Placement:
                 bundles = range(first, first + shape.nodes)
                 self.gpu_ids[name] = _bundle_gpu_ids(pg, bundles, shape.gpus)
 
-    def options(self, role: str, rank: int = 0) -> dict[str, Any]:
+    def options(self, role: str, rank: int = 0, split: int = 1) -> dict[str, Any]:
         """``ray.remote(...).options(**placement.options(role, rank))`` for one worker;
-        ``runtime_env`` carries the worker's GPUs when polyrl maps them."""
+        ``runtime_env`` carries the worker's GPUs when polyrl maps them. ``split``: the
+        role's share is split over that many groups of its workers on the same devices
+        (the Tinker service's training clients), each asking for ``1/split`` of it."""
         share, spec = self.shares[role], self.roles[role]
-        opts: dict[str, Any] = {"num_cpus": share.num_cpus, "num_gpus": share.num_gpus}
+        opts: dict[str, Any] = {
+            "num_cpus": share.num_cpus / split,
+            "num_gpus": _gpu_request(share.num_gpus, split) if share.num_gpus else 0.0,
+        }
         pg = self.groups.get(share.pool)
         if pg is None:
             return opts

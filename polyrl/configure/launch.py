@@ -32,6 +32,7 @@ from polyrl.config import (
     RoleConfig,
     RunConfig,
     SweepConfig,
+    TinkerConfig,
 )
 
 __all__ = ["parse_config", "prepare", "train", "find_gin", "init_run_ray", "GIN_ROOT"]
@@ -69,6 +70,7 @@ def _register() -> Any:
         TinyModelSpec,
         EpisodeConfig,
         JudgeConfig,
+        TinkerConfig,
     ):
         with contextlib.suppress(ValueError):  # already registered in this process
             gin.external_configurable(cls, module="polyrl")
@@ -186,6 +188,19 @@ def _joins_ray() -> bool:
     return joins or (ray is not None and ray.is_initialized())
 
 
+def servers(placement: Any, role: str, config: Any, wait: bool = True) -> Any:
+    """A RolloutPool of ``role`` (the rollout, a judge) on its share of the run's pools
+    (``placement``: a ``polyrl.cluster.placement.Placement``); ``wait``: as RolloutPool's."""
+    from polyrl.rollout import RolloutPool
+
+    share = placement.shares[role]
+    return RolloutPool(
+        dataclasses.replace(config, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
+        placement=lambda i: placement.options(role, i),
+        wait=wait,
+    )
+
+
 def _components(
     cfg: RunConfig, spec: Any, reward_rows: dict | None = None, startup: Any = None
 ) -> SimpleNamespace:
@@ -202,7 +217,6 @@ def _components(
     from polyrl.loop.metrics import StartupLog
     from polyrl.observe.debug import DebugSession
     from polyrl.role_table import Role
-    from polyrl.rollout import RolloutPool
 
     startup = startup or StartupLog()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -228,23 +242,14 @@ def _components(
     debug = DebugSession.start(cfg.debug)
     roles = build_roles(cfg, spec)
     placement = Placement(cfg.pools, roles, reserved=trial_placement())
-
-    def servers(role: Role, config: Any) -> RolloutPool:
-        # vLLM starts while the trainer starts its roles; RLTrainer waits for it after
-        share = placement.shares[role]
-        return RolloutPool(
-            dataclasses.replace(config, num_cpus=share.num_cpus, num_gpus=share.num_gpus),
-            placement=lambda i: placement.options(role, i),
-            wait=False,
-        )
-
     pool = judge_pool = None
+    # vLLM starts while the trainer starts its roles; RLTrainer waits for it after
     if spec.objective == "rl":
         with startup.phase("rollout servers"):
-            pool = servers(Role.ROLLOUT, cfg.rollout)
+            pool = servers(placement, Role.ROLLOUT, cfg.rollout, wait=False)
     if Role.JUDGE in roles:  # JudgeConfig.model_path: the judge's own servers
         with startup.phase("judge servers"):
-            judge_pool = servers(Role.JUDGE, cfg.judge.servers(cfg.rollout))
+            judge_pool = servers(placement, Role.JUDGE, cfg.judge.servers(cfg.rollout), False)
     return SimpleNamespace(
         tokenizer=tokenizer,
         prompts=prompts,

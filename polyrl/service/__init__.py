@@ -23,23 +23,28 @@ DEFAULT_GIN = "gin/experiments/tinker_service.gin"
 
 
 def start(gin_files: Sequence[str] = (DEFAULT_GIN,), gin_params: Sequence[str] = ()) -> Any:
-    """Parse and check the gin files, start Ray (unless it runs), the rollout servers and
-    the service's state (:class:`polyrl.service.state.TinkerService`); training models
-    start when clients ask for them. ``RunConfig.run_dir`` holds what clients save."""
+    """Parse and check the gin files, start Ray (unless it runs), reserve the run's pools
+    (``polyrl.cluster.placement.Placement``, as a training run does), start the rollout
+    servers on the rollout's share and the service's state
+    (:class:`polyrl.service.state.TinkerService`); training models start, on the actor's
+    share, when clients ask for them. ``RunConfig.run_dir`` holds what clients save."""
     import ray
     from transformers import AutoTokenizer
 
     from polyrl.backends.base import get_engine
+    from polyrl.cluster.placement import Placement
     from polyrl.cluster.roles import build_roles
-    from polyrl.configure.launch import init_run_ray, parse_config, prepare
+    from polyrl.config import TinkerConfig
+    from polyrl.configure.launch import init_run_ray, parse_config, prepare, servers
     from polyrl.errors import ConfigError
     from polyrl.role_table import Role
-    from polyrl.rollout import RolloutPool
     from polyrl.service.state import TinkerService
 
     cfg, _ = parse_config(gin_files, gin_params)
     cfg, spec = prepare(cfg)
-    actor = build_roles(cfg, spec)[Role.ACTOR]
+    # the service runs the actor (its training clients) and the rollout servers only
+    roles = {r: s for r, s in build_roles(cfg, spec).items() if r in (Role.ACTOR, Role.ROLLOUT)}
+    actor = roles[Role.ACTOR]
     if not hasattr(get_engine(actor.backend), "forward_backward"):
         raise ConfigError(
             f"polyrl.RunConfig.backend={actor.backend!r}: its engine has no forward_backward / "
@@ -47,14 +52,27 @@ def start(gin_files: Sequence[str] = (DEFAULT_GIN,), gin_params: Sequence[str] =
         )
     if not ray.is_initialized():
         init_run_ray(cfg)
-    pool = RolloutPool(cfg.rollout)
+    placement = Placement(cfg.pools, roles)
+    try:
+        pool = servers(placement, Role.ROLLOUT, cfg.rollout)
+    except BaseException:
+        placement.release()
+        raise
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     vocab = pool.planned_sampling_vocab(len(tokenizer))
     actor = dataclasses.replace(
         actor, model=dataclasses.replace(actor.model, sampling_vocab_size=vocab)
     )
     name = Path(cfg.model_path).name
-    return TinkerService(actor, pool, Path(cfg.run_dir), name, cfg.rollout.max_model_len)
+    return TinkerService(
+        actor,
+        pool,
+        Path(cfg.run_dir),
+        name,
+        cfg.rollout.max_model_len,
+        placement,
+        cfg.tinker or TinkerConfig(),
+    )
 
 
 def _server(service: Any, host: str, port: int) -> Any:

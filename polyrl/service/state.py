@@ -115,10 +115,23 @@ def _dir_buckets(path: Path) -> Callable[[], list]:
 class TinkerService:
     """The service's state. ``actor``: the run's actor RoleSpec (``polyrl.cluster.roles``),
     the template of every training model; ``pool``: the started RolloutPool; ``state_dir``:
-    where saved states and sampler weights go; ``name``: the served model's name."""
+    where saved states and sampler weights go; ``name``: the served model's name;
+    ``placement``: the run's ``polyrl.cluster.placement.Placement`` (each training model's
+    workers ask for ``1/settings.max_training_clients`` of the actor's share of it);
+    ``settings``: the ``polyrl.service.TinkerConfig``."""
 
-    def __init__(self, actor: Any, pool: Any, state_dir: Path, name: str, max_model_len: int):
+    def __init__(
+        self,
+        actor: Any,
+        pool: Any,
+        state_dir: Path,
+        name: str,
+        max_model_len: int,
+        placement: Any,
+        settings: Any,
+    ):
         self.actor, self.pool, self.name = actor, pool, name
+        self.placement, self.settings = placement, settings
         self.state_dir = Path(state_dir)
         self.model_path = Path(actor.model.path)
         self.max_model_len = max_model_len
@@ -200,6 +213,15 @@ class TinkerService:
                 )
             if model_id in self.models:
                 raise RequestError(f"model_seq_id={seq_id} already names a model of this session")
+            most = self.settings.max_training_clients
+            if len(self.models) >= most:
+                raise RequestError(
+                    f"this service serves {most} training clients at once "
+                    f"(polyrl.TinkerConfig.max_training_clients={most}, each with 1/{most} of "
+                    "the actor's share of its pool) and all are in use; close a session "
+                    "(ServiceClient.close) or restart the service with a larger "
+                    "polyrl.TinkerConfig.max_training_clients"
+                )
             self.models[model_id] = model
         return model
 
@@ -209,8 +231,10 @@ class TinkerService:
         from polyrl.cluster.workers import EngineGroup
 
         lora = dataclasses.replace(self.actor.model, lora=model.lora)
+        split = self.settings.max_training_clients
+        options = functools.partial(self.placement.options, self.actor.name, split=split)
         try:
-            model.group = EngineGroup(dataclasses.replace(self.actor, model=lora))
+            model.group = EngineGroup(dataclasses.replace(self.actor, model=lora), options)
         except BaseException:
             with self._lock:
                 self.models.pop(model.model_id, None)
@@ -532,6 +556,7 @@ class TinkerService:
             if model.group is not None:
                 model.group.shutdown()
         self.pool.shutdown()
+        self.placement.release()  # last: removing a group kills what still runs in it
 
 
 _MASKED = ("response_mask", "weights", "advantages")  # zero on pad rows

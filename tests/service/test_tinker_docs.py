@@ -95,3 +95,25 @@ def test_the_documented_command_serves_the_documented_client_block(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, 9)
             server.wait()
+
+
+def test_a_bad_max_training_clients_is_refused_by_name():
+    from polyrl.configure.launch import parse_config
+    from polyrl.errors import ConfigError
+    from polyrl.service import DEFAULT_GIN
+
+    with pytest.raises(ConfigError, match="max_training_clients=0 must be >= 1"):
+        parse_config([DEFAULT_GIN], ["polyrl.TinkerConfig.max_training_clients = 0"])
+
+
+def test_the_documented_gpu_lines_bind():
+    """docs/tinker.md "On GPUs": each block's lines are bindings the default gin file
+    takes (every one used), with the settings the text says."""
+    from polyrl.configure.launch import parse_config
+    from polyrl.service import DEFAULT_GIN
+
+    shared, own = blocks("On GPUs")
+    cfg, _ = parse_config([DEFAULT_GIN], shared.strip().splitlines())
+    assert cfg.tinker.max_training_clients == 2 and cfg.pools == {"shared": {"CPU": 8, "GPU": 1}}
+    cfg, _ = parse_config([DEFAULT_GIN], own.strip().splitlines())
+    assert cfg.actor.pool == "train" and cfg.rollout.pool == "gen"

@@ -202,6 +202,37 @@ def test_two_clients_at_once_train_their_own_models(served, trainer):
     assert other.model_id not in service.models and trainer.model_id in service.models
 
 
+def test_training_clients_share_the_actors_pool_and_one_too_many_is_refused(served, trainer):
+    """Each training client's workers ask Ray for 1/max_training_clients of the actor's
+    share of its pool: the default pool's 2 CPUs hold the actor's worker and the rollout
+    server (1 CPU each), over the default 4 clients: 0.25 CPU and no GPU. Once 4 models
+    run, a fifth is refused at arrival by the knob's name, and the service goes on."""
+    import ray
+
+    service, url = served
+    other_client = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    free = 4 - len(service.models)
+    assert free >= 1, service.models
+    made = [
+        other_client.create_lora_training_client(base_model=service.name, rank=2).result()
+        for _ in range(free)
+    ]
+    worker = service.models[made[0].model_id].group.workers[0]
+    assigned = ray.get(
+        worker.__ray_call__.remote(lambda _: ray.get_runtime_context().get_assigned_resources())
+    )
+    assert assigned == {"CPU": 0.25}, assigned
+    with pytest.raises(tinker.BadRequestError, match="TinkerConfig.max_training_clients=4"):
+        other_client.create_lora_training_client(base_model=service.name, rank=2).result()
+    other_client.close("success").result()
+    assert all(m.model_id not in service.models for m in made)
+    # the closed session's slots serve new clients
+    fresh = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    last = fresh.create_lora_training_client(base_model=service.name, rank=2).result()
+    assert last.model_id in service.models
+    fresh.close("success").result()
+
+
 def test_old_snapshots_are_dropped_by_name_while_new_ones_sample(served, trainer):
     """An RL loop makes a weight snapshot a round; the service keeps the newest
     KEEP_SNAPSHOTS. A sampling client whose snapshot went is refused, naming it, once the

@@ -238,6 +238,8 @@ class RolloutServer(Traced):
         self.model_vocab_size = int(self.engine.model_config.get_vocab_size())
         self.tokenizer_size = len(tokenizer)
         self._mask = vocab_mask(self.tokenizer_size, self.model_vocab_size, config)
+        if self._mask:  # the prompt's log-probs too (compute_logprobs): see the method
+            self.engine.rpc("polyrl_mask_logits", args=(self.tokenizer_size,))
         self.sampling_vocab_size = sampling_vocab(
             self.tokenizer_size, self.model_vocab_size, config
         )

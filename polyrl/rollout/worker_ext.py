@@ -72,6 +72,24 @@ class WeightReceiver:
     def polyrl_finish_update(self) -> None:
         _finish(self)
 
+    def polyrl_mask_logits(self, tokenizer_size: int) -> None:
+        """Every logit past the tokenizer's ids (a model whose embedding is padded past
+        its tokenizer, Qwen2.5) is -inf from here on, in every log-prob vLLM computes:
+        sampled tokens' and the prompt's (``prompt_logprobs``, which skip the sampling
+        processors and so the server's ``vocab_mask``) normalise over the tokenizer's
+        ids, as the trainer's log-softmax does (``ModelConfig.sampling_vocab_size``).
+        ``model.compute_logits`` runs outside vLLM's compiled graphs."""
+        model = self.model_runner.model
+        compute = model.compute_logits
+
+        def masked(*args: Any, **kwargs: Any) -> Any:
+            logits = compute(*args, **kwargs)
+            if logits is not None:  # (tensor-parallel ranks other than the first: None)
+                logits[..., tokenizer_size:] = float("-inf")
+            return logits
+
+        model.compute_logits = masked
+
     def polyrl_set_load_plan(self, enabled: bool) -> None:
         """Turn planned loads on or off (GPU only; vLLM-CPU always reloads layer-wise).
         Turning them back on starts from no plan."""

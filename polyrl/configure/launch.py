@@ -207,19 +207,19 @@ def _components(
     """The run's data, Ray, rollout pool (and an LLM judge's own) and placement. ``reward_rows``: the rows whose
     rewards ``prepare`` left to score once Ray runs; ``startup``: the run's StartupLog."""
     import ray
-    from transformers import AutoTokenizer
 
     from polyrl.cluster.placement import Placement, trial_placement
     from polyrl.cluster.roles import build_roles
     from polyrl.configure.validate import raise_if_problems, reward_problems
     from polyrl.data.loader import source_for
+    from polyrl.data.tokenizer import load_tokenizer
     from polyrl.loop.evaluation import validation_prompts
     from polyrl.loop.metrics import StartupLog
     from polyrl.observe.debug import DebugSession
     from polyrl.role_table import Role
 
     startup = startup or StartupLog()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    tokenizer = load_tokenizer(cfg.model_path, cfg.cache_dir)
     from polyrl.configure.validate import row_limit
 
     kw = {

@@ -894,10 +894,10 @@ def preflight(
     if spec.objective == "rl":
         problems += length_problems(cfg)
     problems += episode_problems(cfg, spec) + judge_problems(cfg, spec)
-    from transformers import AutoTokenizer
+    from polyrl.data.tokenizer import load_tokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path, cfg.cache_dir)
     except (OSError, ValueError) as e:
         raise ConfigError(
             problems

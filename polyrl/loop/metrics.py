@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -205,14 +206,16 @@ class Tracker:
         if resume_step is not None:
             drop_steps_after(self.path, resume_step)
         self._jsonl = self.path.open("a")
-        self._tb = None
+        self._tb_start = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             # A resume from step_N purges the events of steps after N (TensorBoard hides
             # those an earlier attempt wrote), so each step shows once.
             purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
+            # Made beside the first step: its import of torch (1-2 s in a driver that
+            # loaded no torch for its checks) is no part of the start-up (issue 48).
+            pool = ThreadPoolExecutor(1, thread_name_prefix="polyrl-tensorboard")
+            self._tb_start = pool.submit(_summary_writer, self.run_dir / "tensorboard", purge)
+            pool.shutdown(wait=False)
         self._wandb = None
         if wandb_project:
             import wandb  # optional: only when the user asks for it
@@ -220,6 +223,11 @@ class Tracker:
             self._wandb = wandb.init(
                 project=wandb_project, dir=str(self.run_dir), config=dict(config or {})
             )
+
+    @property
+    def _tb(self) -> Any:
+        """The TensorBoard writer (None: not asked for); its errors are raised here."""
+        return None if self._tb_start is None else self._tb_start.result()
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if faults.active("fail_write", step, "metrics"):
@@ -246,6 +254,12 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _summary_writer(path: Path, purge_step: int | None) -> Any:
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(path), purge_step=purge_step)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ kept in ``RunConfig.cache_dir`` and loaded directly the next time, with the same
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -39,10 +40,13 @@ def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None) -> Any
     tokenizer = AutoTokenizer.from_pretrained(path)
     cls = type(tokenizer)
     if kept is not None and cls.__module__.startswith("transformers."):
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        part = kept.with_name(f"{kept.name}.{os.getpid()}")
-        part.write_text(json.dumps({"class": f"{cls.__module__}:{cls.__qualname__}"}))
-        part.replace(kept)  # whole or absent, with runs side by side
+        # (a cache_dir that cannot be written: loaded as now next time; the compile
+        # cache in the same directory is what names it)
+        with contextlib.suppress(OSError):
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            part = kept.with_name(f"{kept.name}.{os.getpid()}")
+            part.write_text(json.dumps({"class": f"{cls.__module__}:{cls.__qualname__}"}))
+            part.replace(kept)  # whole or absent, with runs side by side
     return tokenizer
 
 

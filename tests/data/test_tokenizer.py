@@ -68,6 +68,11 @@ def test_a_changed_config_is_not_loaded_by_the_kept_class(tiny_model_dir, tmp_pa
     assert len(list((tmp_path / "tokenizer_classes").iterdir())) == 2  # a key of its own
 
 
+def test_a_cache_dir_that_cannot_be_written_still_loads(tiny_model_dir, tmp_path):
+    (tmp_path / "tokenizer_classes").write_text("a file, not a directory")
+    assert type(load_tokenizer(tiny_model_dir, tmp_path)).__name__ == "Qwen2Tokenizer"
+
+
 def test_checks_name_a_damaged_tokenizer_with_its_class_kept(tiny_model_dir, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)

@@ -565,9 +565,11 @@ class RunConfig:
       serve-tinker`` (gin/experiments/tinker_service.gin binds it; docs/tinker.md); a
       training run ignores it.
     cache_dir: where compiled programs are kept across runs (``polyrl.compile_cache``:
-      torch Inductor/Triton, JAX's persistent cache, vLLM's compile cache), shared safely
-      by concurrent runs; a warm cache shortens the first step. None or "": each
-      framework's own default (JAX then keeps nothing).
+      torch Inductor/Triton, JAX's persistent cache, vLLM's compile cache), and the
+      tokenizer class AutoTokenizer picked per model directory (``polyrl.data.tokenizer``:
+      the driver's checks then load it without importing torch), shared safely by
+      concurrent runs; a warm cache shortens the first step. None or "": each
+      framework's own default (JAX then keeps nothing; the tokenizer through AutoTokenizer).
     warm_up: each engine role prepares its first step's programs while the rollout
       servers start (``TrainEngine.warm_up``: torch's compiled graphs on a few rows of a
       placeholder batch, JAX's jitted programs compiled ahead for its padded shapes),

@@ -52,8 +52,8 @@ def load_tokenizer(path: str | Path, cache_dir: str | Path | None = None) -> Any
 
 def _kept_path(path: str | Path, cache_dir: str | Path | None) -> Path | None:
     """Where the class for ``path`` is kept: a name from every input of AutoTokenizer's
-    choice (None: no cache_dir, or not a local directory)."""
-    if cache_dir is None or not Path(path).is_dir():
+    choice (None: no cache_dir (None or ""), or not a local directory)."""
+    if not cache_dir or not Path(path).is_dir():
         return None
     key = hashlib.sha256(f"{version('transformers')}\0{path}".encode())
     for name in _CONFIGS:

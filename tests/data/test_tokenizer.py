@@ -73,6 +73,13 @@ def test_a_cache_dir_that_cannot_be_written_still_loads(tiny_model_dir, tmp_path
     assert type(load_tokenizer(tiny_model_dir, tmp_path)).__name__ == "Qwen2Tokenizer"
 
 
+def test_no_cache_dir_keeps_nothing(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for cache_dir in (None, ""):
+        assert type(load_tokenizer(tiny_model_dir, cache_dir)).__name__ == "Qwen2Tokenizer"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_checks_name_a_damaged_tokenizer_with_its_class_kept(tiny_model_dir, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)

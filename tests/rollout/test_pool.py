@@ -274,6 +274,18 @@ def test_server_killed_mid_run_is_restarted_and_resynced(
     np.testing.assert_array_equal(few["responses"], reference["responses"][:8])
 
 
+def _committed_and_both_decode(pool, stats, new) -> None:
+    """After a push that lost a server: commit() re-syncs it, both servers hold the
+    push's version and decode greedily as transformers does with ``new``."""
+    pool.commit(stats)
+    assert pool.weight_versions() == [stats.version] * 2
+    prompts = prompts_batch([5, 7], seed=6)
+    out = pool.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=6, seed=0))
+    for row, prompt in enumerate(prompts["prompt_ids"]):  # row 0 on server 0, row 1 on 1
+        expected = hf_greedy(new, prompt, 6, vocab=58, eos=pool.eos_token_id)
+        assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected
+
+
 def test_server_killed_during_weight_push_is_resynced_before_it_generates(
     pool, padded_model_dir, ray_session
 ):
@@ -291,13 +303,7 @@ def test_server_killed_during_weight_push_is_resynced_before_it_generates(
 
     stats = pool.weight_syncer().push(buckets(), pool.version + 1)
     assert stats.lost == [0] and stats.buckets > 10
-    pool.commit(stats)
-    assert pool.weight_versions() == [stats.version] * 2
-    prompts = prompts_batch([5, 7], seed=6)
-    out = pool.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=6, seed=0))
-    for row, prompt in enumerate(prompts["prompt_ids"]):  # row 0 on server 0, row 1 on 1
-        expected = hf_greedy(new, prompt, 6, vocab=58, eos=pool.eos_token_id)
-        assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected
+    _committed_and_both_decode(pool, stats, new)
 
 
 def test_server_restarted_between_begin_and_a_bucket_is_left_out_and_resynced(
@@ -327,13 +333,7 @@ def test_server_restarted_between_begin_and_a_bucket_is_left_out_and_resynced(
 
     stats = pool.weight_syncer().push(buckets(), pool.version + 1)
     assert stats.lost == [0] and stats.buckets > 1
-    pool.commit(stats)
-    assert pool.weight_versions() == [stats.version] * 2
-    prompts = prompts_batch([5, 7], seed=6)
-    out = pool.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=6, seed=0))
-    for row, prompt in enumerate(prompts["prompt_ids"]):  # row 0 on server 0, row 1 on 1
-        expected = hf_greedy(new, prompt, 6, vocab=58, eos=pool.eos_token_id)
-        assert out["responses"][row, : out["response_lengths"][row]].tolist() == expected
+    _committed_and_both_decode(pool, stats, new)
 
 
 # slow: the asynchronous engine (the default) always runs its core in its own process,

@@ -404,7 +404,7 @@ class RoleConfig:
         if not facts.trained and self.optim is not None:
             out.append(f"{at}.optim is set but the {role} is frozen (no optimizer); unbind it")
         if self.model_path is not None and not facts.own_model:
-            own = [str(r) for r, f in ROLE_TABLE.items() if f.own_model]
+            own = [str(r) for r, f in ROLE_TABLE.items() if f.own_model and f.kind == "engine"]
             out.append(
                 f"{at}.model_path={self.model_path!r}: the {role} loads RunConfig.model_path; "
                 f"unbind it (only the {' and '.join(own)} roles have checkpoints of their own)"

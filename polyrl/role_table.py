@@ -24,6 +24,7 @@ __all__ = [
     "ENGINE_ROLES",
     "TRAINED_ROLES",
     "VALUE_HEAD_ROLES",
+    "SERVICE_ROLES",
     "role_names",
     "run_roles",
     "trained_roles",
@@ -65,7 +66,8 @@ class RoleFacts:
       reward-model scores) instead of scoring tokens.
     config: the RunConfig field that holds the role's own settings (an engine role's
       ``RoleConfig``; the rollout's ``RolloutConfig``; the judge's ``JudgeConfig``); None:
-      the role has none of its own (reward and env workers: ``RunConfig.reward_workers``, ``RunConfig.episodes``).
+      the role has none of its own (reward and env workers: ``RunConfig.reward_workers``,
+      ``RunConfig.episodes``).
     layout_of: a role whose settings this one takes when its own field is None.
     own_model: the role loads a checkpoint of its own (``RoleConfig.model_path``,
       ``JudgeConfig.model_path``), not ``RunConfig.model_path`` (the reward model, the
@@ -99,6 +101,9 @@ ROLE_TABLE: dict[Role, RoleFacts] = {
 }
 
 ENGINE_ROLES = tuple(r for r, f in ROLE_TABLE.items() if f.kind == "engine")
+# What a Tinker service (polyrl.service) starts: its training clients placed as the actor,
+# its samplers on the rollout servers.
+SERVICE_ROLES = (Role.ACTOR, Role.ROLLOUT)
 TRAINED_ROLES = tuple(r for r, f in ROLE_TABLE.items() if f.trained)
 VALUE_HEAD_ROLES = tuple(r for r, f in ROLE_TABLE.items() if f.value_head)
 

@@ -37,13 +37,12 @@ def start(gin_files: Sequence[str] = (DEFAULT_GIN,), gin_params: Sequence[str] =
     from polyrl.config import TinkerConfig
     from polyrl.configure.launch import init_run_ray, parse_config, prepare, servers
     from polyrl.errors import ConfigError
-    from polyrl.role_table import Role
+    from polyrl.role_table import SERVICE_ROLES, Role
     from polyrl.service.state import TinkerService
 
     cfg, _ = parse_config(gin_files, gin_params)
     cfg, spec = prepare(cfg)
-    # the service runs the actor (its training clients) and the rollout servers only
-    roles = {r: s for r, s in build_roles(cfg, spec).items() if r in (Role.ACTOR, Role.ROLLOUT)}
+    roles = {r: s for r, s in build_roles(cfg, spec).items() if r in SERVICE_ROLES}
     actor = roles[Role.ACTOR]
     if not hasattr(get_engine(actor.backend), "forward_backward"):
         raise ConfigError(

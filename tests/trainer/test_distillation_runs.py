@@ -110,7 +110,9 @@ OWN_POOL = (
 )
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
+# JAX in the slow tier (41-60 s here): the default tier has torch end to end and the
+# estimator on numpy, torch and jax (tests/algos/test_distillation.py)
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_advantages_equal_a_hand_computation(ray_session, tmp_path, teacher_dir, backend):
     files = [DISTILL] + ([JAX] if backend == "jax" else [])
     teacher = f"teacher/polyrl.RoleConfig.model_path = {str(teacher_dir)!r}"
@@ -121,6 +123,9 @@ def test_advantages_equal_a_hand_computation(ray_session, tmp_path, teacher_dir,
     _check_by_hand(batch, metrics, cfg, teacher_dir)
 
 
+# slow: 33-45 s here; the default tier has the estimator on multi-turn masks
+# (tests/algos/test_distillation.py::test_multi_turn_masked_tokens_carry_no_kl_and_no_discount_step)
+@pytest.mark.slow
 def test_multi_turn_observation_tokens_carry_no_advantage(ray_session, tmp_path, teacher_dir):
     """A multi-turn episode's environment tokens (response mask 0 between the turns) get
     advantage 0; the student's tokens around them the hand-computed reverse KL."""

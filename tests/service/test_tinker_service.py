@@ -49,7 +49,11 @@ def served(request, ray_session, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(served):
     service, url = served
-    return tinker.ServiceClient(base_url=url, api_key="tml-local")
+    client = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    yield client
+    # finished while the service still answers: an open session's heartbeat would go on
+    # after the module and print "Tinker is down" at the end of the test run
+    client.close("success").result()
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +297,7 @@ def test_malformed_requests_get_the_clients_error_shape_and_the_service_goes_on(
     again = fresh.create_lora_training_client(base_model=service.name, rank=2).result()
     with pytest.raises(Exception, match="loss_fn='dro'"):
         again.forward_backward([datum(tok, "copy 1 -> 1")], "dro").result()
+    fresh.close("success").result()
 
 
 @pytest.mark.slow  # ~1 min: 12 rounds of sampling and training

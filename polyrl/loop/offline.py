@@ -12,15 +12,24 @@ from polyrl.loop.evaluation import PairEvaluator
 __all__ = ["PreferenceTrainer", "SFTTrainer", "RewardModelTrainer"]
 
 
+def _step_batch(loop: Loop, step: int) -> Any:
+    """Step ``step``'s ``prompts_per_step`` rows (pairs or conversations), timed as "data"."""
+    loop.timer.start_step(step + 1)
+    with loop.timer.phase("data"):
+        return loop.prompts.batch(step, loop.cfg.prompts_per_step).with_columns(step=step)
+
+
+def _length_mean(batch: Any) -> dict[str, float]:
+    return {"response/length_mean": float(batch["response_mask"].sum(-1).mean())}
+
+
 class PreferenceTrainer(Loop):
     """Offline DPO (and IPO/hinge): ``prompts_per_step`` pairs a step, the reference's
     log-probs of both responses, then ``epochs`` passes of mini-batches of
     ``mini_batch_prompts`` pairs. No rollout servers."""
 
     def step(self, step: int) -> dict[str, float]:
-        self.timer.start_step(step + 1)
-        with self.timer.phase("data"):
-            batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
+        batch = _step_batch(self, step)
         with self.timer.phase("reference"):
             group, extra = self.ref_scorer
             batch = batch.with_columns(
@@ -38,9 +47,7 @@ class PreferenceTrainer(Loop):
             )
         if step == self.start_step:
             self.check_reference(batch, {})
-        lengths = batch["response_mask"].sum(-1)
-        metrics |= {"response/length_mean": float(lengths.mean())}
-        return metrics | self.timer.metrics(COMPUTE_PHASES)
+        return metrics | _length_mean(batch) | self.timer.metrics(COMPUTE_PHASES)
 
 
 class SFTTrainer(Loop):
@@ -50,9 +57,7 @@ class SFTTrainer(Loop):
     reference, no reward."""
 
     def step(self, step: int) -> dict[str, float]:
-        self.timer.start_step(step + 1)
-        with self.timer.phase("data"):
-            batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
+        batch = _step_batch(self, step)
         with self.timer.phase("update_actor"):
             metrics = self.update(
                 self.actor, self.actor_loss, batch, "actor", False, self.cfg.mini_batch_prompts
@@ -78,9 +83,7 @@ class RewardModelTrainer(Loop):
             self.evaluator = PairEvaluator(cfg.eval_every, components.val_prompts, self.critic)
 
     def step(self, step: int) -> dict[str, float]:
-        self.timer.start_step(step + 1)
-        with self.timer.phase("data"):
-            batch = self.prompts.batch(step, self.cfg.prompts_per_step).with_columns(step=step)
+        batch = _step_batch(self, step)
         with self.timer.phase("update_critic"):
             metrics = self.update(
                 self.critic,
@@ -91,6 +94,4 @@ class RewardModelTrainer(Loop):
                 mini=2 * self.cfg.mini_batch_prompts,
                 unit=2,
             )
-        lengths = batch["response_mask"].sum(-1)
-        metrics |= {"response/length_mean": float(lengths.mean())}
-        return metrics | self.timer.metrics(COMPUTE_PHASES)
+        return metrics | _length_mean(batch) | self.timer.metrics(COMPUTE_PHASES)

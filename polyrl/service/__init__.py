@@ -105,16 +105,21 @@ def serve(
 
 def serve_in_thread(service: Any, host: str = "127.0.0.1", port: int = 0) -> tuple[Any, str]:
     """Serve ``service`` from a thread of this process (tests, benchmarks); returns the
-    uvicorn server (``server.should_exit = True`` stops it) and the base URL."""
+    uvicorn server (``server.should_exit = True`` stops it) and the base URL. The socket is
+    bound here (``port`` 0: a free one) and handed to uvicorn, so no other process can take
+    the port in between; a server that fails to start raises instead of being waited for."""
     import socket
     import time
 
-    if port == 0:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+    sock = socket.socket()
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
     server = _server(service, host, port)
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
     while not server.started:
+        if not thread.is_alive():
+            sock.close()
+            raise RuntimeError(f"the Tinker service did not start on {host}:{port}")
         time.sleep(0.05)
     return server, f"http://{host}:{port}"

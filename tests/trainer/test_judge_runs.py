@@ -130,6 +130,7 @@ def sevens_judge(tiny_model_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # 30 s idle, 42-85 s loaded: the default tier keeps the run's-own-pool judge
 def test_a_judge_of_its_own_answers_from_its_servers(ray_session, tmp_path, sevens_judge):
     from polyrl.loop.judge import Judge
 

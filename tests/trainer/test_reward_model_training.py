@@ -53,7 +53,11 @@ def _scores_reward_role(backend: str, path: Path, batch) -> np.ndarray:
     return np.asarray(engine.forward(batch)["scores"])
 
 
-@pytest.mark.parametrize("backend", ["torch_fsdp", "jax_pjit"])
+# JAX in the slow tier (15-21 s): the default tier has torch; the value head on both
+# backends is in tests/backends
+@pytest.mark.parametrize(
+    "backend", ["torch_fsdp", pytest.param("jax_pjit", marks=pytest.mark.slow)]
+)
 def test_exported_reward_model_scores_as_the_trainer(ray_session, tmp_path, capsys, backend):
     """Two steps of training, a checkpoint, the run's own export (run/hf) and
     `polyrl export` of the checkpoint: both load as the reward_model role (and as

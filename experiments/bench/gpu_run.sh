@@ -44,6 +44,12 @@
 #   gsm8k_tool  gin/experiments/gsm8k_tool.gin (multi-turn, Python tool) against the single-turn
 #               GSM8K GRPO step: step time and rollout tokens/s side by side (gsm8k_tool.py;
 #               random 0.5B shape; not in the default list; ~7 minutes)
+#   distill     gin/experiments/gpu_distill_0p5b.gin: the GRPO experiment on-policy distilled from
+#               a random 1.5B-shape teacher (its phase teacher_log_probs); pair it with grpo_torch
+#               (not in the default list; DISTILL_BACKEND, default torch_fsdp)
+#   tinker      the Tinker service on the 0.5B shape, one GPU (tinker_overhead.py): a LoRA step
+#               of 64 x 640 tokens and 64 x 8 x 512 sampled tokens through the client against the
+#               engine and the pool (not in the default list; TINKER_BACKEND, TINKER_STEPS)
 #   rollout_7b  the rollout bench on a random Qwen2.5-7B-shape model (random_model.py),
 #               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
 #   shadow      the three-way log-prob check's cost per step on the GRPO experiment
@@ -234,6 +240,38 @@ for s in $sections; do
     timeout ${SECTION_TIMEOUT:-580} python3 experiments/bench/gsm8k_tool.py --model $M4K --steps ${GRPO_STEPS:-3} --skip 1 \
       --timeout 400 --json "$OUT/bench_gsm8k_tool.json" > "$OUT/gsm8k_tool.log" 2>&1
     tail -40 "$OUT/gsm8k_tool.log" | cut -c1-300 | tee -a "$OUT/summary.txt" ;;
+  distill)
+    # gin/experiments/gpu_distill_0p5b.gin: the GRPO experiment's step with a 1.5B-shape
+    # teacher (random weights, the student's tokenizer) in place of the reference; run
+    # grpo_torch beside it for the GRPO step on the same student
+    model; T=/tmp/models/qwen2-1.5b-random-teacher
+    if [ ! -d $T ]; then
+      python3 experiments/bench/random_model.py 1.5b $T --max-positions 1024 > "$OUT/make_teacher.log" 2>&1
+      (cd $T && rm -f tokenizer* special_tokens_map.json chat_template* vocab* merges*)
+      cp $M/tokenizer* $M/special_tokens_map.json $T/ && cp $M/chat_template* $T/ 2>/dev/null
+    fi
+    IFS=';' read -ra extra <<< "${GIN_EXTRA:-}"; args=()
+    for b in ${extra[@]+"${extra[@]}"}; do args+=(--gin_param "${b#"${b%%[! ]*}"}"); done
+    steps=${GRPO_STEPS:-4}
+    peak_mem $s timeout $((steps * 60 + 240)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_distill_0p5b.gin \
+      --backend ${DISTILL_BACKEND:-torch_fsdp} --steps $steps --skip 1 --timeout $((steps * 60 + 220)) \
+      --gin_param "polyrl.RunConfig.model_path = '$M'" --gin_param "teacher/polyrl.RoleConfig.model_path = '$T'" \
+      --gin_param "polyrl.RunConfig.weight_transport = '$transport'" ${args[@]+"${args[@]}"} \
+      --log "$OUT/$s.log" --json "$OUT/bench_$s.json" > "$OUT/$s.stdout" 2>&1
+    cat "$OUT/$s.stdout" "$OUT/$s.mem.txt" | cut -c1-300 | tail -60 | tee -a "$OUT/summary.txt" ;;
+  tinker)
+    # the Tinker service on the 0.5B shape, one GPU shared by the rollout server and the
+    # training client (docs/tinker.md "On GPUs"): a LoRA step on the update's shape (64 x 640
+    # tokens) and 64 sample calls x 8 x 512 tokens, against the engine and the pool
+    model
+    timeout ${SECTION_TIMEOUT:-420} python3 experiments/bench/tinker_overhead.py --backend ${TINKER_BACKEND:-torch_fsdp} \
+      --gin_param "polyrl.RunConfig.model_path = '$M'" --gin_param 'polyrl.RunConfig.pools = {"shared": {"CPU": 8, "GPU": 1}}' \
+      --gin_param "polyrl.RunConfig.model_dtype = 'bfloat16'" --gin_param "polyrl.RunConfig.gradient_checkpointing = True" \
+      --gin_param "polyrl.RolloutConfig.dtype = 'bfloat16'" --gin_param "polyrl.RolloutConfig.gpu_memory_utilization = 0.35" \
+      --gin_param "polyrl.RolloutConfig.max_model_len = 1024" --gin_param "polyrl.RolloutConfig.max_prompt_len = 128" \
+      --gin_param "polyrl.TinkerConfig.max_training_clients = 2" --gin_param "polyrl.SamplingSpec.max_tokens = 512" \
+      --ray-cpus 12 --batch 64 --length 640 --prompts 64 --samples 8 --prompt-len 64 --max-tokens 512 \
+      --steps ${TINKER_STEPS:-3} --warmup 1 --json "$OUT/bench_tinker.json" 2> "$OUT/tinker.log" | tee -a "$OUT/summary.txt" ;;
   rollout_7b)
     M7=/tmp/models/qwen2-7b-random
     python3 experiments/bench/random_model.py 7b $M7 --max-positions 1024 > "$OUT/make_7b.log" 2>&1
@@ -288,7 +326,7 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool shadow lora_sync lora_7b first_torch first_jax async_engine rollout_7b compile_tests)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool shadow lora_sync lora_7b first_torch first_jax async_engine rollout_7b compile_tests distill tinker)" ;;
   esac
   pack_logs "$s"
 done

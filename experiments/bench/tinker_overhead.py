@@ -13,11 +13,15 @@ LoRA rank 8 on every projection of the served model), three ways:
 * ``client``: the ``tinker`` client: two requests, two futures polled over HTTP, protobuf
   bodies both ways.
 
-Sample (``num_samples`` completions of one prompt): ``pool`` = ``RolloutPool.generate_ids``
-from this process, ``client`` = ``SamplingClient.sample``. Overhead = client - the rest.
+Sample (``--prompts`` sample calls at once, ``num_samples`` completions of each prompt, every
+completion ``--max-tokens`` long): ``pool`` = ``RolloutPool.generate_ids`` from this process,
+``client`` = ``SamplingClient.sample``. Overhead = client - the rest; tokens/s of each (the
+issue's GPU goals: the client's training tokens/s >= 0.9x the engine's, its sampled tokens/s
+>= 0.95x the pool's).
 
     python experiments/bench/tinker_overhead.py                   # tiny model, torch, CPU
     python experiments/bench/tinker_overhead.py --backend jax_pjit --json t.json
+    bash experiments/bench/gpu_run.sh tinker                      # 0.5B shape, one GPU
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per sample")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=1, help="sample calls in flight at once")
+    p.add_argument("--prompt-len", type=int, default=16, help="tokens per sampled prompt")
+    p.add_argument("--gin_param", action="append", default=[], help="a binding for the service")
+    p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray")
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
 
@@ -72,8 +80,8 @@ def main() -> None:
     from polyrl.service import DEFAULT_GIN, serve_in_thread, start
     from polyrl.service.wire import decode_forward_backward
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    service = start([DEFAULT_GIN, f"gin/backends/{args.backend}.gin"])
+    ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False)
+    service = start([DEFAULT_GIN, f"gin/backends/{args.backend}.gin"], args.gin_param)
     server, url = serve_in_thread(service)
     client = tinker.ServiceClient(base_url=url, api_key="tml-local")
     trainer = client.create_lora_training_client(base_model=service.name, rank=8).result()
@@ -127,15 +135,27 @@ def main() -> None:
         engine.train_step(batch, loss)
 
     sampler = trainer.save_weights_and_get_sampling_client().result()
-    prompt = rng.integers(3, 50, 16).tolist()
-    params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0)
-    spec = SamplingSpec(temperature=1.0, max_tokens=args.max_tokens, seed=0, detokenize=False)
+    prompts = [rng.integers(3, 50, args.prompt_len).tolist() for _ in range(args.prompts)]
+    # stop=[]: no stop token, every completion max_tokens long (the service's ignore_eos)
+    params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=0, stop=[])
+    spec = SamplingSpec(
+        temperature=1.0, max_tokens=args.max_tokens, seed=0, detokenize=False, ignore_eos=True
+    )
+    sampled: dict[str, int] = {}  # tokens per call, as each side returned them
 
     def client_sample() -> None:
-        sampler.sample(types.ModelInput.from_ints(prompt), args.samples, params).result()
+        calls = [
+            sampler.sample(types.ModelInput.from_ints(prompt), args.samples, params)
+            for prompt in prompts
+        ]
+        sequences = [s for call in calls for s in call.result().sequences]
+        sampled["client"] = sum(len(s.tokens) for s in sequences)
 
     def pool_sample() -> None:
-        service.pool.generate_ids([(j, prompt) for j in range(args.samples)], spec)
+        requests = [(j, prompt) for prompt in prompts for j in range(args.samples)]
+        sampled["pool"] = sum(
+            len(r["token_ids"]) for r in service.pool.generate_ids(requests, spec)
+        )
 
     runs = {
         "train step: engine (in process)": engine_step,
@@ -152,12 +172,19 @@ def main() -> None:
     service.shutdown()
     ray.shutdown()
 
+    trained = args.batch * args.length
+    for name, r in results.items():
+        tokens = trained if name.startswith("train") else sampled[name.split()[1]]
+        r["tokens_per_s"] = tokens / r["median_s"]
     print(
-        f"{args.backend}, tiny model on CPU, {args.batch} datums x {args.length} tokens, "
-        f"sample {args.samples} x {args.max_tokens} tokens; median of {args.steps}:"
+        f"{args.backend}, {service.name}, {args.batch} datums x {args.length} tokens, "
+        f"sample {args.prompts} x {args.samples} x {args.max_tokens} tokens; median of {args.steps}:"
     )
     for name, r in results.items():
-        print(f"  {name:<34} {r['median_s'] * 1e3:8.1f} ms  (min {r['min_s'] * 1e3:.1f})")
+        print(
+            f"  {name:<34} {r['median_s'] * 1e3:8.1f} ms  (min {r['min_s'] * 1e3:.1f})  "
+            f"{r['tokens_per_s']:10.0f} tokens/s"
+        )
     step = results["train step: client (HTTP)"]["median_s"]
     overhead = {
         "train_vs_engine_ms": (step - results["train step: engine (in process)"]["median_s"]) * 1e3,
@@ -173,9 +200,21 @@ def main() -> None:
         "{train_vs_ray_ms:.1f} ms over the EngineGroup; per sample call: "
         "{sample_vs_pool_ms:.1f} ms over the pool".format(**overhead)
     )
+    ratios = {
+        "train_client_vs_engine": results["train step: client (HTTP)"]["tokens_per_s"]
+        / results["train step: engine (in process)"]["tokens_per_s"],
+        "sample_client_vs_pool": results["sample: client (HTTP)"]["tokens_per_s"]
+        / results["sample: pool (in process)"]["tokens_per_s"],
+    }
+    print(
+        "  tokens/s, client over the rest: training {train_client_vs_engine:.3f}x the engine's "
+        "(goal >= 0.9x on a GPU), sampling {sample_client_vs_pool:.3f}x the pool's "
+        "(goal >= 0.95x)".format(**ratios)
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results, "overhead": overhead}, f, indent=1)
+            out = {"args": vars(args), "results": results, "overhead": overhead, "ratios": ratios}
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ futures a client polls.
 Every training request of one model runs in its own single thread, in arrival order (the
 ``tinker`` client sends a model's requests one after the other, in seq order); samples of
 all sessions go through one dispatcher that takes whatever has queued up, groups it by
-weights and sampling settings and sends each group to the pool in one call. A sampling
+weights and sampling settings and sends each group to the pool in one call, without
+waiting for the calls before it: calls on the weights the pool holds are in flight
+together (the servers' asynchronous engine schedules them as one batch). A sampling
 session names its weights (the base model, a snapshot exported from a training model, or
 a directory saved for sampling); the pool holds one set at a time, so a group of another
-session's samples first pushes that session's weights (``RolloutPool.update_weights``).
+session's samples waits for the calls in flight to end, then pushes its session's weights
+(``RolloutPool.update_weights``).
 """
 
 from __future__ import annotations
@@ -142,6 +145,8 @@ class TinkerService:
         self.snapshots: collections.OrderedDict[str, list] = collections.OrderedDict()
         self.sessions: set[str] = set()
         self.loaded = str(self.model_path)  # the weights the pool holds (a Sampler.key)
+        self._inflight = 0  # pool calls on the loaded weights not yet returned
+        self._idle = threading.Condition()  # guards loaded and _inflight
         self.pad_id = 0
         self._samples: queue.Queue = queue.Queue()
         self._dispatcher = threading.Thread(target=self._sample_loop, daemon=True)
@@ -515,34 +520,54 @@ class TinkerService:
         self._samples.put((sampler, spec, prompt, request.num_samples, cap, future))
         return rid, request.num_samples
 
+    SAMPLE_CALLS = 32  # pool calls in flight at once, at most
+
     def _sample_loop(self) -> None:
-        while True:
-            items = [self._samples.get()]
-            if items[0] is None:
-                return
-            while not self._samples.empty():
-                items.append(self._samples.get())
-            stop = any(i is None for i in items)
-            groups: dict[tuple, list] = {}
-            for item in (i for i in items if i is not None):
-                groups.setdefault((item[0].key, item[1]), []).append(item)
-            for group in groups.values():
-                self._sample_group(group)
-            if stop:
-                return
+        with cf.ThreadPoolExecutor(self.SAMPLE_CALLS, thread_name_prefix="sample") as calls:
+            while True:
+                items = [self._samples.get()]
+                while not self._samples.empty():
+                    items.append(self._samples.get())
+                groups: dict[tuple, list] = {}
+                for item in (i for i in items if i is not None):
+                    groups.setdefault((item[0].key, item[1]), []).append(item)
+                for group in groups.values():
+                    if self._hold_weights(group):
+                        calls.submit(self._sample_group, group)
+                if None in items:
+                    return  # the executor's exit waits for the calls in flight
+
+    def _hold_weights(self, group: list) -> bool:
+        """Make the pool hold ``group``'s weights, once no call on others is in flight, and
+        count the group's call in flight; False (the group's futures failed) if the push
+        failed."""
+        sampler = group[0][0]
+        with self._idle:
+            self._idle.wait_for(lambda: self.loaded == sampler.key or not self._inflight)
+            if self.loaded != sampler.key:
+                try:
+                    self.pool.update_weights(sampler.buckets())
+                except Exception as e:  # every request of the group fails with it
+                    for item in group:
+                        item[5].set_exception(e)
+                    return False
+                self.loaded = sampler.key
+            self._inflight += 1
+        return True
 
     def _sample_group(self, group: list) -> None:
-        sampler, spec = group[0][0], group[0][1]
+        spec = group[0][1]
         try:
-            if self.loaded != sampler.key:
-                self.pool.update_weights(sampler.buckets())
-                self.loaded = sampler.key
             requests = [(j, prompt, cap) for _, _, prompt, n, cap, _ in group for j in range(n)]
             results = self.pool.generate_ids(requests, spec)
         except Exception as e:  # every request of the group fails with it
             for item in group:
                 item[5].set_exception(e)
             return
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
         start = 0
         for _, _, _, n, _, future in group:
             future.set_result(sample_response(results[start : start + n], spec.prompt_logprobs))

@@ -309,6 +309,7 @@ GPU_POOL = 'polyrl.RunConfig.pools = {"shared": {"CPU": 2, "GPU": 1}}'
         ("tiny_grpo.gin", [GPU_POOL, "polyrl.RunConfig.streaming = True"], "async"),
         ("tiny_grpo.gin", [], "async"),  # CPU: the engine core in a process of its own
         ("tiny_multiturn.gin", [], "async"),  # episodes' turns in flight together
+        ("tinker_service.gin", [GPU_POOL], "async"),  # clients' sample calls come one by one
         ("gpu_grpo_0p5b.gin", ["polyrl.RolloutConfig.engine = 'async'"], "async"),  # as bound
         ("tiny_multiturn.gin", ["polyrl.RolloutConfig.engine = 'sync'"], "sync"),  # refused later
     ],

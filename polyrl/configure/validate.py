@@ -412,8 +412,15 @@ def _spec(cfg: RunConfig, problems: list[str]) -> Any:
 
 
 def isolation_problems(cfg: RunConfig, spec: Any) -> list[str]:
-    """Pitfall 1: a KL term needs the reference; a reward model needs a score head."""
+    """Pitfall 1: a KL term needs the reference; a reward model needs a score head; LoRA
+    needs an actor to adapt."""
     out = []
+    if cfg.lora is not None and not spec.needs_actor:
+        out.append(
+            f"RunConfig.lora={cfg.lora!r} is set but algorithm {spec.name!r} trains no actor: "
+            f"LoRA adapts the actor only and its critic (the reward model) trains every "
+            f"weight; unbind it (polyrl.RunConfig.lora = None) to train the critic in full"
+        )
     over = cfg.algo_overrides
     for coef, switch in (("kl_loss_coef", "use_kl_loss"), ("kl_coef", "kl_in_reward")):
         if coef in over and over[coef] and not getattr(spec, switch):

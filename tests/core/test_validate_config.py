@@ -19,6 +19,7 @@ GRPO = "gin/experiments/tiny_grpo.gin"
 DPO = "gin/experiments/tiny_dpo.gin"
 MULTITURN = "gin/experiments/tiny_multiturn.gin"
 DISTILL = "gin/experiments/tiny_distill.gin"
+RM = "gin/experiments/tiny_rm.gin"
 GPU_POOLS = (
     "polyrl.RunConfig.pools = {'train': {'CPU': 1, 'GPU': 2}, 'gen': {'CPU': 1, 'GPU': 4}}",
     "actor/polyrl.RoleConfig.pool = 'train'",
@@ -272,6 +273,16 @@ CASES += [
      "vocabulary size: 58 vs 50"),
     ("teacher-other-eos", DISTILL, ["teacher/polyrl.RoleConfig.model_path = '{other_eos}'"],
      "eos_token: '<|im_end|>' (id 1) vs '<|endoftext|>' (id 0)"),
+]  # fmt: skip
+
+# LoRA adapts the actor; an algorithm without one (the reward model trains the critic) got
+# a full-weight model with no word about the binding.
+CASES += [
+    ("lora-without-an-actor", RM, ["polyrl.RunConfig.lora = @polyrl.LoraConfig()"],
+     "RunConfig.lora=LoraConfig(rank=8, alpha=16.0, dropout=0.0, target_modules=('q_proj', "
+     "'k_proj', 'v_proj', 'o_proj')) is set but algorithm 'reward_model' trains no actor: "
+     "LoRA adapts the actor only and its critic (the reward model) trains every weight; "
+     "unbind it (polyrl.RunConfig.lora = None) to train the critic in full"),
 ]  # fmt: skip
 
 GIN_FILES = {

@@ -276,7 +276,7 @@ def cmd_validate_config(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from polyrl.checkpoints import CheckpointMismatch
-    from polyrl.cluster.reliability import RunStopped
+    from polyrl.cluster.reliability import Interrupted, RunStopped
     from polyrl.configure.launch import train
     from polyrl.configure.validate import ConfigError
     from polyrl.data.schema import DatasetError
@@ -302,12 +302,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (FileNotFoundError, CheckpointMismatch, RunStopped, OSError, DatasetError) as e:
         print(f"polyrl train: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(
-            "\n[polyrl] interrupted: metrics.jsonl, logs and the last checkpoint are in the run "
-            "directory; continue with --resume",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt as e:  # reliability.Interrupted says how to continue
+        said = str(e) if isinstance(e, Interrupted) else "interrupted before the run started"
+        print(f"\n[polyrl] {said}", file=sys.stderr)
         return 130
     shown = [
         f"{k} {final[k]:.4g}"

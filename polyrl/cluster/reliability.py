@@ -21,6 +21,8 @@ from polyrl.role_table import TRAINED_ROLES
 
 __all__ = [
     "RunStopped",
+    "Interrupted",
+    "interrupt_message",
     "WorkerDied",
     "NonFiniteGuard",
     "check_run_dir",
@@ -42,6 +44,24 @@ _FIX = "set polyrl.RunConfig.run_dir to a writable directory with free space"
 
 class RunStopped(RuntimeError):
     """The run stopped on a fault; the message says why and how to resume."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) ended the run; the message says where it stands and how to
+    continue (:func:`interrupt_message`)."""
+
+
+@contextlib.contextmanager
+def interrupt_message(run_dir: str | Path) -> Iterator[None]:
+    """A Ctrl-C inside leaves as :class:`Interrupted`, saying how to continue: ``--resume``
+    from the last good checkpoint, or ``--resume-or-start`` when there is none yet."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        what = "interrupted: metrics.jsonl and the logs are in the run directory"
+        raise Interrupted(stop_message(what, run_dir, latest_checkpoint(run_dir))) from None
 
 
 class WorkerDied(RuntimeError):

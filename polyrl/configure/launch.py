@@ -290,6 +290,7 @@ def train(
         check_fresh_run_dir,
         check_run_dir,
         clear_run_outputs,
+        interrupt_message,
     )
     from polyrl.loop.metrics import StartupLog
     from polyrl.loop.trainer import LOOPS
@@ -297,51 +298,53 @@ def train(
 
     startup = StartupLog()  # from here to the first step (docs/training.md "Output")
     cfg, operative = parse_config(gin_files, gin_params, imports=imports)
-    check_run_dir(cfg.run_dir)  # before anything is written or started
-    resume = resume or resume_or_start
-    check_fresh_run_dir(cfg.run_dir, resume, overwrite)
-    # The checkpoint to continue from, its files checked against their checksums (a
-    # damaged one is named and set aside): before the checks and any worker start.
-    start = resume_point(cfg.run_dir, start_fresh=resume_or_start) if resume else None
-    cfg = for_debugging(cfg, debug)
-    reward_rows: dict = {}
+    with interrupt_message(cfg.run_dir):  # Ctrl-C: how to continue
+        check_run_dir(cfg.run_dir)  # before anything is written or started
+        resume = resume or resume_or_start
+        check_fresh_run_dir(cfg.run_dir, resume, overwrite)
+        # The checkpoint to continue from, its files checked against their checksums (a
+        # damaged one is named and set aside): before the checks and any worker start.
+        start = resume_point(cfg.run_dir, start_fresh=resume_or_start) if resume else None
+        cfg = for_debugging(cfg, debug)
+        reward_rows: dict = {}
 
-    def checks() -> tuple[RunConfig, Any]:
-        checked, spec = prepare(cfg, reward_rows)
-        check_free_space(checked, spec)
-        # a checkpoint of another backend/algorithm/model fails before workers start
-        check_resumable(start, run_manifest(checked, spec))
-        return checked, spec
+        def checks() -> tuple[RunConfig, Any]:
+            checked, spec = prepare(cfg, reward_rows)
+            check_free_space(checked, spec)
+            # a checkpoint of another backend/algorithm/model fails before workers start
+            check_resumable(start, run_manifest(checked, spec))
+            return checked, spec
 
-    warm = session.up() if use_session and not _joins_ray() else None
-    (cfg, spec), ray_started, warm = _checks_beside_ray(cfg, startup, checks, warm)
-    if warm is not None:
-        with startup.phase("attach"):  # (one that does not fit disconnects: its own Ray)
-            warm = session.attach(warm, cfg, spec)
-    run_dir = Path(cfg.run_dir)
-    if overwrite and (gone := clear_run_outputs(run_dir)):
-        print(f"[polyrl] --overwrite: deleted {', '.join(gone)} in {run_dir}", flush=True)
-    (run_dir / "operative_config.gin").write_text(operative)
-    print(
-        f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}", flush=True
-    )
-    if ray_started or warm:  # into the run dir, now that --overwrite has cleared it
-        copy_worker_logs(cfg.run_dir, cfg.debug, warm.job if warm else None)
-    loop = LOOPS[spec.objective]
-    from polyrl.observe.health import watch_pending
+        warm = session.up() if use_session and not _joins_ray() else None
+        (cfg, spec), ray_started, warm = _checks_beside_ray(cfg, startup, checks, warm)
+        if warm is not None:
+            with startup.phase("attach"):  # (one that does not fit disconnects: its own Ray)
+                warm = session.attach(warm, cfg, spec)
+        run_dir = Path(cfg.run_dir)
+        if overwrite and (gone := clear_run_outputs(run_dir)):
+            print(f"[polyrl] --overwrite: deleted {', '.join(gone)} in {run_dir}", flush=True)
+        (run_dir / "operative_config.gin").write_text(operative)
+        print(
+            f"[polyrl] run {run_dir}: {spec.name} on {cfg.backend}, model {cfg.model_path}",
+            flush=True,
+        )
+        if ray_started or warm:  # into the run dir, now that --overwrite has cleared it
+            copy_worker_logs(cfg.run_dir, cfg.debug, warm.job if warm else None)
+        loop = LOOPS[spec.objective]
+        from polyrl.observe.health import watch_pending
 
-    try:
-        with session.attached() if warm else contextlib.nullcontext():
-            components = _components(cfg, spec, reward_rows, startup)
-            components.session = warm
-            trainer = loop(cfg, spec, components)
-        pending = watch_pending(cfg.user_cpus)
         try:
-            return trainer.run(resume=resume, on_step=on_step)
+            with session.attached() if warm else contextlib.nullcontext():
+                components = _components(cfg, spec, reward_rows, startup)
+                components.session = warm
+                trainer = loop(cfg, spec, components)
+            pending = watch_pending(cfg.user_cpus)
+            try:
+                return trainer.run(resume=resume, on_step=on_step)
+            finally:
+                pending.set()
+                trainer.shutdown()
+                if components.debug is not None:
+                    components.debug.close()
         finally:
-            pending.set()
-            trainer.shutdown()
-            if components.debug is not None:
-                components.debug.close()
-    finally:
-        session.release()  # (an attached run: the next may attach)
+            session.release()  # (an attached run: the next may attach)

@@ -108,6 +108,31 @@ def test_ctrl_c_ends_quietly_with_checkpoint_and_metrics(tmp_path, how):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert (run / "checkpoints" / "step_2" / "trainer_state.json").exists()
+    # the last line says how to continue: from the newest complete checkpoint
+    said = re.search(r"the last good checkpoint is (\S+); --resume continues from it", out)
+    assert said and Path(said[1]).parent == run / "checkpoints", out[-3000:]
+    assert f"<same --gin_file/--gin_param> --resume (run dir {run})" in out, out[-3000:]
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_there_is_none(tmp_path):
+    """The interrupt line said "continue with --resume" also with no checkpoint yet, and
+    --resume then refuses the run dir. SFT on the tiny model: no rollout servers, a
+    quick start."""
+    run = tmp_path / "run"
+    steps = "polyrl.RunConfig.total_steps = 1000"
+    proc = _start(run, steps, "polyrl.RunConfig.save_every = 0", gin="gin/experiments/tiny_sft.gin")
+    try:
+        _wait_for_steps(run, proc, 1)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-3000:]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    assert "there is no checkpoint yet" in out, out[-3000:]
+    assert f"<same --gin_file/--gin_param> --resume-or-start (run dir {run})" in out, out[-3000:]
+    assert not re.search(r"--resume(?!-or-start)", out), out[-3000:]
 
 
 @pytest.mark.slow

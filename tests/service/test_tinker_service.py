@@ -166,16 +166,22 @@ def test_named_sampler_weights_and_the_base_model_sample(served, client, trainer
 
 def test_two_clients_at_once_train_their_own_models(served, trainer):
     """A second session's model starts from the base weights (not the first's), and both
-    train side by side: requests of both in flight before either is awaited."""
+    train side by side: requests of both in flight before either is awaited. The first
+    model takes a step of its own first, so that the two differ however many steps the
+    tests before this one gave it (it stands alone: -k two_clients)."""
     service, url = served
-    other_client = tinker.ServiceClient(base_url=url, api_key="tml-local")
-    other = other_client.create_lora_training_client(base_model=service.name, rank=4).result()
     tok = trainer.get_tokenizer()
     tokens = tok.encode("copy 555 -> 555")
+    data = [datum(tok, "copy 555 -> 555")]
+    trainer.forward_backward(data, "cross_entropy").result()
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    other_client = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    other = other_client.create_lora_training_client(base_model=service.name, rank=4).result()
     base = other_client.create_sampling_client(base_model=service.name).result()
     lp_base = base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:]
     np.testing.assert_allclose(lp_base, forward_log_probs(other, tokens), atol=1e-4)
-    data = [datum(tok, "copy 555 -> 555")]
+    # (1e-2: a step of lr 1e-2 moves these log-probs by more; two states a tolerance apart)
+    assert np.abs(np.asarray(lp_base) - forward_log_probs(trainer, tokens)).max() > 1e-2
     futures = [
         (
             c.forward_backward(data, "cross_entropy"),

@@ -337,7 +337,7 @@ def cmd_session(args: argparse.Namespace) -> int:
     if not args.gin_file:
         raise UserError("give at least one --gin_file (e.g. gin/experiments/tiny_grpo.gin)")
     try:
-        s = session.start(args.gin_file, args.gin_param, args.imports)
+        s = session.start(args.gin_file, args.gin_param, args.imports, args.start_timeout)
     except ConfigError as e:
         _print_problems(", ".join(args.gin_file), e.problems)
         return 1
@@ -449,6 +449,8 @@ def cmd_serve_tinker(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from polyrl.configure.session_host import START_TIMEOUT_S
+
     parser = argparse.ArgumentParser(
         prog="polyrl", description="RL post-training of LLMs on a torch or JAX backend."
     )
@@ -524,6 +526,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("action", choices=("start", "status", "stop"))
     gin_args(p)
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        metavar="SECONDS",
+        help="start: end the session's host and all it started if it is not up after this "
+        f"long, naming the phase that did not finish (default {START_TIMEOUT_S:g})",
+    )
     p.set_defaults(func=cmd_session)
     p = sub.add_parser("validate-config", help="check a gin experiment before touching any device")
     gin_args(p)

@@ -40,7 +40,10 @@ Points and where they fire:
   first real token from attention (its attention mask 0 there: an off-by-one mask);
 * ``fail_write@metrics=<N>`` / ``fail_write@checkpoint=<N>``: writing the metrics row
   / the checkpoint after ``N`` steps raises ``OSError(ENOSPC)``, as a full
-  disk does.
+  disk does;
+* ``hang_in_startup@<phase>=<entries>``: the process (a run's driver, a session's host)
+  stops forever as it enters start-up phase ``<phase>`` (``polyrl.loop.metrics.StartupLog``,
+  e.g. ``rollout servers``) for the listed (0-based) time, as a start that never ends.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 
-__all__ = ["active", "values", "kill_self", "raise_disk_full", "ENV"]
+__all__ = ["active", "values", "kill_self", "hang", "raise_disk_full", "ENV"]
 
 ENV = "POLYRL_FAULTS"
 
@@ -85,6 +89,11 @@ def values(point: str, key: str = "") -> set[int] | None:
 def kill_self() -> None:
     """Die as ``kill -9`` does: no cleanup, no exception handlers, no atexit."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang() -> None:
+    """Wait forever (a signal still ends the process as it would)."""
+    threading.Event().wait()
 
 
 def raise_disk_full(what: str) -> None:

@@ -5,7 +5,9 @@ The host (``python -m polyrl.configure.session_host HOST DIR ...``, in a process
 its own) parses and checks the config, starts a private local Ray in the session's
 namespace and builds the run's loop as ``polyrl train`` would, with its kept workers named
 (``polyrl.cluster.session.serving``); then writes ``session.json`` and waits for SIGTERM,
-when it ends its workers and its Ray.
+when it ends its workers and its Ray. While starting, ``session.json`` holds its pid and
+the start-up phase it is in: ``polyrl session start`` names that phase when it ends a host
+not up within ``--start-timeout``.
 """
 
 from __future__ import annotations
@@ -67,11 +69,18 @@ def _host(where: Path, gin_files: list[str], gin_params: list[str], imports: lis
 
     t0 = time.perf_counter()
     _write_state(where, {"pid": os.getpid()})  # starting: polyrl session stop can end it
+
+    def starting(phase: str) -> None:  # the phase `polyrl session start` names if it hangs
+        _write_state(where, {"pid": os.getpid(), "phase": phase, "phase_at": time.time()})
+
+    startup = StartupLog(on_phase=starting)
     try:
-        cfg, spec = _checked(where, gin_files, gin_params, imports)
-        init_run_ray(cfg, namespace=NAMESPACE)
+        with startup.phase("checks"):
+            cfg, spec = _checked(where, gin_files, gin_params, imports)
+        with startup.phase("ray"):
+            init_run_ray(cfg, namespace=NAMESPACE)
         with serving():
-            components = _components(cfg, spec, startup=StartupLog())
+            components = _components(cfg, spec, startup=startup)
             loop = LOOPS[spec.objective](cfg, spec, components)
     except BaseException as e:
         _write_state(where, {"pid": os.getpid(), "error": f"{type(e).__name__}: {e}"})
@@ -101,10 +110,20 @@ def _host(where: Path, gin_files: list[str], gin_params: list[str], imports: lis
 
 
 # ---------------------------------------------------------------------- the CLI
-def start(gin_files: Sequence[str], gin_params: Sequence[str], imports: Sequence[str]) -> Session:
+START_TIMEOUT_S = 900.0  # polyrl session start --start-timeout: a cold GPU start, with room
+
+
+def start(
+    gin_files: Sequence[str],
+    gin_params: Sequence[str],
+    imports: Sequence[str],
+    timeout_s: float = START_TIMEOUT_S,
+) -> Session:
     """``polyrl session start``: check the config here (a refused one starts nothing), start
     the host and wait until its workers are up; raises RuntimeError with the host's last
-    lines if it fails."""
+    lines if it fails, or, past ``timeout_s`` from the host's start, once it has ended the
+    host and every process the host started, naming the start-up phase that did not
+    finish."""
     from polyrl.configure.launch import find_gin
 
     where = session_dir()
@@ -124,10 +143,13 @@ def start(gin_files: Sequence[str], gin_params: Sequence[str], imports: Sequence
         cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log
     )
     print(f"[session] starting in {where}: host pid {host.pid} ({where / 'host.log'})", flush=True)
+    deadline = time.monotonic() + timeout_s
     while True:
         s = Session.read(where)
         if s is not None:
             return s
+        if time.monotonic() > deadline:
+            raise RuntimeError(_ended_at_time_limit(where, host, timeout_s))
         if host.poll() is not None:
             tail = (where / "host.log").read_text().strip().splitlines()[-5:]
             said = f"; {where / 'host.log'} ends with:\n  " + "\n  ".join(tail) if tail else ""
@@ -136,6 +158,26 @@ def start(gin_files: Sequence[str], gin_params: Sequence[str], imports: Sequence
                 f"up{said}"
             )
         time.sleep(0.2)
+
+
+def _ended_at_time_limit(where: Path, host: subprocess.Popen, timeout_s: float) -> str:
+    """End a host that did not come up in time (and all it started); what to tell."""
+    try:
+        state = json.loads((where / STATE).read_text())
+    except (OSError, ValueError):
+        state = {}
+    phase = state.get("phase", "imports")  # (before its first phase: importing polyrl)
+    since = f" (in it for {time.time() - state['phase_at']:.0f} s)" if "phase_at" in state else ""
+    found = host_process(host.pid)
+    ended = _end(found) if found is not None else 0
+    host.wait()
+    (where / STATE).unlink(missing_ok=True)
+    return (
+        f"the session's host did not come up within --start-timeout {timeout_s:g} s: its "
+        f"start-up phase {phase!r} did not finish{since}; ended it and the {max(ended - 1, 0)} "
+        f"processes it had started. Check {where / 'host.log'} and its workers' logs "
+        f"({where / 'host' / 'logs'}); if the start is only slow, raise --start-timeout"
+    )
 
 
 def status() -> tuple[Session | None, str]:
@@ -170,8 +212,6 @@ def stop(timeout_s: float = 60.0) -> str:
     """``polyrl session stop``: end the host (starting or up) and wait until every process of
     the session (the host, its Ray, its workers and their vLLM engines) is gone; clears
     the state."""
-    import psutil
-
     where = session_dir()
     pid = _host_pid(where)
     if pid is None:
@@ -180,6 +220,16 @@ def stop(timeout_s: float = 60.0) -> str:
     if host is None:
         (where / STATE).unlink(missing_ok=True)
         return f"the session in {where} was already gone (host {pid} ended); cleared"
+    ended = _end(host, timeout_s)
+    (where / STATE).unlink(missing_ok=True)
+    return f"stopped the session in {where} ({ended} processes ended)"
+
+
+def _end(host: Any, timeout_s: float = 60.0) -> int:
+    """SIGTERM to the host (a ``psutil.Process``), then wait until it and every process
+    under it have exited, killing what is left after ``timeout_s``; how many there were."""
+    import psutil
+
     family = [host, *host.children(recursive=True)]
     host.send_signal(signal.SIGTERM)
     _, alive = psutil.wait_procs(family, timeout=timeout_s)
@@ -187,8 +237,7 @@ def stop(timeout_s: float = 60.0) -> str:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(alive, timeout=10)
-    (where / STATE).unlink(missing_ok=True)
-    return f"stopped the session in {where} ({len(family)} processes ended)"
+    return len(family)
 
 
 def main(argv: list[str]) -> Any:

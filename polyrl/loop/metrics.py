@@ -135,12 +135,14 @@ class StartupLog:
     so a long start is never silent. :meth:`watch` does only that (the initial validation).
     :meth:`done` prints one line with the total and every phase's time and
     returns them as metrics (``startup/total_s``, ``startup/<phase>_s``) for the first
-    step's row, which :func:`phase_summary` reports.
+    step's row, which :func:`phase_summary` reports. ``on_phase(name)``: called as each
+    phase begins (a session's host records it: the phase a start that hangs is in).
     """
 
-    def __init__(self, wait_s: float = 5.0):
-        self.t0, self.wait_s = time.perf_counter(), wait_s
+    def __init__(self, wait_s: float = 5.0, on_phase: Callable[[str], None] | None = None):
+        self.t0, self.wait_s, self.on_phase = time.perf_counter(), wait_s, on_phase
         self.times: dict[str, float] = {}
+        self.entries: dict[str, int] = {}
 
     @contextlib.contextmanager
     def watch(self, what: str) -> Iterator[None]:
@@ -158,8 +160,13 @@ class StartupLog:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
+        if self.on_phase is not None:
+            self.on_phase(name)
+        entry = self.entries[name] = self.entries.get(name, -1) + 1
         try:
             with self.watch(name):
+                if faults.active("hang_in_startup", entry, name):  # test-only: it never ends
+                    faults.hang()
                 yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0

@@ -5,12 +5,14 @@ own; stopping the session leaves none of its processes; a killed session is name
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -110,6 +112,54 @@ def test_runs_attach_in_turn_with_a_fresh_runs_metrics(sessions, tmp_path):
     left = [f"{p.pid} {p.name()}" for p in family if p.is_running() and p.status() != "zombie"]
     assert not left, f"processes of the session still running after stop: {left}"
     assert not (tmp_path / "session" / "session.json").exists()
+
+
+def test_a_start_that_hangs_is_ended_at_its_time_limit(tmp_path):
+    """A host stuck in its start-up (here: entering the rollout servers' phase, after its
+    Ray is up: POLYRL_FAULTS hang_in_startup) made `polyrl session start` wait forever.
+    With --start-timeout it ends the host and everything the host started, and says in
+    one line which phase did not finish and what to check."""
+    where = tmp_path / "session"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "POLYRL_VERBOSE")}
+    env |= {"POLYRL_SESSION_DIR": str(where), "POLYRL_FAULTS": "hang_in_startup@rollout servers=0"}
+    cmd = [sys.executable, "-m", "polyrl.cli", "session", "start", "--gin_file", GIN]
+    proc = subprocess.Popen(
+        [*cmd, "--start-timeout", "20"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:  # the host's processes once it hangs: its Ray's among them
+        family: dict[psutil.Process, str] = {}
+        while proc.poll() is None and not {"gcs_server", "raylet"} <= set(family.values()):
+            try:
+                state = json.loads((where / "session.json").read_text())
+            except (OSError, ValueError):
+                state = {}
+            if state.get("phase") == "rollout servers":
+                host = psutil.Process(state["pid"])
+                family = {}
+                for p in [host, *host.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error):  # (one that just ended)
+                        family[p] = p.name()
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        session_host.stop()
+    assert proc.returncode == 1, out
+    assert {"gcs_server", "raylet"} <= set(family.values()), out
+    (line,) = [x for x in out.splitlines() if "--start-timeout" in x]
+    assert line.startswith("polyrl session: the session's host did not come up within "), line
+    assert "--start-timeout 20 s: its start-up phase 'rollout servers' did not finish" in line
+    assert f"Check {where / 'host.log'}" in line, line
+    left = [f"{p.pid} {n}" for p, n in family.items() if p.is_running() and p.status() != "zombie"]
+    assert not left, f"processes of the session still running after the time limit: {left}"
+    assert not (where / "session.json").exists()
 
 
 @pytest.mark.slow  # a session start and a fresh run (~1.5 min)

@@ -114,6 +114,7 @@ def test_runs_attach_in_turn_with_a_fresh_runs_metrics(sessions, tmp_path):
     assert not (tmp_path / "session" / "session.json").exists()
 
 
+@pytest.mark.slow  # a session host's Ray start and a 20 s time limit (~31 s)
 def test_a_start_that_hangs_is_ended_at_its_time_limit(tmp_path):
     """A host stuck in its start-up (here: entering the rollout servers' phase, after its
     Ray is up: POLYRL_FAULTS hang_in_startup) made `polyrl session start` wait forever.

@@ -147,6 +147,13 @@ class RolloutConfig:
     kv_cache_gib: KV-cache size on CPU (vLLM's default sizing fails on some hosts).
     gpu_memory_utilization: fraction of each GPU vLLM may take (colocated: leave room
       for the trainer).
+    gpu_kv_cache_gib: the KV cache of each server on GPUs, in GiB (vLLM's
+      ``kv_cache_memory_bytes``), instead of what ``gpu_memory_utilization`` leaves after
+      vLLM's memory profile. The profile reads the whole device's free memory, so GPU
+      memory that colocated role workers take while the server starts (a 7B actor
+      loading its 14 GiB of weights) is counted as the server's and taken from its cache
+      (docs/rollout.md "Start-up"); a size given here does not move. None: profiled.
+      On CPU ``kv_cache_gib`` applies.
     enable_sleep_mode: let :meth:`RolloutPool.sleep` free GPU memory (GPU only; vLLM
       rejects it on CPU).
     enforce_eager: None -> eager on CPU (starts in ~3 s, not 20-50 s), graphs on GPU.
@@ -192,6 +199,7 @@ class RolloutConfig:
     restrict_to_tokenizer: bool = True
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
+    gpu_kv_cache_gib: float | None = None
     enable_sleep_mode: bool = False
     enforce_eager: bool | None = None
     in_process_engine: bool = True
@@ -237,6 +245,11 @@ class RolloutConfig:
             for field in ("max_num_seqs", "max_num_batched_tokens")
             if getattr(self, field) is not None and getattr(self, field) < 1
         ]
+        if self.gpu_kv_cache_gib is not None and self.gpu_kv_cache_gib <= 0:
+            out.append(
+                f"RolloutConfig.gpu_kv_cache_gib={self.gpu_kv_cache_gib} must be > 0 (GiB of "
+                f"KV cache a server), or None to size it from gpu_memory_utilization"
+            )
         if self.max_model_len < 2:
             out.append(
                 f"RolloutConfig.max_model_len={self.max_model_len} must be >= 2 (prompt + "

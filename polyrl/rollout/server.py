@@ -95,6 +95,8 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
         kwargs.update(
             gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=c.enable_sleep_mode
         )
+        if c.gpu_kv_cache_gib is not None:  # fixed: no memory profile (RolloutConfig)
+            kwargs["kv_cache_memory_bytes"] = int(c.gpu_kv_cache_gib * 2**30)
         if c.tensor_parallel_size > 1:
             # The server's GPUs are its own (CUDA_VISIBLE_DEVICES from polyrl's placement,
             # on one node): vLLM starts its workers there as processes. Inside a placement

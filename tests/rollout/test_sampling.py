@@ -118,6 +118,22 @@ def test_engines_get_explicit_scheduler_limits():
         RolloutConfig(model_path="m", max_num_seqs=0)
 
 
+def test_the_kv_cache_size_on_gpus_is_fixed_only_where_given():
+    """RolloutConfig.gpu_kv_cache_gib reaches vLLM as kv_cache_memory_bytes on GPUs (no
+    memory profile then); unset, vLLM profiles (no kv_cache_memory_bytes); on CPU the
+    CPU size (kv_cache_gib) applies either way. 12 GiB = 12 x 2^30 bytes."""
+    from polyrl.rollout.server import engine_kwargs
+
+    base = RolloutConfig(model_path="m", max_model_len=256, kv_cache_gib=0.25)
+    fixed = dataclasses.replace(base, gpu_kv_cache_gib=12.0)
+    assert engine_kwargs(fixed, on_gpu=True)["kv_cache_memory_bytes"] == 12 * 1024**3
+    assert "kv_cache_memory_bytes" not in engine_kwargs(base, on_gpu=True)
+    for config in (base, fixed):
+        assert engine_kwargs(config, on_gpu=False)["kv_cache_memory_bytes"] == 1024**3 // 4
+    with pytest.raises(ValueError, match=r"RolloutConfig.gpu_kv_cache_gib=0 must be > 0"):
+        RolloutConfig(model_path="m", gpu_kv_cache_gib=0)
+
+
 def test_overlong_policy():
     prompts = [[1, 2], [1, 2, 3, 4, 5], [9]]
     with pytest.raises(ValueError, match=r"sample 1 has 5 tokens, more than max_prompt_len=3"):

@@ -6,7 +6,7 @@ first ``--skip`` (warm-up: compilation, CUDA graphs, first allocations), the ste
 and the framework overhead (``time/overhead``: the step time outside every compute phase
 of ``polyrl.loop.trainer.COMPUTE_PHASES``: generation, forward passes, training), each beside
 its goal (issue 11: overhead <= 2% of the step; step <= 15 s for the shipped experiment
-on one H200). The limits to read the compute phases against are measured by
+on one H200), and the actor update's MFU (:func:`update_flops`). The limits to read the compute phases against are measured by
 ``train_step.py`` (training alone) and ``rollout.py`` (vLLM alone on the same rollout);
 writes everything to ``--json``. ``--profile DIR`` keeps the run's ``timeline.json``
 (every phase of every role as spans; ui.perfetto.dev) in DIR and prints each phase's share
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -36,6 +37,7 @@ from polyrl.loop.trainer import COMPUTE_PHASES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profiling import format_top, phase_table  # noqa: E402
+from train_step import PEAK_TFLOPS, train_flops  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,6 +93,74 @@ def rollout_limits(first_row: dict) -> dict[str, int]:
     return {k: int(first_row[f"rollout/{k}"]) for k in keys if f"rollout/{k}" in first_row}
 
 
+def update_flops(model_config: dict, tokens: float, rows: int, lora: bool) -> float:
+    """The actor update's FLOPs for one pass over a step's ``rows`` rows of ``tokens``
+    real tokens in all (the ``batch/tokens`` metric): ``train_step.train_flops``, i.e.
+    6 x parameters x tokens for the matmuls (forward 2, backward 4: the activations' and
+    the weights' gradients), 4 x with LoRA (the frozen base gets no weight gradients but
+    the activations' gradients still flow through it; the adapters' own FLOPs, under 1%
+    at rank 16, are left out), plus 12 x layers x hidden x length^2 per row for
+    attention. Recomputation under activation checkpointing is not counted (MFU, not
+    HFU). The rows are taken as equally long (the mean): exact where they are, as every
+    response and episode of a random model run to their limits; else a lower bound of
+    the attention term."""
+    import numpy as np
+
+    lengths = np.full(rows, tokens / rows)
+    return train_flops(model_config, lengths, frozen_base=lora)
+
+
+def update_mfu(cfg, model_config: dict, rows: list[dict], update_s: float) -> dict:
+    """The update's tokens, TFLOP/s and MFU over the timed ``rows`` (metrics.jsonl),
+    the run's ``RunConfig.epochs`` passes each, against the dense bf16 peak of the GPU
+    nvidia-smi names (``train_step.PEAK_TFLOPS``) times the actor's devices; no MFU
+    without a known GPU."""
+    import statistics
+
+    tokens = statistics.mean(r["batch/tokens"] for r in rows)
+    n_rows = cfg.prompts_per_step * cfg.sampling.n
+    flops = cfg.epochs * update_flops(model_config, tokens, n_rows, cfg.lora is not None)
+    name, peak = gpu_peak()
+    world = cfg.actor.parallel.world_size
+    return {
+        "tokens": tokens,
+        "flops": flops,
+        "flops_per_token": "4 x params (LoRA)" if cfg.lora is not None else "6 x params",
+        "tflops_per_s": flops / update_s / 1e12,
+        "device": name,
+        "devices": world,
+        "mfu": flops / update_s / (peak * 1e12 * world) if peak else None,
+    }
+
+
+def gpu_peak() -> tuple[str | None, float | None]:
+    """(the first GPU's name, its dense bf16 peak TFLOP/s); (None, None) without one."""
+    try:
+        found = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None, None
+    name = found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout else None
+    if name is None:
+        return None, None
+    return name, next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def run_model(gin_files: list[str], params: list[str], run_dir: Path) -> tuple:
+    """The run's RunConfig (parsed again here) and its model's config.json (the embedded
+    tiny model's under ``run_dir`` when ``model_path`` is None)."""
+    from polyrl.configure.launch import parse_config
+    from polyrl.data.tiny import ensure_tiny_model
+
+    cfg, _ = parse_config(gin_files, params)
+    path = cfg.model_path or ensure_tiny_model(run_dir / "models", cfg.tiny_model)
+    return cfg, json.loads((Path(path) / "config.json").read_text())
+
+
 def table(summary: dict) -> str:
     step, meets = summary["step_s"], summary["meets"]
     verdict = {True: "met", False: "MISSED"}
@@ -135,22 +205,38 @@ def main(argv=None) -> None:
             cmd += ["--gin_file", f]
         for b in params:
             cmd += ["--gin_param", b]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        if args.log:
-            Path(args.log).write_text(proc.stdout + proc.stderr)
+        # the run's output goes to the log as it comes: a run past --timeout (or a bench
+        # stopped from outside) leaves what it printed up to then
+        log = Path(args.log or Path(tmp) / "train.log")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with log.open("w") as out:
+            proc = subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout
+            )
         metrics = run_dir / "metrics.jsonl"
         if proc.returncode or not metrics.exists():
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+            sys.stderr.write(log.read_text()[-6000:])
             raise SystemExit(f"polyrl train failed (rc={proc.returncode}): {' '.join(cmd)}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         rows = [r for r in rows if "time/step" in r]
         limits = rollout_limits(rows[0])
+        cfg, model_config = run_model(gin_files, params, run_dir)
         profile, ops = None, {}
         if profiled:
             profile = phase_table(run_dir / "timeline.json", args.profile, args.skip, args.steps)
             ops = _worker_ops(run_dir / "profile" / f"step_{profiled}", Path(args.profile))
     summary = summarise(rows[: args.steps], args.skip)
     text = table(summary)
+    update = None
+    if "update_actor" in summary["phases_s"]:
+        timed = [r for r in rows[: args.steps] if "time/step" in r][args.skip :]
+        update = update_mfu(cfg, model_config, timed, summary["phases_s"]["update_actor"])
+        mfu = f"MFU {update['mfu']:.1%}" if update["mfu"] is not None else "no MFU (no known GPU)"
+        text += (
+            f"\nupdate_actor: {update['tokens']:,.0f} tokens x {cfg.epochs} epoch(s), "
+            f"{update['flops_per_token']} a token + attention: {update['tflops_per_s']:.1f} "
+            f"TFLOP/s, {mfu} ({update['device'] or 'CPU'} x {update['devices']})"
+        )
     if profile is not None:
         text += "\n" + "\n".join(format_top(profile, "phase or worker call (all tracks)"))
     if profiled:
@@ -168,6 +254,7 @@ def main(argv=None) -> None:
         "gin_params": params[:-2],
         **summary,
         "rollout_limits": limits,
+        "update": update,
         "table": text.splitlines(),
         **({"profile": profile, "worker_ops": ops} if profile else {}),
         "last_metrics": rows[-1],

@@ -492,6 +492,9 @@ class RLTrainer(Loop):
             "reward/max": float(batch["scores"].max()),
             "reward/min": float(batch["scores"].min()),
             "response/length_mean": float(lengths.mean()),
+            # every row's real tokens (prompt + response, observations included): what a
+            # forward over the batch computes on (experiments/bench/grpo_step.py's MFU)
+            "batch/tokens": float((batch["prompt_lengths"] + batch["response_lengths"]).sum()),
             "advantages/abs_mean": float(np.abs(adv).sum() / max(mask.sum(), 1)),
             "actor/entropy": float((batch["old_entropy"] * mask).sum() / max(mask.sum(), 1)),
         }

@@ -32,6 +32,7 @@ def test_multiturn_run_logs_episodes_dumps_turns_and_validates(ray_session, tmp_
             run,
             "polyrl.RunConfig.total_steps = 2",
             "polyrl.RunConfig.dump_every = 1",
+            "polyrl.RunConfig.dump_samples = 128",  # every episode of a step (16 x 8)
             "polyrl.RunConfig.eval_every = 2",
             "polyrl.RunConfig.n_val_prompts = 8",
         ),
@@ -55,6 +56,13 @@ def test_multiturn_run_logs_episodes_dumps_turns_and_validates(ray_session, tmp_
     ]
     assert limits == [(256, 4096)] and "rollout/max_num_seqs" in train_rows[0]
     dumped = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    # batch/tokens: the step's rows' real tokens, prompt + turns + observations, each
+    # episode within max_episode_tokens (64)
+    for r in train_rows:
+        rows = [d for d in dumped if d["step"] == r["step"]]
+        lengths = [d["prompt_length"] + d["response_length"] for d in rows]
+        assert len(rows) == 128 and max(lengths) <= 64
+        assert r["batch/tokens"] == sum(lengths)
     episode = dumped[0]
     assert episode["turns"] and episode["response"].startswith("[0] ")
     assert episode["finish_reason"] in ("done", "max_turns", "max_tokens")

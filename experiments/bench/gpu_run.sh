@@ -52,6 +52,11 @@
 #               engine and the pool (not in the default list; TINKER_BACKEND, TINKER_STEPS)
 #   rollout_7b  the rollout bench on a random Qwen2.5-7B-shape model (random_model.py),
 #               64 prompts x 8 x 512 tokens, 0.85 of the GPU (not in the default list)
+#   gsm8k_tool_7b gin/experiments/gsm8k_tool_7b_lora.gin alone: GSM8K + Python-tool episodes of up
+#               to 8192 tokens on a random Qwen2.5-7B shape with LoRA, every role on one 80 GB
+#               GPU (gsm8k_tool.py --only tool): step time, phases, the update's MFU, peak GPU
+#               memory (GRPO_STEPS, default 3; not in the default list; ~9 minutes with the
+#               model's build: the whole section is bounded by SECTION_TIMEOUT, default 540)
 #   shadow      the three-way log-prob check's cost per step on the GRPO experiment
 #               (shadow_cost.py; SHADOW_STEPS, default 12, SHADOW_EVERY, default 5; not in the
 #               default list; on a fresh machine the run starts in ~135 s and its first step
@@ -155,7 +160,7 @@ pack_logs() {
   (cd "$OUT" && find . -mindepth 1 -type d -empty -delete)
 }
 for s in $sections; do
-  echo "=== $s" | tee -a "$OUT/summary.txt"
+  echo "=== $s" | tee -a "$OUT/summary.txt"; start=$SECONDS
   case $s in
   tests)
     # one pytest per file, each with its own bound and log: a file that hangs or runs long
@@ -278,6 +283,21 @@ for s in $sections; do
     timeout 540 python3 experiments/bench/rollout.py --model $M7 --json "$OUT/bench_rollout_7b.json" \
       --gpu-memory-utilization 0.85 --repeats ${ROLLOUT_7B_REPEATS:-2} ${ROLLOUT_ARGS:-} \
       2> "$OUT/rollout_7b.log" | tee -a "$OUT/summary.txt" ;;
+  gsm8k_tool_7b)
+    # gin/experiments/gsm8k_tool_7b_lora.gin alone (gsm8k_tool.py --only tool): the GSM8K +
+    # Python-tool episodes (up to 8192 tokens, every turn a sandbox run) on a random
+    # Qwen2.5-7B shape with LoRA, every role on one GPU; GRPO_STEPS steps (default 3, the
+    # first left out of the means): step time, phases, the update's MFU, peak GPU memory.
+    # The whole section is bounded by SECTION_TIMEOUT (default 540 s: the model's build,
+    # ~1 minute, comes first; then the run's start-up, ~2-3 minutes, and ~100 s a step:
+    # estimates, gin/experiments/gsm8k_tool_7b_lora.gin)
+    M7=/tmp/models/qwen2-7b-random-8k
+    [ -d $M7 ] || python3 experiments/bench/random_model.py 7b $M7 --max-positions 8192 > "$OUT/make_7b_8k.log" 2>&1
+    left=$(( ${SECTION_TIMEOUT:-540} - SECONDS + start )); [ $left -gt 30 ] || left=30
+    peak_mem $s timeout $left python3 experiments/bench/gsm8k_tool.py --model $M7 --only tool \
+      --tool-gin gin/experiments/gsm8k_tool_7b_lora.gin --steps ${GRPO_STEPS:-3} --skip 1 --timeout $((left - 10)) \
+      --log-dir "$OUT" --json "$OUT/bench_gsm8k_tool_7b.json" > "$OUT/$s.stdout" 2>&1
+    cut -c1-300 "$OUT/$s.stdout" | tail -40 | tee -a "$OUT/summary.txt" ;;
   shadow)
     # the three-way log-prob check's cost per step on the GRPO experiment (shadow_cost.py):
     # SHADOW_STEPS steps (default 12) with the check every SHADOW_EVERY (default 5)
@@ -326,7 +346,7 @@ for s in $sections; do
     flag=""; [ $s = ragged ] && flag=--ragged && runs=torch_fsdp,torch_fsdp@polyrl_varlen+pack,jax_pjit,jax_pjit+pack,hf_torch
     timeout 580 python3 experiments/bench/train_step.py --suite $runs $shape $flag \
       --json "$OUT/bench_$s.json" 2> "$OUT/$s.log" | tee -a "$OUT/summary.txt" ;;
-  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool shadow lora_sync lora_7b first_torch first_jax async_engine rollout_7b compile_tests distill tinker)" ;;
+  *) echo "unknown section $s (tests train_step grpo_torch grpo_jax grpo_split rollout weight_sync async attention ragged attention_tests sync_tests scale_tests update_shape gsm8k_tool shadow lora_sync lora_7b first_torch first_jax async_engine rollout_7b compile_tests distill tinker gsm8k_tool_7b)" ;;
   esac
   pack_logs "$s"
 done

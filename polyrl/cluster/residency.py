@@ -12,7 +12,8 @@ a placement needs it (``RunConfig.offload_colocated``):
 - None (default): as True, unless everything fits side by side: measured after start-up
   (nvidia-smi, device-wide, so vLLM's share and every engine's weights are already in
   it), every shared GPU still has room for the trained roles' gradients and Adam state
-  (:data:`TRAIN_STATE_FACTOR` x their weights, split over their devices) plus
+  (:data:`TRAIN_STATE_FACTOR` x their weights, split over their devices; a LoRA actor's
+  only for its adapters, whose fp32 weights, gradients and moments it keeps) plus
   :data:`HEADROOM` of the GPU for activations. Without a GPU (CPU runs) or nvidia-smi,
   nothing fits: turns stay on, the memory-safe choice.
 
@@ -29,7 +30,14 @@ from typing import Any
 
 from polyrl.role_table import ROLE_TABLE, Role
 
-__all__ = ["HEADROOM", "TRAIN_STATE_FACTOR", "param_count", "fits_resident", "turn_roles"]
+__all__ = [
+    "HEADROOM",
+    "TRAIN_STATE_FACTOR",
+    "param_count",
+    "lora_param_count",
+    "fits_resident",
+    "turn_roles",
+]
 
 # Share of each GPU kept free for activations when engines stay resident.
 HEADROOM = 0.2
@@ -56,6 +64,28 @@ def param_count(model_path: str | Path) -> int:
     per_layer = attention + 3 * h * inter + 2 * h
     embed = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
     return layers * per_layer + embed + h
+
+
+def lora_param_count(model_path: str | Path, lora: Any) -> int:
+    """Parameters of the LoRA adapters ``lora`` (a ``LoraConfig``) on a decoder-only HF
+    model (Qwen2/Llama layout) from its config.json: rank x (in + out) for each target
+    projection of every layer."""
+    c = json.loads(Path(model_path, "config.json").read_text())
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    heads = c["num_attention_heads"]
+    width = heads * (c.get("head_dim") or h // heads)
+    kv_width = (c.get("num_key_value_heads") or heads) * (c.get("head_dim") or h // heads)
+    dims = {
+        "q_proj": (h, width),
+        "k_proj": (h, kv_width),
+        "v_proj": (h, kv_width),
+        "o_proj": (width, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
+    per_layer = sum(lora.rank * sum(dims[t]) for t in lora.target_modules)
+    return c["num_hidden_layers"] * per_layer
 
 
 def fits_resident(
@@ -100,6 +130,11 @@ def _all_fit(
     gpus: dict[str, tuple[int, int]] = {}
     need: dict[str, float] = {}
     weights = param_count(cfg.model_path) * DTYPE_BYTES.get(cfg.model_dtype, 4)
+    state = {role: TRAIN_STATE_FACTOR * weights for role in trainers}
+    if cfg.lora is not None and Role.ACTOR in state:  # fp32 adapters, their gradients, Adam
+        state[Role.ACTOR] = (
+            (1 + TRAIN_STATE_FACTOR) * 4 * lora_param_count(cfg.model_path, cfg.lora)
+        )
     for role in trainers:
         seen = probe(role)
         if not seen or any(s is None for s in seen):
@@ -107,6 +142,6 @@ def _all_fit(
         world = roles[role].parallel.world_size if roles[role].parallel else 1
         for s in seen:
             gpus[s["gpu"]] = (s["used"], s["total"])
-            if ROLE_TABLE[role].trained:  # each device holds 1/world of the weights (FSDP)
-                need[s["gpu"]] = need.get(s["gpu"], 0.0) + TRAIN_STATE_FACTOR * weights / world
+            if ROLE_TABLE[role].trained:  # each device holds 1/world of the state (FSDP)
+                need[s["gpu"]] = need.get(s["gpu"], 0.0) + state[role] / world
     return fits_resident(gpus, need)

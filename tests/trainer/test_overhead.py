@@ -142,6 +142,34 @@ def test_a_model_too_big_to_sit_side_by_side_takes_turns(tmp_path):
     assert turn_roles(cfg, roles, shares, lambda role: [None])[0] == {"actor", "reference"}
 
 
+LORA_ALL = (
+    "polyrl.RunConfig.lora = @polyrl.LoraConfig()",
+    "polyrl.LoraConfig.rank = 16",
+    'polyrl.LoraConfig.target_modules = ("q_proj", "k_proj", "v_proj", "o_proj", '
+    '"gate_proj", "up_proj", "down_proj")',
+)
+
+
+def test_a_lora_actor_needs_room_for_its_adapters_only(tmp_path):
+    """A 7B actor with rank-16 LoRA on every projection (40.4M trained parameters, as
+    train_step.py counted them: docs/performance.md "LoRA vs full fine-tuning") keeps no
+    gradients or Adam moments for its frozen base: vLLM 33 GiB + the actor's 14.2 GiB of
+    weights = 48 GiB used of 80 leaves 32 GiB, room for the adapters' state and 16 GiB of
+    headroom, so it stays resident; the same actor training every weight needs 3 x 14.2
+    GiB more and takes turns."""
+    from polyrl.cluster.residency import lora_param_count
+
+    cfg, roles, shares = _plan(tmp_path, GPU_GRPO, QWEN_7B, *LORA_ALL)
+    # per layer 16 x (in + out): q, o 3584 + 3584; k, v 3584 + 512; gate, up, down 3584 + 18944
+    per_layer = 16 * (2 * 7168 + 2 * 4096 + 3 * 22528)
+    assert lora_param_count(cfg.model_path, cfg.lora) == 28 * per_layer == 40_370_176
+    calls: list[str] = []
+    assert turn_roles(cfg, roles, shares, _probe(48, 80, calls)) == (frozenset(), False)
+    assert calls == ["actor"]  # the reference is the actor's base: no role of its own
+    cfg, roles, shares = _plan(tmp_path, GPU_GRPO, QWEN_7B)
+    assert turn_roles(cfg, roles, shares, _probe(48, 80, []))[0] == {"actor", "reference"}
+
+
 def test_disaggregated_rollout_never_sleeps_and_lone_roles_never_move(tmp_path):
     cfg, roles, shares = _plan(
         tmp_path,

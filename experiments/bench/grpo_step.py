@@ -150,6 +150,18 @@ def gpu_peak() -> tuple[str | None, float | None]:
     return name, next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
+def step_rows(metrics: Path) -> list[dict]:
+    """The step rows of a run's metrics.jsonl (none where it is missing); a last line cut
+    off by a stopped run is left out."""
+    rows = []
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return [r for r in rows if "time/step" in r]
+
+
 def run_model(gin_files: list[str], params: list[str], run_dir: Path) -> tuple:
     """The run's RunConfig (parsed again here) and its model's config.json (the embedded
     tiny model's under ``run_dir`` when ``model_path`` is None)."""
@@ -209,24 +221,34 @@ def main(argv=None) -> None:
         # stopped from outside) leaves what it printed up to then
         log = Path(args.log or Path(tmp) / "train.log")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        rc, stopped = None, False
         with log.open("w") as out:
-            proc = subprocess.run(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout
-            )
-        metrics = run_dir / "metrics.jsonl"
-        if proc.returncode or not metrics.exists():
+            try:
+                rc = subprocess.run(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout
+                ).returncode
+            except subprocess.TimeoutExpired:  # the steps it finished are still measured
+                stopped = True
+        rows = step_rows(run_dir / "metrics.jsonl")
+        if rc or len(rows) <= args.skip:
             sys.stderr.write(log.read_text()[-6000:])
-            raise SystemExit(f"polyrl train failed (rc={proc.returncode}): {' '.join(cmd)}")
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if "time/step" in r]
+            why = f"stopped at --timeout {args.timeout:g} s" if stopped else f"rc={rc}"
+            raise SystemExit(
+                f"polyrl train failed ({why}, {len(rows)} step(s) done): {' '.join(cmd)}"
+            )
         limits = rollout_limits(rows[0])
         cfg, model_config = run_model(gin_files, params, run_dir)
         profile, ops = None, {}
-        if profiled:
+        if profiled and len(rows) == profiled:
             profile = phase_table(run_dir / "timeline.json", args.profile, args.skip, args.steps)
             ops = _worker_ops(run_dir / "profile" / f"step_{profiled}", Path(args.profile))
     summary = summarise(rows[: args.steps], args.skip)
     text = table(summary)
+    if stopped:
+        text += (
+            f"\npolyrl train stopped at --timeout {args.timeout:g} s after {len(rows)} of "
+            f"{profiled or args.steps} steps: the means are over the steps it finished"
+        )
     update = None
     if "update_actor" in summary["phases_s"]:
         timed = [r for r in rows[: args.steps] if "time/step" in r][args.skip :]
@@ -239,7 +261,7 @@ def main(argv=None) -> None:
         )
     if profile is not None:
         text += "\n" + "\n".join(format_top(profile, "phase or worker call (all tracks)"))
-    if profiled:
+    if profile is not None:
         phases = ", ".join(
             f"{k[5:]} {v:.2f}" for k, v in rows[-1].items() if k.startswith("time/") and v >= 0.01
         )
@@ -254,6 +276,7 @@ def main(argv=None) -> None:
         "gin_params": params[:-2],
         **summary,
         "rollout_limits": limits,
+        "stopped_at_timeout": stopped,
         "update": update,
         "table": text.splitlines(),
         **({"profile": profile, "worker_ops": ops} if profile else {}),

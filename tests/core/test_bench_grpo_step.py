@@ -61,3 +61,15 @@ def test_no_mfu_without_a_known_gpu(tmp_path, monkeypatch):
         _cfg(tmp_path, False), MODEL, [{"batch/tokens": 10.0}], update_s=1.0
     )
     assert found["mfu"] is None and found["flops"] == 6 * 184 * 10 + 12 * 4 * 50
+
+
+def test_a_stopped_runs_finished_steps_are_read(tmp_path):
+    """metrics.jsonl of a run stopped at --timeout mid-write: the step rows before its
+    cut-off last line (a validation row has no time/step); none without the file."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        '{"step": 0, "val/reward/mean": 0.1}\n{"step": 1, "time/step": 2.0}\n'
+        '{"step": 2, "time/step": 3.0}\n{"step": 3, "time/st'
+    )
+    assert [r["step"] for r in grpo_step.step_rows(metrics)] == [1, 2]
+    assert grpo_step.step_rows(tmp_path / "missing.jsonl") == []

@@ -290,12 +290,13 @@ for s in $sections; do
     # first left out of the means): step time, phases, the update's MFU, peak GPU memory.
     # The whole section is bounded by SECTION_TIMEOUT (default 540 s: the model's build,
     # ~1 minute, comes first; then the run's start-up, ~2-3 minutes, and ~100 s a step:
-    # estimates, gin/experiments/gsm8k_tool_7b_lora.gin)
+    # estimates, gin/experiments/gsm8k_tool_7b_lora.gin). A run stopped at the bound is
+    # measured over the steps it finished (grpo_step.py says so under its table).
     M7=/tmp/models/qwen2-7b-random-8k
     [ -d $M7 ] || python3 experiments/bench/random_model.py 7b $M7 --max-positions 8192 > "$OUT/make_7b_8k.log" 2>&1
     left=$(( ${SECTION_TIMEOUT:-540} - SECONDS + start )); [ $left -gt 30 ] || left=30
     peak_mem $s timeout $left python3 experiments/bench/gsm8k_tool.py --model $M7 --only tool \
-      --tool-gin gin/experiments/gsm8k_tool_7b_lora.gin --steps ${GRPO_STEPS:-3} --skip 1 --timeout $((left - 10)) \
+      --tool-gin gin/experiments/gsm8k_tool_7b_lora.gin --steps ${GRPO_STEPS:-3} --skip 1 --timeout $((left - 20)) \
       --log-dir "$OUT" --json "$OUT/bench_gsm8k_tool_7b.json" > "$OUT/$s.stdout" 2>&1
     cut -c1-300 "$OUT/$s.stdout" | tail -40 | tee -a "$OUT/summary.txt" ;;
   shadow)

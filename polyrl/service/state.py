@@ -136,7 +136,7 @@ class TinkerService:
         self.actor, self.pool, self.name = actor, pool, name
         self.placement, self.settings = placement, settings
         self.state_dir = Path(state_dir)
-        self.model_path = Path(actor.model.path)
+        self.model_path = Path(actor.model.path).resolve()
         self.max_model_len = max_model_len
         self.futures = Futures()
         self._lock = threading.Lock()
@@ -167,7 +167,12 @@ class TinkerService:
         return found
 
     def check_base_model(self, base_model: str | None) -> None:
-        if base_model not in (self.name, str(self.model_path), None):
+        """The served model is named by its name or by its directory, in any spelling of
+        the path (relative to the service's directory, absolute, a trailing '/'): a
+        recipe's ``model_name`` is the directory its tokenizer loads from."""
+        if base_model in (self.name, None):
+            return
+        if Path(base_model).expanduser().resolve() != self.model_path:
             raise RequestError(
                 f"base_model={base_model!r} is not served here; this service serves "
                 f"{self.name!r} ({self.model_path})"

@@ -164,6 +164,29 @@ def test_named_sampler_weights_and_the_base_model_sample(served, client, trainer
         assert np.abs(np.asarray(lp_base) - trained).max() > 1e-2
 
 
+def test_the_base_model_is_named_by_its_directory_in_any_spelling(served, client):
+    """A tinker-cookbook recipe's model_name is the directory its tokenizer loads from,
+    spelled as the user typed it: relative, with a trailing '/', through '..'. Each names
+    the served model (a sampling client on it samples); another directory does not."""
+    import os
+
+    service, _ = served
+    directory = str(service.model_path)
+    spellings = [
+        os.path.relpath(directory),
+        directory + "/",
+        os.path.join(directory, "..", os.path.basename(directory)),
+    ]
+    prompt = types.ModelInput.from_ints([2, 5, 6])
+    for spelling in spellings:
+        assert spelling != directory
+        sampler = client.create_sampling_client(base_model=spelling).result()
+        out = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+        assert len(out.sequences[0].tokens) >= 1, spelling
+    with pytest.raises(tinker.BadRequestError, match="base_model="):
+        client.create_sampling_client(base_model=os.path.dirname(directory)).result()
+
+
 def test_two_clients_at_once_train_their_own_models(served, trainer):
     """A second session's model starts from the base weights (not the first's), and both
     train side by side: requests of both in flight before either is awaited. The first

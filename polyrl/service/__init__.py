@@ -93,7 +93,8 @@ def serve(
     service = start(gin_files, gin_params)
     server = _server(service, host, port)
     print(
-        f"[polyrl] Tinker API on http://{host}:{port} serving {service.name!r}: "
+        f"[polyrl] Tinker API on http://{host}:{port} serving {service.name!r} "
+        f"from {service.model_path}: "
         f"TINKER_BASE_URL=http://{host}:{port} TINKER_API_KEY=tml-local",
         flush=True,
     )

@@ -3,6 +3,7 @@ the service that command started (the environment from its export lines)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -40,41 +41,83 @@ def test_the_documented_command_and_block_parse():
     assert "base_url" not in code and "ServiceClient()" in code
 
 
-@pytest.mark.slow  # ~1 min: the service's start in a process of its own, the block's steps
-def test_the_documented_command_serves_the_documented_client_block(tmp_path):
-    command = blocks("Start")[0].strip()
-    exports, code = blocks("Connect")[:2]
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the polyrl CLI
-    client_env = dict(re.findall(r"export (\w+)=(\S+)", exports))
-    assert command.startswith("polyrl serve-tinker") and set(client_env) == {
-        "TINKER_BASE_URL",
-        "TINKER_API_KEY",
-    }
-    log = tmp_path / "serve.log"
+def test_the_documented_cookbook_commands_parse():
+    """The fast half of the cookbook test below: the start command is `polyrl
+    serve-tinker` on a gin file that exists, and the recipe's arguments are its CLIConfig's
+    (chz parses them; model_name is the shell's expansion, left out here)."""
+    import shlex
+
+    import chz
+    from tinker_cookbook.recipes.multiplayer_rl.guess_number.train import CLIConfig
+
+    from polyrl.cli import build_parser
+
+    start, recipe = (b.strip() for b in blocks("tinker-cookbook recipes"))
+    args = build_parser().parse_args(shlex.split(start)[1:])
+    assert args.command == "serve-tinker" and (ROOT / args.gin_file[0]).exists()
+    expansion = r"model_name=\$\(echo \$PWD/runs/tinker_cookbook/models/tiny-qwen2-\*\) "
+    assert re.search(expansion, recipe), recipe
+    argv = shlex.split(re.sub(expansion, "", recipe))
+    assert argv[:3] == ["python", "-m", "tinker_cookbook.recipes.multiplayer_rl.guess_number.train"]
+    config = chz.Blueprint(CLIConfig).make_from_argv(argv[3:])
+    assert config.renderer_name == "qwen3_instruct" and config.max_steps >= 1
+
+
+@contextlib.contextmanager
+def serving(command: str, cwd: Path, env: dict, url: str):
+    """``command`` (a documented ``polyrl serve-tinker``) in a shell of its own session
+    until it answers at ``url``; yields its log file; ends the session after."""
+    import httpx
+
+    log = cwd / "serve.log"
     with log.open("w") as out:
         server = subprocess.Popen(
             command,
             shell=True,
-            cwd=tmp_path,
+            cwd=cwd,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     try:
-        import httpx
-
         deadline = time.monotonic() + 300
         while True:
             assert server.poll() is None, log.read_text()
             try:
-                if httpx.get(client_env["TINKER_BASE_URL"] + "/api/v1/healthz").is_success:
+                if httpx.get(url + "/api/v1/healthz").is_success:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(1)
+        yield log
+    finally:
+        os.killpg(server.pid, 15)  # the shell and the service in its session
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def documented_env() -> tuple[dict, dict]:
+    """The test's environment with this venv's ``polyrl``/``python`` first on PATH, and
+    the Connect section's exports."""
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    client_env = dict(re.findall(r"export (\w+)=(\S+)", blocks("Connect")[0]))
+    assert set(client_env) == {"TINKER_BASE_URL", "TINKER_API_KEY"}
+    return env, client_env
+
+
+@pytest.mark.slow  # ~1 min: the service's start in a process of its own, the block's steps
+def test_the_documented_command_serves_the_documented_client_block(tmp_path):
+    command = blocks("Start")[0].strip()
+    code = blocks("Connect")[1]
+    env, client_env = documented_env()
+    assert command.startswith("polyrl serve-tinker")
+    with serving(command, tmp_path, env, client_env["TINKER_BASE_URL"]) as log:
         printed = blocks("Start")[1].strip().split(" serving ")[0]
         assert printed in log.read_text()
         run = subprocess.run(
@@ -88,13 +131,51 @@ def test_the_documented_command_serves_the_documented_client_block(tmp_path):
         assert run.returncode == 0, run.stdout + run.stderr
         losses = [float(x) for x in re.findall(r"^loss ([\d.e+-]+)", run.stdout, re.M)]
         assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
-    finally:
-        os.killpg(server.pid, 15)  # the shell and the service in its session
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            server.wait()
+
+
+@pytest.mark.slow  # ~1.5 min: the service's start, then the recipe's 3 steps
+def test_the_documented_cookbook_recipe_runs_against_the_service(tmp_path):
+    """docs/tinker.md "tinker-cookbook recipes": its start command, then the recipe's
+    command in a shell, as written. The recipe ends its steps; each step's row has finite
+    rewards and the sampler's log-probs agree with the trainer's (kl_sample_train ~0: the
+    recipe's own check); every state it saved is a directory of this service's."""
+    import json
+    import math
+
+    start, recipe = (b.strip() for b in blocks("tinker-cookbook recipes"))
+    env, client_env = documented_env()
+    steps = int(re.search(r"\bmax_steps=(\d+)", recipe).group(1))
+    log_path = tmp_path / re.search(r"\blog_path=(\S+)", recipe).group(1)
+    assert start.startswith("polyrl serve-tinker") and "tinker_cookbook.recipes." in recipe
+    with serving(start, tmp_path, env, client_env["TINKER_BASE_URL"]):
+        began = time.monotonic()
+        run = subprocess.run(
+            recipe,
+            shell=True,
+            cwd=tmp_path,
+            env={**env, **client_env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        wall = time.monotonic() - began
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "Training completed successfully" in run.stdout + run.stderr
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "env/all/reward/total" in r]
+    assert [r["step"] for r in trained] == list(range(steps)), rows
+    for row in trained:
+        assert math.isfinite(row["env/all/reward/total"]), row
+        assert abs(row["optim/kl_sample_train_v1"]) < 1e-3, row
+        assert row["tokens/trained"] > 0, row
+    saves = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
+    assert saves[-1]["batch"] == steps and any(s["batch"] < steps for s in saves), saves
+    for save in saves:
+        model_id, kind, name = save["state_path"].removeprefix("tinker://").split("/")
+        state = tmp_path / "runs" / "tinker_cookbook" / model_id.replace(":", "_") / kind / name
+        assert (state.parent / f"{name}.lora.json").exists(), save
+    times = [round(r["time/total"], 2) for r in trained]
+    print(f"guess_number: {steps} steps in {wall:.1f} s (recipe start included), per step {times}")
 
 
 def test_a_bad_max_training_clients_is_refused_by_name():

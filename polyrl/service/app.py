@@ -55,6 +55,7 @@ def make_app(service: TinkerService) -> Any:
     from fastapi import FastAPI, Request
     from fastapi.responses import Response
     from pydantic import ValidationError
+    from starlette.exceptions import HTTPException
     from tinker import types
 
     app = FastAPI(title="polyrl Tinker-compatible service")
@@ -69,6 +70,16 @@ def make_app(service: TinkerService) -> Any:
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
         )
         return _error(400, f"{request.url.path}: {fields}")
+
+    @app.exception_handler(HTTPException)
+    async def _unknown(request: Request, exc: HTTPException) -> Any:
+        if exc.status_code in (404, 405):  # a route this service does not have
+            return _error(
+                exc.status_code,
+                f"{request.method} {request.url.path} is not served here (docs/tinker.md "
+                "'Supported and not' lists what is)",
+            )
+        return _error(exc.status_code, f"{request.url.path}: {exc.detail}")
 
     @app.exception_handler(Exception)
     async def _broken(request: Request, exc: Exception) -> Any:
@@ -129,7 +140,7 @@ def make_app(service: TinkerService) -> Any:
                 f"optimizer_config.type={req.optimizer_config.type!r}: only AdamW is served"
             )
         rid = service.create_model(
-            req.session_id, req.model_seq_id, req.base_model, req.lora_config
+            req.session_id, req.model_seq_id, req.base_model, req.lora_config, req.user_metadata
         )
         return future(rid)
 
@@ -165,7 +176,12 @@ def make_app(service: TinkerService) -> Any:
         if req.session_id is None or req.model_seq_id is None:
             raise RequestError("load_weights needs model_id, or session_id and model_seq_id")
         rid = service.create_from_state(
-            req.session_id, req.model_seq_id, req.path, req.optimizer, req.base_model
+            req.session_id,
+            req.model_seq_id,
+            req.path,
+            req.optimizer,
+            req.base_model,
+            req.user_metadata,
         )
         return future(rid)
 
@@ -197,6 +213,15 @@ def make_app(service: TinkerService) -> Any:
         req = await body(request, types.SampleRequest)
         rid, n = service.sample(req)
         return {"request_id": rid, "sample_sequence_ids": [f"{rid}-{j}" for j in range(n)]}
+
+    # ------------------------------------------------------------------------ REST
+    @app.get("/api/v1/training_runs/{run_id}")
+    async def training_run(run_id: str) -> dict[str, Any]:
+        return await asyncio.to_thread(service.training_run, run_id)
+
+    @app.delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}")
+    async def delete_checkpoint(run_id: str, kind: str, name: str) -> None:
+        await asyncio.to_thread(service.delete_checkpoint, run_id, f"{kind}/{name}")
 
     # --------------------------------------------------------------------- futures
     @app.post("/api/v1/retrieve_future")

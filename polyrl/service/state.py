@@ -55,6 +55,8 @@ KEEP_FUTURES = 10_000  # finished futures kept for clients that poll again
 # while the rollout servers hold its weights; after that it is refused by name.
 KEEP_SNAPSHOTS = 4
 SCHEME = "tinker://"
+KINDS = {"weights": "training", "sampler_weights": "sampler"}  # path segment: checkpoint type
+RUN_FILE = "run.json"  # a training run's record, in its directory
 
 
 class Futures:
@@ -102,6 +104,12 @@ class Sampler:
 def _lora_file(state: Path) -> Path:
     """Beside a saved state: the LoRA settings a model loading it must have."""
     return state.parent / f"{state.name}.lora.json"
+
+
+def _iso(mtime: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(mtime, datetime.UTC).isoformat()
 
 
 def _dir_buckets(path: Path) -> Callable[[], list]:
@@ -212,7 +220,11 @@ class TinkerService:
             raise RequestError(f"lora_config.rank={lora.rank} must be >= 1")
         return LoraConfig(rank=lora.rank, alpha=LORA_ALPHA, target_modules=targets)
 
-    def _new_model(self, session_id: str, seq_id: int, config: LoraConfig) -> TrainingModel:
+    def _new_model(
+        self, session_id: str, seq_id: int, config: LoraConfig, metadata: dict | None
+    ) -> TrainingModel:
+        """Register a training model and write its run's record (``run.json`` in its
+        directory: what ``get_training_run`` answers, also after a restart)."""
         model_id = f"{session_id}:train:{seq_id}"
         model = TrainingModel(model_id, config, cf.ThreadPoolExecutor(1, f"tinker-{seq_id}"))
         with self._lock:
@@ -233,6 +245,12 @@ class TinkerService:
                     "polyrl.TinkerConfig.max_training_clients"
                 )
             self.models[model_id] = model
+        record = {
+            "lora_rank": config.rank,
+            "user_metadata": {str(k): str(v) for k, v in (metadata or {}).items()},
+        }
+        self.run_dir(model_id).mkdir(parents=True, exist_ok=True)
+        (self.run_dir(model_id) / RUN_FILE).write_text(json.dumps(record))
         return model
 
     def _start(self, model: TrainingModel) -> None:
@@ -250,10 +268,12 @@ class TinkerService:
                 self.models.pop(model.model_id, None)
             raise
 
-    def create_model(self, session_id: str, seq_id: int, base_model: str, lora: Any) -> str:
+    def create_model(
+        self, session_id: str, seq_id: int, base_model: str, lora: Any, metadata: dict | None
+    ) -> str:
         """Start a training model (a future: its workers take seconds to start)."""
         self.check_base_model(base_model)
-        model = self._new_model(session_id, seq_id, self.lora_config(lora))
+        model = self._new_model(session_id, seq_id, self.lora_config(lora), metadata)
         if lora.train_unembed:
             log.info(
                 "%s: train_unembed is accepted; the unembedding gets no adapter", model.model_id
@@ -266,7 +286,13 @@ class TinkerService:
         return self._future(start, model.executor)
 
     def create_from_state(
-        self, session_id: str, seq_id: int, uri: str, optimizer: bool, base_model: str | None
+        self,
+        session_id: str,
+        seq_id: int,
+        uri: str,
+        optimizer: bool,
+        base_model: str | None,
+        metadata: dict | None,
     ) -> str:
         """``create_training_client_from_state[_with_optimizer]``: a training model with the
         saved state's adapters (its LoRA settings from the save), then its load."""
@@ -276,7 +302,7 @@ class TinkerService:
         if not sidecar.exists():
             raise RequestError(f"path={uri!r}: no state was saved there (save_state writes one)")
         config = LoraConfig(**json.loads(sidecar.read_text()))
-        model = self._new_model(session_id, seq_id, config)
+        model = self._new_model(session_id, seq_id, config, metadata)
 
         def run() -> dict[str, Any]:
             self._start(model)
@@ -365,9 +391,71 @@ class TinkerService:
                 "of this service"
             )
         model_id, kind, name = uri[len(SCHEME) :].split("/")
-        if kind not in ("weights", "sampler_weights"):
+        if kind not in KINDS:
             raise RequestError(f"path={uri!r}: {kind!r} is not 'weights' or 'sampler_weights'")
-        return self.state_dir / model_id.replace(":", "_") / kind / name
+        if not name or name.startswith("."):
+            raise RequestError(f"path={uri!r}: {name!r} is no checkpoint name")
+        return self.run_dir(model_id) / kind / name
+
+    def run_dir(self, run_id: str) -> Path:
+        """The directory of a training run's (a model id's) record and saves."""
+        if not run_id or run_id.startswith(".") or "/" in run_id:
+            raise RequestError(f"training_run_id={run_id!r} names no training run")
+        return self.state_dir / run_id.replace(":", "_")
+
+    def _saved(self, run_id: str, kind: str) -> list[Path]:
+        """A run's saves of one kind (complete ones: a state's LoRA settings or a sampler
+        directory's config are written last)."""
+        found = self.run_dir(run_id) / kind
+        done = "{}.lora.json" if kind == "weights" else "{}/config.json"
+        if not found.is_dir():
+            return []
+        return [p for p in found.iterdir() if p.is_dir() and (found / done.format(p.name)).exists()]
+
+    def training_run(self, run_id: str) -> dict[str, Any]:
+        """``RestClient.get_training_run[_by_tinker_path]``: the run's record, its newest
+        state and sampler weights (a recipe reads the renderer name it was trained with
+        from ``user_metadata`` before it resumes)."""
+        record = self.run_dir(run_id) / RUN_FILE
+        if not record.exists():
+            raise RequestError(f"training_run_id={run_id!r} names no training run of this service")
+        info = json.loads(record.read_text())
+        newest = {}
+        for kind, label in KINDS.items():
+            saved = self._saved(run_id, kind)
+            last = max(saved, key=lambda p: p.stat().st_mtime, default=None)
+            newest[kind] = last and {
+                "checkpoint_id": f"{kind}/{last.name}",
+                "checkpoint_type": label,
+                "time": _iso(last.stat().st_mtime),
+                "tinker_path": f"{SCHEME}{run_id}/{kind}/{last.name}",
+            }
+        times = [record.stat().st_mtime] + [
+            p.stat().st_mtime for k in KINDS for p in self._saved(run_id, k)
+        ]
+        return {
+            "training_run_id": run_id,
+            "base_model": self.name,
+            "model_owner": "local",
+            "is_lora": True,
+            "lora_rank": info["lora_rank"],
+            "last_request_time": _iso(max(times)),
+            "last_checkpoint": newest["weights"],
+            "last_sampler_checkpoint": newest["sampler_weights"],
+            "user_metadata": info["user_metadata"] or None,
+        }
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        """``RestClient.delete_checkpoint[_from_tinker_path]`` (a recipe's rolling saves):
+        the save's directory and its LoRA settings go."""
+        import shutil
+
+        uri = f"{SCHEME}{run_id}/{checkpoint_id}"
+        path = self.local(uri)
+        if not path.is_dir():
+            raise RequestError(f"checkpoint {uri!r} names no checkpoint of this service")
+        _lora_file(path).unlink(missing_ok=True)
+        shutil.rmtree(path)
 
     def save_state(self, model_id: str, name: str | None) -> str:
         model = self.model(model_id)

@@ -43,8 +43,9 @@ def test_the_documented_command_and_block_parse():
 
 def test_the_documented_cookbook_commands_parse():
     """The fast half of the cookbook test below: the start command is `polyrl
-    serve-tinker` on a gin file that exists, and the recipe's arguments are its CLIConfig's
-    (chz parses them; model_name is the shell's expansion, left out here)."""
+    serve-tinker` on a gin file that exists; the recipe's two commands are its CLIConfig's
+    arguments (chz parses them; model_name is the shell's expansion, left out here), the
+    second the first resumed to more steps."""
     import shlex
 
     import chz
@@ -52,15 +53,21 @@ def test_the_documented_cookbook_commands_parse():
 
     from polyrl.cli import build_parser
 
-    start, recipe = (b.strip() for b in blocks("tinker-cookbook recipes"))
+    start, *recipes = (b.strip() for b in blocks("tinker-cookbook recipes"))
     args = build_parser().parse_args(shlex.split(start)[1:])
     assert args.command == "serve-tinker" and (ROOT / args.gin_file[0]).exists()
     expansion = r"model_name=\$\(echo \$PWD/runs/tinker_cookbook/models/tiny-qwen2-\*\) "
-    assert re.search(expansion, recipe), recipe
-    argv = shlex.split(re.sub(expansion, "", recipe))
-    assert argv[:3] == ["python", "-m", "tinker_cookbook.recipes.multiplayer_rl.guess_number.train"]
-    config = chz.Blueprint(CLIConfig).make_from_argv(argv[3:])
-    assert config.renderer_name == "qwen3_instruct" and config.max_steps >= 1
+    configs = []
+    for recipe in recipes:
+        assert re.search(expansion, recipe), recipe
+        argv = shlex.split(re.sub(expansion, "", recipe))
+        module = "tinker_cookbook.recipes.multiplayer_rl.guess_number.train"
+        assert argv[:3] == ["python", "-m", module]
+        configs.append(chz.Blueprint(CLIConfig).make_from_argv(argv[3:]))
+    first, resumed = configs
+    assert first.renderer_name == "qwen3_instruct" and first.behavior_if_log_dir_exists == "delete"
+    assert resumed.behavior_if_log_dir_exists == "resume" and resumed.log_path == first.log_path
+    assert resumed.max_steps > first.max_steps
 
 
 @contextlib.contextmanager
@@ -133,48 +140,53 @@ def test_the_documented_command_serves_the_documented_client_block(tmp_path):
         assert len(losses) == 3 and losses[-1] < losses[0], run.stdout
 
 
-@pytest.mark.slow  # ~1.5 min: the service's start, then the recipe's 3 steps
+def run_recipe(command: str, cwd: Path, env: dict) -> tuple[subprocess.CompletedProcess, float]:
+    began = time.monotonic()
+    run = subprocess.run(
+        command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "Training completed successfully" in run.stdout + run.stderr
+    return run, time.monotonic() - began
+
+
+@pytest.mark.slow  # ~1.5 min: the service's start, then the recipe's 3 steps and 1 more
 def test_the_documented_cookbook_recipe_runs_against_the_service(tmp_path):
-    """docs/tinker.md "tinker-cookbook recipes": its start command, then the recipe's
-    command in a shell, as written. The recipe ends its steps; each step's row has finite
+    """docs/tinker.md "tinker-cookbook recipes": its start command, then the recipe's two
+    commands in a shell, as written. The recipe ends its steps; each step's row has finite
     rewards and the sampler's log-probs agree with the trainer's (kl_sample_train ~0: the
-    recipe's own check); every state it saved is a directory of this service's."""
+    recipe's own check); every state it saved is a directory of this service's; the
+    second command resumes from the last save, its run's renderer name read back."""
     import json
     import math
 
-    start, recipe = (b.strip() for b in blocks("tinker-cookbook recipes"))
+    start, recipe, resume = (b.strip() for b in blocks("tinker-cookbook recipes"))
     env, client_env = documented_env()
-    steps = int(re.search(r"\bmax_steps=(\d+)", recipe).group(1))
+    env = {**env, **client_env}
+    steps, more = (int(re.search(r"\bmax_steps=(\d+)", c).group(1)) for c in (recipe, resume))
     log_path = tmp_path / re.search(r"\blog_path=(\S+)", recipe).group(1)
     assert start.startswith("polyrl serve-tinker") and "tinker_cookbook.recipes." in recipe
     with serving(start, tmp_path, env, client_env["TINKER_BASE_URL"]):
-        began = time.monotonic()
-        run = subprocess.run(
-            recipe,
-            shell=True,
-            cwd=tmp_path,
-            env={**env, **client_env},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        wall = time.monotonic() - began
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert "Training completed successfully" in run.stdout + run.stderr
-    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+        _, wall = run_recipe(recipe, tmp_path, env)
+        lines = lambda name: (log_path / name).read_text().splitlines()  # noqa: E731
+        saves = [json.loads(line) for line in lines("checkpoints.jsonl")]
+        again, _ = run_recipe(resume, tmp_path, env)
+    rows = [json.loads(line) for line in lines("metrics.jsonl")]
     trained = [r for r in rows if "env/all/reward/total" in r]
-    assert [r["step"] for r in trained] == list(range(steps)), rows
+    assert [r["step"] for r in trained] == list(range(more)), rows
     for row in trained:
         assert math.isfinite(row["env/all/reward/total"]), row
         assert abs(row["optim/kl_sample_train_v1"]) < 1e-3, row
         assert row["tokens/trained"] > 0, row
-    saves = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
     assert saves[-1]["batch"] == steps and any(s["batch"] < steps for s in saves), saves
     for save in saves:
         model_id, kind, name = save["state_path"].removeprefix("tinker://").split("/")
         state = tmp_path / "runs" / "tinker_cookbook" / model_id.replace(":", "_") / kind / name
         assert (state.parent / f"{name}.lora.json").exists(), save
-    times = [round(r["time/total"], 2) for r in trained]
+    said = again.stdout + again.stderr
+    assert f"Resumed training from {saves[-1]['state_path']}" in said, said[-4000:]
+    assert "Could not fetch renderer metadata" not in said, said[-4000:]
+    times = [round(r["time/total"], 2) for r in trained[:steps]]
     print(f"guess_number: {steps} steps in {wall:.1f} s (recipe start included), per step {times}")
 
 

@@ -273,6 +273,40 @@ def info_rank(training_client) -> int:
     return training_client.get_info().lora_rank
 
 
+def test_rest_reads_a_runs_metadata_and_deletes_its_checkpoints(served):
+    """The REST calls a tinker-cookbook loop makes: get_training_run_by_tinker_path (the
+    renderer name it trained with, read back before it resumes) and
+    delete_checkpoint_from_tinker_path (rolling saves). Other REST routes get the
+    client's error shape naming the route."""
+    service, url = served
+    client = tinker.ServiceClient(base_url=url, api_key="tml-local")
+    tc = client.create_lora_training_client(
+        base_model=service.name, rank=2, user_metadata={"renderer_name": "qwen3_instruct"}
+    ).result()
+    first = tc.save_state("first").result().path
+    second = tc.save_state("second").result().path
+    named = tc.save_weights_for_sampler("for-sampling").result().path
+    rest = tinker.RestClient(base_url=url, api_key="tml-local")
+    run = rest.get_training_run_by_tinker_path(first).result()
+    assert run.training_run_id == tc.model_id and run.base_model == service.name
+    assert run.user_metadata == {"renderer_name": "qwen3_instruct"} and run.lora_rank == 2
+    assert run.last_checkpoint.tinker_path == second
+    assert run.last_sampler_checkpoint.tinker_path == named
+    rest.delete_checkpoint_from_tinker_path(second).result()
+    assert not service.local(second).exists() and service.local(first).exists()
+    again = rest.get_training_run(tc.model_id).result()
+    assert again.last_checkpoint.tinker_path == first
+    with pytest.raises(tinker.BadRequestError, match="names no checkpoint"):
+        rest.delete_checkpoint_from_tinker_path(second).result()
+    with pytest.raises(tinker.BadRequestError, match="is no checkpoint name"):
+        rest.delete_checkpoint(tc.model_id, "weights/.hidden").result()
+    with pytest.raises(tinker.BadRequestError, match="names no training run"):
+        rest.get_training_run("session-nope:train:0").result()
+    with pytest.raises(tinker.NotFoundError, match="GET /api/v1/training_runs is not served"):
+        rest.list_training_runs().result()
+    client.close("success").result()
+
+
 def test_malformed_requests_get_the_clients_error_shape_and_the_service_goes_on(served, trainer):
     import httpx
 

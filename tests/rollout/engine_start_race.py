@@ -27,6 +27,10 @@ def main(model_dir: str, engine: str, retries: str) -> None:
         gpu_memory_utilization=0.2,
     )
     os.environ.update(server_env(config))  # before vLLM reads it, as a server's actor has it
+    # A server's Ray actor gets its engine core spawned (vLLM forces it in Ray actors); a
+    # plain process would fork it, which fails once this process touched CUDA ("Cannot
+    # re-initialize CUDA in forked subprocess", seen on an H100 with the async engine)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if retries == "server":
         server = RolloutServer(config)
         out = server.generate([(0, [1, 2, 3])], SamplingSpec(max_tokens=4, ignore_eos=True))

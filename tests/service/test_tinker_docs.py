@@ -73,8 +73,9 @@ def test_the_documented_cookbook_commands_parse():
 @contextlib.contextmanager
 def serving(command: str, cwd: Path, env: dict, url: str):
     """``command`` (a documented ``polyrl serve-tinker``) in a shell of its own session
-    until it answers at ``url``; yields its log file; ends the session after."""
-    import httpx
+    until it has printed its start line and answers at ``url``; yields its log file; ends
+    the session after, and waits until nothing answers at ``url`` (the next test's service
+    takes the same port: an answer from this one would pass for it)."""
 
     log = cwd / "serve.log"
     with log.open("w") as out:
@@ -91,11 +92,8 @@ def serving(command: str, cwd: Path, env: dict, url: str):
         deadline = time.monotonic() + 300
         while True:
             assert server.poll() is None, log.read_text()
-            try:
-                if httpx.get(url + "/api/v1/healthz").is_success:
-                    break
-            except httpx.HTTPError:
-                pass
+            if " serving " in log.read_text() and answers(url):
+                break
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(1)
         yield log
@@ -106,6 +104,18 @@ def serving(command: str, cwd: Path, env: dict, url: str):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, 9)
             server.wait()
+        deadline = time.monotonic() + 60
+        while answers(url) and time.monotonic() < deadline:
+            time.sleep(1)
+
+
+def answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url + "/api/v1/healthz").is_success
+    except httpx.HTTPError:
+        return False
 
 
 def documented_env() -> tuple[dict, dict]:

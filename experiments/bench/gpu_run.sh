@@ -133,7 +133,7 @@ peak_mem() {
   local smi=$!
   "$@"; local rc=$?
   kill $smi 2>/dev/null; wait $smi 2>/dev/null
-  python3 - "$OUT/$name.mem.csv" "$ids" <<'PY' | tee -a "$OUT/summary.txt"
+  python3 - "$OUT/$name.mem.csv" "$ids" > "$OUT/$name.mem.txt" <<'PY'
 import collections, sys
 used = collections.Counter()  # timestamp -> MiB summed over the GPUs sampled then
 for line in open(sys.argv[1]):
@@ -298,7 +298,7 @@ for s in $sections; do
     peak_mem $s timeout $left python3 experiments/bench/gsm8k_tool.py --model $M7 --only tool \
       --tool-gin gin/experiments/gsm8k_tool_7b_lora.gin --steps ${GRPO_STEPS:-3} --skip 1 --timeout $((left - 20)) \
       --log-dir "$OUT" --json "$OUT/bench_gsm8k_tool_7b.json" > "$OUT/$s.stdout" 2>&1
-    cut -c1-300 "$OUT/$s.stdout" | tail -40 | tee -a "$OUT/summary.txt" ;;
+    cat "$OUT/$s.stdout" "$OUT/$s.mem.txt" | cut -c1-300 | tail -40 | tee -a "$OUT/summary.txt" ;;
   shadow)
     # the three-way log-prob check's cost per step on the GRPO experiment (shadow_cost.py):
     # SHADOW_STEPS steps (default 12) with the check every SHADOW_EVERY (default 5)

@@ -46,36 +46,13 @@ TRAIN_STATE_FACTOR = 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def param_count(model_path: str | Path) -> int:
-    """Parameters of a decoder-only HF model (Qwen2/Llama layout) from its config.json:
-    embeddings (and an untied LM head), attention with grouped KV heads and biases, a
-    gated MLP, two norms per layer and the final norm."""
-    c = json.loads(Path(model_path, "config.json").read_text())
-    h, layers, inter, vocab = (
-        c["hidden_size"],
-        c["num_hidden_layers"],
-        c["intermediate_size"],
-        c["vocab_size"],
-    )
-    heads = c["num_attention_heads"]
-    kv = c.get("num_key_value_heads") or heads
-    kv_width = kv * (c.get("head_dim") or h // heads)
-    attention = 2 * h * h + 2 * h * kv_width + h + 2 * kv_width
-    per_layer = attention + 3 * h * inter + 2 * h
-    embed = vocab * h * (1 if c.get("tie_word_embeddings", False) else 2)
-    return layers * per_layer + embed + h
-
-
-def lora_param_count(model_path: str | Path, lora: Any) -> int:
-    """Parameters of the LoRA adapters ``lora`` (a ``LoraConfig``) on a decoder-only HF
-    model (Qwen2/Llama layout) from its config.json: rank x (in + out) for each target
-    projection of every layer."""
-    c = json.loads(Path(model_path, "config.json").read_text())
-    h, inter = c["hidden_size"], c["intermediate_size"]
-    heads = c["num_attention_heads"]
-    width = heads * (c.get("head_dim") or h // heads)
-    kv_width = (c.get("num_key_value_heads") or heads) * (c.get("head_dim") or h // heads)
-    dims = {
+def _projections(c: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear projection of one decoder layer of a HF config
+    (Qwen2/Llama layout, grouped KV heads)."""
+    h, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or h // heads
+    width, kv_width = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    return {
         "q_proj": (h, width),
         "k_proj": (h, kv_width),
         "v_proj": (h, kv_width),
@@ -84,8 +61,27 @@ def lora_param_count(model_path: str | Path, lora: Any) -> int:
         "up_proj": (h, inter),
         "down_proj": (inter, h),
     }
-    per_layer = sum(lora.rank * sum(dims[t]) for t in lora.target_modules)
-    return c["num_hidden_layers"] * per_layer
+
+
+def param_count(model_path: str | Path) -> int:
+    """Parameters of a decoder-only HF model (Qwen2/Llama layout) from its config.json:
+    embeddings (and an untied LM head), attention with grouped KV heads and biases, a
+    gated MLP, two norms per layer and the final norm."""
+    c = json.loads(Path(model_path, "config.json").read_text())
+    h, proj = c["hidden_size"], _projections(c)
+    biases = sum(proj[p][1] for p in ("q_proj", "k_proj", "v_proj"))
+    per_layer = sum(i * o for i, o in proj.values()) + biases + 2 * h
+    embed = c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", False) else 2)
+    return c["num_hidden_layers"] * per_layer + embed + h
+
+
+def lora_param_count(model_path: str | Path, lora: Any) -> int:
+    """Parameters of the LoRA adapters ``lora`` (a ``LoraConfig``) on a decoder-only HF
+    model (Qwen2/Llama layout) from its config.json: rank x (in + out) for each target
+    projection of every layer."""
+    c = json.loads(Path(model_path, "config.json").read_text())
+    proj = _projections(c)
+    return c["num_hidden_layers"] * sum(lora.rank * sum(proj[t]) for t in lora.target_modules)
 
 
 def fits_resident(

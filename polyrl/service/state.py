@@ -106,6 +106,12 @@ def _lora_file(state: Path) -> Path:
     return state.parent / f"{state.name}.lora.json"
 
 
+def _fail(group: list, error: BaseException) -> None:
+    """Every sample request of ``group`` fails with ``error``."""
+    for item in group:
+        item[5].set_exception(error)
+
+
 def _iso(mtime: float) -> str:
     import datetime
 
@@ -164,15 +170,22 @@ class TinkerService:
     def _future(self, fn: Callable[[], Any], executor: cf.Executor) -> str:
         return self.futures.add(executor.submit(fn))
 
-    def model(self, model_id: str) -> TrainingModel:
+    def _find(self, table: dict, key: str, missing: str) -> Any:
+        """``table[key]``, read under the service's lock; a RequestError saying ``missing``
+        if it is not there."""
         with self._lock:
-            found = self.models.get(model_id)
+            found = table.get(key)
         if found is None:
-            raise RequestError(
-                f"model_id={model_id!r} names no training model of this service "
-                "(create_lora_training_client first)"
-            )
+            raise RequestError(missing)
         return found
+
+    def model(self, model_id: str) -> TrainingModel:
+        return self._find(
+            self.models,
+            model_id,
+            f"model_id={model_id!r} names no training model of this service "
+            "(create_lora_training_client first)",
+        )
 
     def check_base_model(self, base_model: str | None) -> None:
         """The served model is named by its name or by its directory, in any spelling of
@@ -420,19 +433,17 @@ class TinkerService:
         if not record.exists():
             raise RequestError(f"training_run_id={run_id!r} names no training run of this service")
         info = json.loads(record.read_text())
+        saved = {kind: self._saved(run_id, kind) for kind in KINDS}
         newest = {}
         for kind, label in KINDS.items():
-            saved = self._saved(run_id, kind)
-            last = max(saved, key=lambda p: p.stat().st_mtime, default=None)
+            last = max(saved[kind], key=lambda p: p.stat().st_mtime, default=None)
             newest[kind] = last and {
                 "checkpoint_id": f"{kind}/{last.name}",
                 "checkpoint_type": label,
                 "time": _iso(last.stat().st_mtime),
                 "tinker_path": f"{SCHEME}{run_id}/{kind}/{last.name}",
             }
-        times = [record.stat().st_mtime] + [
-            p.stat().st_mtime for k in KINDS for p in self._saved(run_id, k)
-        ]
+        times = [record.stat().st_mtime] + [p.stat().st_mtime for k in KINDS for p in saved[k]]
         return {
             "training_run_id": run_id,
             "base_model": self.name,
@@ -511,15 +522,13 @@ class TinkerService:
         return self._future(run, model.executor)
 
     def _snapshot(self, uri: str) -> list:
-        with self._lock:
-            buckets = self.snapshots.get(uri)
-        if buckets is None:
-            raise RequestError(
-                f"the weights of this sampling client ({uri}) were dropped: the service keeps "
-                f"the newest {KEEP_SNAPSHOTS} snapshots; create a new sampling client (or "
-                "save_weights_for_sampler(name) for weights to keep)"
-            )
-        return buckets
+        return self._find(
+            self.snapshots,
+            uri,
+            f"the weights of this sampling client ({uri}) were dropped: the service keeps "
+            f"the newest {KEEP_SNAPSHOTS} snapshots; create a new sampling client (or "
+            "save_weights_for_sampler(name) for weights to keep)",
+        )
 
     def finish_session(self, session_id: str) -> None:
         """The client closed its session: its training models end (their workers go)."""
@@ -553,11 +562,11 @@ class TinkerService:
         return self._add_sampler(model_path, str(path), _dir_buckets(path))
 
     def sampler(self, sampler_id: str) -> Sampler:
-        with self._lock:
-            found = self.samplers.get(sampler_id)
-        if found is None:
-            raise RequestError(f"sampling_session_id={sampler_id!r} names no sampling session")
-        return found
+        return self._find(
+            self.samplers,
+            sampler_id,
+            f"sampling_session_id={sampler_id!r} names no sampling session",
+        )
 
     def sample(self, request: Any) -> tuple[str, int]:
         """Queue one sample request; (request id, samples it will hold)."""
@@ -640,9 +649,8 @@ class TinkerService:
             if self.loaded != sampler.key:
                 try:
                     self.pool.update_weights(sampler.buckets())
-                except Exception as e:  # every request of the group fails with it
-                    for item in group:
-                        item[5].set_exception(e)
+                except Exception as e:
+                    _fail(group, e)
                     return False
                 self.loaded = sampler.key
             self._inflight += 1
@@ -653,9 +661,8 @@ class TinkerService:
         try:
             requests = [(j, prompt, cap) for _, _, prompt, n, cap, _ in group for j in range(n)]
             results = self.pool.generate_ids(requests, spec)
-        except Exception as e:  # every request of the group fails with it
-            for item in group:
-                item[5].set_exception(e)
+        except Exception as e:
+            _fail(group, e)
             return
         finally:
             with self._idle:

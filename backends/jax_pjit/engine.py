@@ -288,49 +288,52 @@ class JaxPjitEngine:
         return out
 
     def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, dict[str, jax.Array]]]:
-        """(row indices, padded global micro-batch) pairs. Fixed ``micro_batch_size``: the
-        whole batch padded once (shapes.py) and cut into equal micro-batches (one shape);
-        token budget (``max_tokens_per_micro_batch`` per data shard): ``polyrl.micro_batch``'s
-        groups, each trimmed and padded to its own shape, the budget counting the padded
-        shape (``shapes.padded_cost``). ``pack_sequences``: each padded
-        micro-batch's sequences packed into one row per data shard (``shapes.pack_rows``).
+        """(row indices, padded global micro-batch) pairs: ``polyrl.micro_batch``'s groups
+        (fixed ``micro_batch_size`` rows in order, or the token budget
+        ``max_tokens_per_micro_batch`` per data shard, whose cost counts the padded shape:
+        ``shapes.padded_cost``), each trimmed to its rows' lengths and padded to its own
+        shape (shapes.py), as torch trims each micro-batch: short rows cost short-row
+        compute. ``pack_sequences``: each padded micro-batch's sequences packed into one
+        row per data shard (``shapes.pack_rows``).
 
-        With several hosts (distributed.py) ``batch`` is this host's shard: every host pads
-        to the same shapes and feeds its rows of each global micro-batch."""
+        With several hosts (distributed.py) ``batch`` is this host's shard (fixed
+        micro-batches only): the hosts agree on the number of micro-batches and each one's
+        lengths, so every host pads to the same shapes and feeds its rows (maybe none) of
+        each global micro-batch."""
         par = self.parallel
-
-        def put(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if par.max_tokens_per_micro_batch is None:
+            size = int(distributed.agree([len(batch)], "max")[0])
+            rows = micro_rows(size, par.micro_batch_size, par.dp_size // jax.process_count())
+            groups = [
+                (np.arange(min(i, len(batch)), min(i + rows, len(batch))), rows)
+                for i in range(0, size, rows)
+            ]
+        else:
+            if jax.process_count() > 1:
+                raise ValueError(
+                    f"ParallelConfig.max_tokens_per_micro_batch={par.max_tokens_per_micro_batch}: "
+                    f"token-budget micro-batches differ between the {jax.process_count()} hosts "
+                    "of a multi-host JAX role; use a fixed micro_batch_size (set it to None)"
+                )
+            budget = par.max_tokens_per_micro_batch * par.dp_size
+            cost = padded_cost(par.dp_size, self.min_padded_len, par.pack_sequences)
+            groups = [
+                (idx, micro_rows(len(idx), len(idx), par.dp_size))
+                for idx in micro_batch.plan(batch, par.micro_batch_size, budget, cost=cost)
+            ]
+        trimmed = [micro_batch.trim(batch.take(idx)) for idx, _ in groups]
+        r = [t["responses"].shape[1] for t in trimmed]
+        agreed = distributed.agree(
+            [[t["input_ids"].shape[1] - n, n] for t, n in zip(trimmed, r)], "max"
+        )
+        out = []
+        for (idx, rows), part, (p, n) in zip(groups, trimmed, agreed):
+            arrays = pad_batch(part, rows, self.min_padded_len, at_least=(rows, p, n)).arrays
             if par.pack_sequences:
                 arrays = pack_rows(arrays, par.dp_size, self.min_padded_len)
-            return {k: distributed.global_rows(self._rows, v) for k, v in arrays.items()}
-
-        if par.max_tokens_per_micro_batch is None:
-            r = batch["responses"].shape[1]
-            agreed = distributed.agree([len(batch), batch["input_ids"].shape[1] - r, r], "max")
-            shape = (int(agreed[0]), int(agreed[1]), int(agreed[2]))
-            rows = micro_rows(shape[0], par.micro_batch_size, par.dp_size // jax.process_count())
-            padded = pad_batch(batch, rows, self.min_padded_len, at_least=shape).arrays
-            n = next(iter(padded.values())).shape[0]
-            return [
-                (
-                    np.arange(min(i, len(batch)), min(i + rows, len(batch))),
-                    put({k: v[i : i + rows] for k, v in padded.items()}),
-                )
-                for i in range(0, n, rows)
-            ]
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"ParallelConfig.max_tokens_per_micro_batch={par.max_tokens_per_micro_batch}: "
-                f"token-budget micro-batches differ between the {jax.process_count()} hosts of "
-                "a multi-host JAX role; use a fixed micro_batch_size (set it to None)"
+            out.append(
+                (idx, {k: distributed.global_rows(self._rows, v) for k, v in arrays.items()})
             )
-        budget = par.max_tokens_per_micro_batch * par.dp_size
-        cost = padded_cost(par.dp_size, self.min_padded_len, par.pack_sequences)
-        out = []
-        for idx in micro_batch.plan(batch, par.micro_batch_size, budget, cost=cost):
-            trimmed = micro_batch.trim(batch.take(idx))
-            rows = micro_rows(len(idx), len(idx), par.dp_size)
-            out.append((idx, put(pad_batch(trimmed, rows, self.min_padded_len).arrays)))
         return out
 
     def forward(

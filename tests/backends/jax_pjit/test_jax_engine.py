@@ -209,6 +209,53 @@ def test_compile_count_is_bounded_over_varied_lengths(tiny_model_dir):
     assert eng.compile_count == after_first + 1  # only the grad step sees a new shape
 
 
+def test_fixed_micro_batches_pad_to_their_own_rows(tiny_model_dir):
+    """With micro_batch_size rows each, every micro-batch is padded to its own rows'
+    lengths (powers of two >= 16), not the whole batch's: four 1-token prompts with
+    10-token responses, then four with 40-token ones, run as [4, 16 + 16] and
+    [4, 16 + 64] (before: both [4, 16 + 64]). The log-probs equal each half's alone."""
+    prompts = [[5]] * 8
+    resps = [list(range(3, 13))] * 4 + [list(range(3, 43))] * 4
+    batch = from_token_lists(prompts, resps, pad_id=0)
+    eng = _engine(tiny_model_dir, mbs=4)
+    parts = eng._micro_batches(batch)
+    assert [idx.tolist() for idx, _ in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    shapes = [(a["input_ids"].shape, a["responses"].shape) for _, a in parts]
+    assert shapes == [((4, 32), (4, 16)), ((4, 80), (4, 64))]
+    whole = eng.forward(batch)["log_probs"]
+    short = eng.forward(from_token_lists(prompts[:4], resps[:4], pad_id=0))["log_probs"]
+    long = eng.forward(from_token_lists(prompts[4:], resps[4:], pad_id=0))["log_probs"]
+    np.testing.assert_allclose(whole[:4, :10], short, atol=1e-6)
+    np.testing.assert_allclose(whole[4:], long, atol=1e-6)
+    assert not whole[:4, 10:].any()
+
+
+def test_forward_backward_with_an_equal_loss_compiles_once(tiny_model_dir):
+    """The Tinker service builds a new loss object per request (and Ray sends a copy):
+    an equal one finds the same jitted step, so a second forward_backward + optim_step of
+    the same shapes compiles nothing (counted by JAX's compile events, not timed)."""
+    from polyrl.algos.tinker_losses import tinker_loss
+
+    eng = _engine(tiny_model_dir, mbs=4)
+    batch = _rl_batch(n=4).with_columns({"sampling_logprobs": _rl_batch(n=4)["old_log_probs"]})
+    optim = OptimConfig(lr=1e-3)
+    eng.forward_backward(batch, tinker_loss("ppo", {"clip_low_threshold": 0.7}))
+    eng.optim_step(optim)
+    compiled, traced = [], eng.compile_count
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        eng.forward_backward(batch, tinker_loss("ppo", {"clip_low_threshold": 0.7}))
+        eng.optim_step(optim)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert eng.compile_count == traced and not compiled
+
+
 def test_offload_reload_round_trip(tiny_model_dir):
     eng = _engine(tiny_model_dir)
     batch = _rl_batch()

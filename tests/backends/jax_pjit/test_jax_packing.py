@@ -67,6 +67,34 @@ def test_xla_attention_equals_dense_softmax():
     np.testing.assert_allclose(np.asarray(got), dense(q, k, v, SEGMENTS), atol=1e-6)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["segments", "padding-block"])
+def test_xla_blocks_equal_dense_softmax_and_xla_gradients(padded):
+    """Query blocks of 3 (the last one short) over 8 positions, each against the keys up
+    to its last query; with ``padded`` a 9th column and two more columns of padding in
+    both rows, so that positions 6-8 are a block of padding in every row (skipped). The
+    dense softmax's outputs, and XLA's gradients with respect to q, k and v."""
+    segments = (
+        np.pad(SEGMENTS, ((0, 0), (0, 1)))[:, [0, 1, 2, 3, 4, 5, 8, 8, 8]] if padded else SEGMENTS
+    )
+    rng = np.random.default_rng(1)
+    t = segments.shape[1]
+    q = rng.normal(size=(2, t, 4, 16)).astype(np.float32)
+    k, v = (rng.normal(size=(2, t, 2, 16)).astype(np.float32) for _ in range(2))
+    seg = jnp.asarray(segments)
+    blocks = partial(attention.attend, scale=0.25, implementation="xla_blocks", block=3)
+    np.testing.assert_allclose(
+        np.asarray(blocks(q, k, v, seg)), dense(q, k, v, segments), atol=1e-6
+    )
+    w = rng.normal(size=q.shape).astype(np.float32)  # a loss that weighs every output
+
+    def grads(implementation):
+        fn = partial(attention.attend, scale=0.25, implementation=implementation, block=3)
+        return jax.grad(lambda *x: (fn(*x, seg) * w).sum(), (0, 1, 2))(q, k, v)
+
+    for got, want in zip(grads("xla_blocks"), grads("xla")):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
 def test_cudnn_refusal_while_tracing_falls_back_or_names_the_field():
     """Without cuDNN (this CPU) the kernel refuses while the step is traced: ``auto`` runs
     XLA and records why, a forced ``cudnn`` is an error naming the setting."""
@@ -119,7 +147,9 @@ def test_cudnn_forced_off_gpu_is_a_named_error_and_auto_falls_back(caplog):
     assert attention.resolve("xla", "gpu", jnp.bfloat16) == "xla"
     # the default means cuDNN where it applies; the torch backend's other names mean XLA
     assert attention.resolve("sdpa", "gpu", jnp.bfloat16) == "auto"
-    assert attention.resolve("sdpa", "cpu", jnp.bfloat16) == "xla"
+    # on CPU XLA runs in query blocks
+    assert attention.resolve("sdpa", "cpu", jnp.bfloat16) == "xla_blocks"
+    assert attention.resolve("xla", "cpu", jnp.float32) == "xla_blocks"
     for name in ("polyrl_varlen", "flash_attention_2"):
         assert attention.resolve(name, "gpu", jnp.bfloat16) == "xla"
     # a probe that fails (here: no cuDNN on this CPU) turns auto into XLA, cudnn into an error

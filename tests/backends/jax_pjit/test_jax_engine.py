@@ -7,6 +7,8 @@ resume = no resume, exported weights = what transformers computes.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -58,6 +60,22 @@ def _rl_batch(seed=0, n=8, max_prompt=9, max_resp=12):
     ref = (rng.normal(-4.0, 0.3, shape) * mask).astype(np.float32)
     adv = np.repeat(rng.normal(0, 1, (n, 1)), shape[1], axis=1).astype(np.float32) * mask
     return b.with_columns({"old_log_probs": old, "ref_log_probs": ref, "advantages": adv})
+
+
+@contextlib.contextmanager
+def _compilations():
+    """The durations of the XLA compilations JAX reports inside the block."""
+    compiled = []
+
+    def listen(event, seconds, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def _flat_weights(eng):
@@ -241,18 +259,10 @@ def test_forward_backward_with_an_equal_loss_compiles_once(tiny_model_dir):
     optim = OptimConfig(lr=1e-3)
     eng.forward_backward(batch, tinker_loss("ppo", {"clip_low_threshold": 0.7}))
     eng.optim_step(optim)
-    compiled, traced = [], eng.compile_count
-
-    def listen(event, seconds, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    traced = eng.compile_count
+    with _compilations() as compiled:
         eng.forward_backward(batch, tinker_loss("ppo", {"clip_low_threshold": 0.7}))
         eng.optim_step(optim)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert eng.compile_count == traced and not compiled
 
 
@@ -312,17 +322,9 @@ def test_a_warm_up_compiles_ahead_and_changes_nothing(tiny_model_dir):
     assert warm.step == 0
     after = _flat_weights(warm)
     assert all(np.array_equal(after[k], before[k]) for k in before)
-    compiled, traced = [], warm.compile_count
-
-    def listen(event, seconds, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    traced = warm.compile_count
+    with _compilations() as compiled:
         out = warm.forward(batch, **kwargs), warm.train_step(batch, LOSS, **kwargs)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert warm.compile_count == traced and not compiled, "the first calls compiled more"
     cold = _engine(tiny_model_dir)
     expected = cold.forward(batch, **kwargs), cold.train_step(batch, LOSS, **kwargs)

@@ -287,14 +287,18 @@ class JaxPjitEngine:
             out["scores"] = model.values(last_hidden)
         return out
 
-    def _micro_batches(self, batch: Batch) -> list[tuple[np.ndarray, dict[str, jax.Array]]]:
-        """(row indices, padded global micro-batch) pairs: ``polyrl.micro_batch``'s groups
-        (fixed ``micro_batch_size`` rows in order, or the token budget
-        ``max_tokens_per_micro_batch`` per data shard, whose cost counts the padded shape:
-        ``shapes.padded_cost``), each trimmed to its rows' lengths and padded to its own
-        shape (shapes.py), as torch trims each micro-batch: short rows cost short-row
-        compute. ``pack_sequences``: each padded micro-batch's sequences packed into one
-        row per data shard (``shapes.pack_rows``).
+    def _micro_batches(
+        self, batch: Batch, trim: bool = False
+    ) -> list[tuple[np.ndarray, dict[str, jax.Array]]]:
+        """(row indices, padded global micro-batch) pairs: ``polyrl.micro_batch``'s groups,
+        padded by shapes.py. Fixed ``micro_batch_size`` rows in order: each padded to the
+        whole batch's shape (one program for all of them; what a run's warm-up compiles),
+        or with ``trim`` each trimmed to its own rows' lengths first, as torch trims each
+        micro-batch (short rows cost short-row compute, at one program per distinct
+        shape). Token budget (``max_tokens_per_micro_batch`` per data shard, whose cost
+        counts the padded shape: ``shapes.padded_cost``): always trimmed.
+        ``pack_sequences``: each padded micro-batch's sequences packed into one row per
+        data shard (``shapes.pack_rows``).
 
         With several hosts (distributed.py) ``batch`` is this host's shard (fixed
         micro-batches only): the hosts agree on the number of micro-batches and each one's
@@ -321,13 +325,16 @@ class JaxPjitEngine:
                 (idx, micro_rows(len(idx), len(idx), par.dp_size))
                 for idx in micro_batch.plan(batch, par.micro_batch_size, budget, cost=cost)
             ]
-        trimmed = [micro_batch.trim(batch.take(idx)) for idx, _ in groups]
-        r = [t["responses"].shape[1] for t in trimmed]
+            trim = True
+        parts = [batch.take(idx) for idx, _ in groups]
+        if trim:
+            parts = [micro_batch.trim(part) for part in parts]
+        r = [part["responses"].shape[1] for part in parts]
         agreed = distributed.agree(
-            [[t["input_ids"].shape[1] - n, n] for t, n in zip(trimmed, r)], "max"
+            [[part["input_ids"].shape[1] - n, n] for part, n in zip(parts, r)], "max"
         )
         out = []
-        for (idx, rows), part, (p, n) in zip(groups, trimmed, agreed):
+        for (idx, rows), part, (p, n) in zip(groups, parts, agreed):
             arrays = pad_batch(part, rows, self.min_padded_len, at_least=(rows, p, n)).arrays
             if par.pack_sequences:
                 arrays = pack_rows(arrays, par.dp_size, self.min_padded_len)
@@ -524,14 +531,16 @@ class JaxPjitEngine:
     ) -> dict[str, Any]:
         """Gradients of ``loss_fn`` on ``batch`` added to those pending since the last
         :meth:`optim_step` (see ``TrainEngine``): ``log_probs`` [B, R] and the loss's and
-        metrics' sums."""
+        metrics' sums. Each micro-batch is trimmed to its own rows' lengths (``trim``
+        of :meth:`_micro_batches`): this call has no warm-up and gets batches of any
+        lengths (the Tinker service's datums, each call its own)."""
         self._check_trainable("forward_backward")
         check_temperature(temperature)
         counts = jax.device_put(self._counts(batch), self._rep)
         step = self._grad_step(loss_fn, entropy=False, keep=True)
         grads = self._pending if self._pending is not None else self._zero_grads()(self.params)
         parts, sums, temp = [], [], jnp.float32(temperature)
-        for i, (idx, chunk) in enumerate(self._micro_batches(batch)):
+        for i, (idx, chunk) in enumerate(self._micro_batches(batch, trim=True)):
             grads, loss, metrics, log_probs = step(
                 self.frozen, self.params, grads, chunk, counts, temp, self._dropout_key(i)
             )

@@ -227,20 +227,28 @@ def test_compile_count_is_bounded_over_varied_lengths(tiny_model_dir):
     assert eng.compile_count == after_first + 1  # only the grad step sees a new shape
 
 
-def test_fixed_micro_batches_pad_to_their_own_rows(tiny_model_dir):
-    """With micro_batch_size rows each, every micro-batch is padded to its own rows'
-    lengths (powers of two >= 16), not the whole batch's: four 1-token prompts with
-    10-token responses, then four with 40-token ones, run as [4, 16 + 16] and
-    [4, 16 + 64] (before: both [4, 16 + 64]). The log-probs equal each half's alone."""
+def test_forward_backward_pads_each_micro_batch_to_its_own_rows(tiny_model_dir):
+    """forward_backward (the Tinker service's call) pads each micro-batch of
+    micro_batch_size rows to its own rows' lengths (powers of two >= 16): four 1-token
+    prompts with 10-token responses, then four with 40-token ones, run as [4, 16 + 16]
+    and [4, 16 + 64] (before: both [4, 16 + 64]). train_step and forward keep the whole
+    batch's shape (one program, which a run's warm-up compiles). Its log-probs equal
+    each half's alone."""
+    from polyrl.algos.tinker_losses import tinker_loss
+
     prompts = [[5]] * 8
     resps = [list(range(3, 13))] * 4 + [list(range(3, 43))] * 4
     batch = from_token_lists(prompts, resps, pad_id=0)
     eng = _engine(tiny_model_dir, mbs=4)
-    parts = eng._micro_batches(batch)
-    assert [idx.tolist() for idx, _ in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    shapes = [(a["input_ids"].shape, a["responses"].shape) for _, a in parts]
-    assert shapes == [((4, 32), (4, 16)), ((4, 80), (4, 64))]
-    whole = eng.forward(batch)["log_probs"]
+    for trim, want in ((True, [(32, 16), (80, 64)]), (False, [(80, 64), (80, 64)])):
+        parts = eng._micro_batches(batch, trim=trim)
+        assert [idx.tolist() for idx, _ in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        shapes = [(a["input_ids"].shape, a["responses"].shape) for _, a in parts]
+        assert shapes == [((4, t), (4, r)) for t, r in want], trim
+    weighted = batch.with_columns({"weights": batch["response_mask"].astype(np.float32)})
+    traced = eng.compile_count
+    whole = eng.forward_backward(weighted, tinker_loss("cross_entropy"))["log_probs"]
+    assert eng.compile_count == traced + 3  # zeroed gradients, a grad step for each shape
     short = eng.forward(from_token_lists(prompts[:4], resps[:4], pad_id=0))["log_probs"]
     long = eng.forward(from_token_lists(prompts[4:], resps[4:], pad_id=0))["log_probs"]
     np.testing.assert_allclose(whole[:4, :10], short, atol=1e-6)

@@ -75,8 +75,8 @@ def init_distributed() -> DistEnv:
 
     If a group already exists (a second engine in the same process, e.g. actor and
     reference colocated), it is reused. With ``WORLD_SIZE`` etc. in the environment the
-    group is created with ``init_method="env://"``; with none of them, a world of one on
-    an in-memory store. A partial environment is an error: it is almost always a
+    group is created with ``init_method="env://"``; with none of them, or ``WORLD_SIZE=1``,
+    a world of one on an in-memory store (it listens on no port). A partial environment is an error: it is almost always a
     launcher bug, and guessing would hang at the first collective.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -86,7 +86,9 @@ def init_distributed() -> DistEnv:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        if not present:
+        if not present or os.environ.get("WORLD_SIZE") == "1":
+            # a world of one meets no one: no TCP store, so no port that another process
+            # could take between the rendezvous and this listen (EADDRINUSE at start)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         elif len(present) < len(_ENV_KEYS):
             missing = sorted(set(_ENV_KEYS) - set(present))

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import torch
-from torch_fsdp_helpers import actor, full_weights
+from torch_fsdp_helpers import actor, full_weights, one_rank_with_its_port_taken, spawn
 
 
 def test_two_rank_checkpoint_loads_on_one_rank(torch_two_ranks, tiny_model_dir):
@@ -17,3 +17,7 @@ def test_two_rank_checkpoint_loads_on_one_rank(torch_two_ranks, tiny_model_dir):
     assert engine.step == 1
     for name, w in full_weights(engine).items():
         torch.testing.assert_close(w, results["fsdp"]["weights"][name], rtol=0, atol=0)
+
+
+def test_a_world_of_one_needs_no_free_port():
+    spawn(one_rank_with_its_port_taken, 1)

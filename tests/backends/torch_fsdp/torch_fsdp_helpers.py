@@ -145,3 +145,21 @@ def two_rank_worker(rank: int, world: int, port: int, model_dir: str, out_dir: s
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
     torch.distributed.destroy_process_group()
+
+
+def one_rank_with_its_port_taken(rank: int, world: int, port: int) -> None:
+    """A world of one whose MASTER_PORT another socket holds: it meets no one, so it needs
+    no port (a tiny CPU run's actor failed at start so: EADDRINUSE, 1 start in 5)."""
+    import torch.distributed as dist
+
+    from polyrl.backends.torch_fsdp.sharding import init_distributed
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        join_group(rank, world, port)
+        env = init_distributed()
+        assert (env.rank, env.world_size) == (0, 1)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]

@@ -44,6 +44,7 @@ def start_beside_a_release(model_dir: Path, engine: str, retries: str) -> str:
     try:
         for line in proc.stdout:
             lines.append(line)
+            sys.stderr.write(line)  # with -s the server's start shows as it happens
             if held is not None and LOADED in line:
                 held = None
                 torch.cuda.empty_cache()

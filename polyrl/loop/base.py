@@ -222,6 +222,8 @@ class Loop(abc.ABC):
         startup = self.startup.done()  # logged with the first step
         if self.pool is not None:  # the rollout engine's scheduler limits, read back
             startup |= {f"rollout/{k}": v for k, v in self.pool.limits.items()}
+            times = self.pool.start_times or {}  # and where its start went (a phase's parts)
+            startup |= {f"startup/rollout_servers/{k}": v for k, v in times.items()}
         try:
             # Row N of metrics.jsonl is the state after N steps: step N's training metrics
             # and the validation of the weights it left (row 0: the initial weights').

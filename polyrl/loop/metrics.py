@@ -143,6 +143,7 @@ class StartupLog:
         self.t0, self.wait_s, self.on_phase = time.perf_counter(), wait_s, on_phase
         self.times: dict[str, float] = {}
         self.entries: dict[str, int] = {}
+        self.details: dict[str, str] = {}  # phase -> what its time was spent on
 
     @contextlib.contextmanager
     def watch(self, what: str) -> Iterator[None]:
@@ -171,9 +172,16 @@ class StartupLog:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
+    def detail(self, name: str, text: str) -> None:
+        """Say in the start-up line what phase ``name``'s time went to: ``name 9.0 s (text)``."""
+        self.details[name] = text
+
     def done(self) -> dict[str, float]:
         total = time.perf_counter() - self.t0
-        parts = "".join(f", {name} {t:.1f} s" for name, t in self.times.items())
+        parts = "".join(
+            f", {name} {t:.1f} s" + (f" ({self.details[name]})" if name in self.details else "")
+            for name, t in self.times.items()
+        )
         other = total - sum(self.times.values())
         print(f"[start-up] {total:.1f} s before the first step{parts}, other {other:.1f} s")
         named = {f"startup/{k.replace(' ', '_')}_s": v for k, v in self.times.items()}
@@ -540,7 +548,8 @@ def _startup_lines(rows: list[dict[str, Any]], after: float) -> list[str]:
     parts: dict[str, float] = {}
     for r in starts:
         for k, v in r.items():
-            if k.startswith("startup/") and k != "startup/total_s":
+            # startup/<phase>_s; startup/<phase>/<part> is a phase's own breakdown
+            if k.startswith("startup/") and k != "startup/total_s" and k.count("/") == 1:
                 name = k.removeprefix("startup/").removesuffix("_s").replace("_", " ")
                 parts[name] = parts.get(name, 0.0) + v
     shown = ", ".join(f"{k} {v:.1f} s" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))

@@ -36,6 +36,7 @@ from polyrl.observe import shadow
 from polyrl.observe.health import explained_variance, response_stats
 from polyrl.rewards.workers import RewardError, RewardPool
 from polyrl.role_table import Role
+from polyrl.rollout.engine_start import describe
 
 __all__ = [
     "COMPUTE_PHASES",
@@ -58,6 +59,8 @@ class RLTrainer(Loop):
         self.kl_state = self.kl_ctrl.init() if self.kl_ctrl else None
         with self.startup.phase("rollout servers"):  # started with the roles above
             self.pool.ready()
+        if (times := self.pool.start_times) is not None:
+            self.startup.detail("rollout servers", describe(times))
         self.warmed_up()
         self.rewards = RewardPool(
             cfg.reward_workers, cfg.reward_timeout_s, self.placement.light_options

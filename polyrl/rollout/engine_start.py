@@ -31,6 +31,8 @@ from typing import Any, TypeVar
 
 __all__ = [
     "RETRIES",
+    "START_TIMES",
+    "describe",
     "free_gpu_memory",
     "profiling_race",
     "release_failed_engine",
@@ -49,6 +51,9 @@ QUIET_S = 0.5  # no release of GPU memory for this long before an engine starts
 QUIET_TIMEOUT_S = 30.0  # then it starts anyway (a retry follows if the release hit it)
 TOLERANCE = 128 * 2**20  # free memory moving less than this is no release
 INTERVAL_S = 0.1
+# what start_engine's ``record`` holds: seconds spent waiting for the GPUs' memory to
+# settle, seconds in the engine's starts (each attempt's), and the number of attempts
+START_TIMES = ("memory_wait_s", "engine_s", "engine_starts")
 
 
 def free_gpu_memory() -> tuple[int, ...]:
@@ -133,23 +138,37 @@ def start_engine(
     name: str,
     cleanup: Callable[[], None] = release_failed_engine,
     retries: int = RETRIES,
+    record: dict[str, float] | None = None,
     **quiet: Any,
 ) -> T:
     """``build()`` once no process releases memory on the GPUs (``read``); again, after
     ``cleanup()``, when it failed while another process released memory, at most
     ``retries`` more times (module docstring). ``name`` names the server in the warning
-    lines; ``quiet``: :func:`wait_quiet`'s timings."""
+    lines; ``quiet``: :func:`wait_quiet`'s timings. ``record``: filled with where the
+    start's time went (:data:`START_TIMES`), on the clock of ``quiet``."""
+    clock = quiet.get("clock", time.monotonic)
+    times = record if record is not None else {}
+    times.update(dict.fromkeys(START_TIMES, 0.0))
+
+    def timed(key: str, fn: Callable[[], Any]) -> Any:
+        t0 = clock()
+        try:
+            return fn()
+        finally:
+            times[key] += clock() - t0
+
     attempt = 0
     while True:
-        before = wait_quiet(read, **quiet)
+        before = timed("memory_wait_s", lambda: wait_quiet(read, **quiet))
+        times["engine_starts"] += 1
         try:
-            return build()
+            return timed("engine_s", build)
         except Exception as e:
             failure = e
         # the failed engine's objects live on in its frames' locals until cleared
         traceback.clear_frames(failure.__traceback__)
         cleanup()
-        after = wait_quiet(read, **quiet)
+        after = timed("memory_wait_s", lambda: wait_quiet(read, **quiet))
         released, b, a = max(((a - b, b, a) for a, b in zip(after, before)), default=(0, 0, 0))
         if not (profiling_race(failure) or released > TOLERANCE):
             raise failure
@@ -172,3 +191,14 @@ def start_engine(
             retries,
             quiet.get("quiet_s", QUIET_S),
         )
+
+
+def describe(times: dict[str, float]) -> str:
+    """``start_engine``'s ``record`` for the start-up line: the engine's start, its number
+    of starts when it took more than one, and the wait for other processes' GPU memory."""
+    parts = [f"vLLM engine {times['engine_s']:.1f} s"]
+    if times["engine_starts"] > 1:
+        parts.append(f"{int(times['engine_starts'])} starts")
+    if times["memory_wait_s"] >= 0.05:
+        parts.append(f"{times['memory_wait_s']:.1f} s waiting for GPU memory to settle")
+    return ", ".join(parts)

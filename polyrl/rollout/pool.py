@@ -37,6 +37,7 @@ import numpy as np
 
 from polyrl.batch import Batch, from_token_lists
 from polyrl.cluster.groups import WorkerGroup
+from polyrl.rollout.engine_start import START_TIMES
 from polyrl.rollout.engines import LIMITS
 from polyrl.rollout.sampling import OVERLONG_POLICIES, RolloutConfig, SamplingSpec
 from polyrl.rollout.server import RolloutServer, StaleWeightsError, sampling_vocab, server_env
@@ -162,6 +163,16 @@ class RolloutPool:
         """The scheduler limits the servers' engines run at, as they read them back
         (``max_num_seqs``, ``max_num_batched_tokens``; ``RolloutConfig``)."""
         return {k: int(self.infos[0][k]) for k in LIMITS}
+
+    @property
+    def start_times(self) -> dict[str, float] | None:
+        """Where the servers' starts went, each of ``engine_start.START_TIMES`` the largest
+        of any server (they start side by side); None where this pool started none (a warm
+        session's servers, attached to)."""
+        if self.group.session == "attach":
+            return None
+        starts = [info.get("start_times") or {} for info in self.infos]
+        return {k: max(s.get(k, 0.0) for s in starts) for k in START_TIMES}
 
     @property
     def servers(self) -> list[Any]:

@@ -231,10 +231,12 @@ class RolloutServer(Traced):
         # driver that ran vLLM in-process is stale, and vLLM warns about it at start.
         os.environ.pop("VLLM_DIST_IDENT", None)
         kwargs = engine_kwargs(config, self.on_gpu)
+        self.start_times: dict[str, float] = {}  # where the start went (engine_start)
         self.engine = start_engine(  # safe against other processes freeing GPU memory
             lambda: make_engine(config.asynchronous, kwargs, config.continue_in_place),
             free_gpu_memory if self.on_gpu else tuple,
             f"rollout server {index}",
+            record=self.start_times,
         )
         tokenizer = self.tokenizer = self.engine.tokenizer
         self.model_vocab_size = int(self.engine.model_config.get_vocab_size())
@@ -288,6 +290,7 @@ class RolloutServer(Traced):
             "pad_token_id": self.pad_token_id,
             "eos_token_id": self.eos_token_id,
             "device_uuid": self._device_uuid(),
+            "start_times": self.start_times,
             **scheduler_limits(self.engine.vllm_config),
         }
 

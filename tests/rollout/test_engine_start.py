@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.rollout.engine_start import profiling_race, start_engine, wait_quiet
+from polyrl.rollout.engine_start import describe, profiling_race, start_engine, wait_quiet
 
 GIB = 2**30
 
@@ -105,15 +105,18 @@ def test_wait_quiet_waits_out_releases_but_not_allocations():
 
 class Starts:
     """``build`` for start_engine: raises ``errors`` in turn (each after ``events`` change
-    the GPU's free memory), then returns "engine"."""
+    the GPU's free memory), then returns "engine"; each call takes ``build_s``."""
 
-    def __init__(self, clock: Clock, errors: list[Exception], release_gib: float = 0.0):
+    def __init__(
+        self, clock: Clock, errors: list[Exception], release_gib: float = 0.0, build_s=0.0
+    ):
         self.clock, self.errors, self.calls = clock, list(errors), 0
         self.events: list[tuple[float, float]] = []
-        self.release_gib = release_gib
+        self.release_gib, self.build_s = release_gib, build_s
 
     def __call__(self) -> str:
         self.calls += 1
+        self.clock.sleep(self.build_s)
         if self.release_gib:  # another process releases memory during this start
             self.events.append((self.clock.t, self.release_gib))
         if self.errors:
@@ -121,13 +124,20 @@ class Starts:
         return "engine"
 
 
-def start(starts: Starts, clock: Clock, retries: int = 2, cleanups: list | None = None):
+def start(
+    starts: Starts,
+    clock: Clock,
+    retries: int = 2,
+    cleanups: list | None = None,
+    record: dict | None = None,
+):
     return start_engine(
         starts,
         reader(clock, starts.events),
         "rollout server 3",
         cleanup=lambda: (cleanups if cleanups is not None else []).append(1),
         retries=retries,
+        record=record,
         quiet_s=1.0,
         timeout_s=30.0,
         interval_s=0.1,
@@ -170,3 +180,22 @@ def test_a_race_on_every_start_ends_in_an_error_that_names_it():
     with pytest.raises(RuntimeError, match="rollout server 3: its engine failed to start 3 times"):
         start(starts, clock)
     assert starts.calls == 3
+
+
+def test_the_start_records_its_wait_its_engine_time_and_its_starts():
+    clock, times = Clock(), {}
+    starts = Starts(clock, [AssertionError(RACE)], build_s=5.0)
+    starts.events.append((0.5, 4))  # a run just ended frees 4 GiB at 0.5 s
+    assert start(starts, clock, record=times) == "engine"
+    # waits (quiet_s 1.0): 0-1.5 s (quiet from the release on), after the failed start
+    # 6.5-7.5 s, before the second 7.5-8.5 s; two builds of 5 s each
+    assert times["engine_starts"] == 2 and times["engine_s"] == pytest.approx(10.0)
+    assert times["memory_wait_s"] == pytest.approx(3.5, abs=0.35)
+    assert clock.t == pytest.approx(13.5, abs=0.35)
+    line = describe(times)
+    assert line.startswith("vLLM engine 10.0 s, 2 starts, ") and "s waiting for GPU memory" in line
+    # a start on the CPU (no GPU memory to read): no wait, one start, only the engine named
+    clock, times = Clock(), {}
+    start_engine(Starts(clock, [], build_s=2.0), tuple, "s", record=times, clock=clock)
+    assert times == {"memory_wait_s": 0.0, "engine_s": 2.0, "engine_starts": 1}
+    assert describe(times) == "vLLM engine 2.0 s"

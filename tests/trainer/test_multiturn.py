@@ -24,7 +24,7 @@ def _params(run_dir, *extra: str) -> list[str]:
     ]
 
 
-def test_multiturn_run_logs_episodes_dumps_turns_and_validates(ray_session, tmp_path):
+def test_multiturn_run_logs_episodes_dumps_turns_and_validates(ray_session, tmp_path, capsys):
     run = tmp_path / "mt"
     train(
         [MULTITURN],
@@ -55,6 +55,20 @@ def test_multiturn_run_logs_episodes_dumps_turns_and_validates(ray_session, tmp_
         if "rollout/max_num_seqs" in r
     ]
     assert limits == [(256, 4096)] and "rollout/max_num_seqs" in train_rows[0]
+    # and where the servers' start went (CPU: no GPU memory to wait for, one start), in the
+    # row and in the start-up line
+    first = train_rows[0]
+    assert (
+        first["startup/rollout_servers/engine_starts"] == 1
+        and first["startup/rollout_servers/memory_wait_s"] < 0.01
+    )
+    assert 0 < first["startup/rollout_servers/engine_s"] <= first["startup/total_s"]
+    (line,) = [
+        x
+        for x in capsys.readouterr().out.splitlines()
+        if x.startswith("[start-up] ") and "before the first step" in x
+    ]
+    assert f"(vLLM engine {first['startup/rollout_servers/engine_s']:.1f} s)" in line, line
     dumped = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     # batch/tokens: the step's rows' real tokens, prompt + turns + observations, each
     # episode within max_episode_tokens (64)

@@ -76,8 +76,9 @@ def init_distributed() -> DistEnv:
     If a group already exists (a second engine in the same process, e.g. actor and
     reference colocated), it is reused. With ``WORLD_SIZE`` etc. in the environment the
     group is created with ``init_method="env://"``; with none of them, or ``WORLD_SIZE=1``,
-    a world of one on an in-memory store (it listens on no port). A partial environment is an error: it is almost always a
-    launcher bug, and guessing would hang at the first collective.
+    a world of one on an in-memory store (it listens on no port). A partial environment
+    is an error: it is almost always a launcher bug, and guessing would hang at the first
+    collective.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device_for(local_rank)

@@ -62,6 +62,7 @@ def build(shape: str, out: Path, max_positions: int = 4096, dtype: str = "bfloat
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model(Path(tmp) / "tiny"))
     tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.model_max_length = max_positions  # the tiny model's 256 would warn on long rows
     tokenizer.save_pretrained(out)
     return out
 

@@ -69,6 +69,10 @@
 # Env: TRANSPORT (GRPO weight transport, default cuda_ipc), OUT (default /tmp/out),
 #   GRPO_STEPS (timed steps per GRPO run, default 4; the first is left out of the means, and
 #   one more runs under the profiler),
+#   GRPO_TIMEOUT (seconds the GRPO and distill runs may take, default GRPO_STEPS x 60 + 220;
+#   keep it ~60 s under the machine's limit for the command: a run stopped at it writes its
+#   threads' stacks at the end of $OUT/<section>.log, the steps it finished are measured and
+#   the logs are packed; a run the machine's limit stops packs nothing),
 #   GIN_EXTRA (more --gin_param bindings for the GRPO runs, separated by ';', e.g.
 #   "polyrl.RunConfig.attn_implementation = 'auto'; actor/polyrl.ParallelConfig.micro_batch_size = 16"),
 #   UPDATE_MB (the update_shape section's micro-batch rows, default 64), ASYNC_STEPS (default 6), SUITE (the
@@ -199,9 +203,9 @@ for s in $sections; do
       --gin_param 'reference/polyrl.RoleConfig.pool = "b"')
     IFS=';' read -ra extra <<< "${GIN_EXTRA:-}"
     for b in ${extra[@]+"${extra[@]}"}; do split+=(--gin_param "${b#"${b%%[! ]*}"}"); done
-    steps=${GRPO_STEPS:-4}  # and one more, profiled
-    peak_mem $s timeout $((steps * 60 + 240)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
-      --backend $backend --steps $steps --skip 1 --timeout $((steps * 60 + 220)) \
+    steps=${GRPO_STEPS:-4}; run_s=${GRPO_TIMEOUT:-$((steps * 60 + 220))}  # and one more, profiled
+    peak_mem $s timeout $((run_s + 60)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \
+      --backend $backend --steps $steps --skip 1 --timeout $run_s \
       --gin_param "polyrl.RunConfig.model_path = '$M'" \
       --gin_param "polyrl.RunConfig.weight_transport = '$transport'" ${split[@]+"${split[@]}"} \
       --log "$OUT/$s.log" --json "$OUT/bench_$s.json" --profile "$OUT/prof/$s" > "$OUT/$s.stdout" 2>&1
@@ -257,9 +261,9 @@ for s in $sections; do
     fi
     IFS=';' read -ra extra <<< "${GIN_EXTRA:-}"; args=()
     for b in ${extra[@]+"${extra[@]}"}; do args+=(--gin_param "${b#"${b%%[! ]*}"}"); done
-    steps=${GRPO_STEPS:-4}
-    peak_mem $s timeout $((steps * 60 + 240)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_distill_0p5b.gin \
-      --backend ${DISTILL_BACKEND:-torch_fsdp} --steps $steps --skip 1 --timeout $((steps * 60 + 220)) \
+    steps=${GRPO_STEPS:-4}; run_s=${GRPO_TIMEOUT:-$((steps * 60 + 220))}
+    peak_mem $s timeout $((run_s + 60)) python3 experiments/bench/grpo_step.py --gin gin/experiments/gpu_distill_0p5b.gin \
+      --backend ${DISTILL_BACKEND:-torch_fsdp} --steps $steps --skip 1 --timeout $run_s \
       --gin_param "polyrl.RunConfig.model_path = '$M'" --gin_param "teacher/polyrl.RoleConfig.model_path = '$T'" \
       --gin_param "polyrl.RunConfig.weight_transport = '$transport'" ${args[@]+"${args[@]}"} \
       --log "$OUT/$s.log" --json "$OUT/bench_$s.json" > "$OUT/$s.stdout" 2>&1

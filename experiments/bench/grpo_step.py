@@ -13,7 +13,9 @@ writes everything to ``--json``. ``--profile DIR`` keeps the run's ``timeline.js
 of the measured steps; it also runs one step more, recorded by each trainer worker's
 framework profiler (``RunConfig.profile_steps``) and left out of the means (the profiler
 slows a host-bound step): the traces go to ``DIR/ops/``, each worker's top ops and the
-profiled step's time are printed.
+profiled step's time are printed. A run past ``--timeout`` is stopped, measured over the
+steps it finished, and its driver's thread stacks at the stop (Python's fault handler)
+end its log, whose tail goes to stderr: where a run that hangs waits.
 
     python experiments/bench/grpo_step.py --steps 4                        # tiny, CPU
     python experiments/bench/grpo_step.py --gin gin/experiments/gpu_grpo_0p5b.gin \\
@@ -200,6 +202,39 @@ def _worker_ops(step_dir: Path, out: Path) -> dict[str, dict]:
     return found
 
 
+STOPPED = "its driver's threads at the stop end its log (its last 6000 characters: stderr)"
+
+
+def run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, bool]:
+    """Run ``cmd`` with its output going to ``log`` as it comes; (its return code, whether
+    it was stopped at ``timeout`` s). A run past ``timeout`` is stopped with SIGABRT under
+    Python's fault handler, which first writes every thread's stack to the log (where a
+    run that hangs waits, or where a slow one was: no py-spy needed on the machine; no
+    core file is written), then killed if it has not ended 30 s later."""
+    import resource
+    import signal
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+
+    def no_core() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=no_core
+        )
+        try:
+            return proc.wait(timeout=timeout), False
+        except subprocess.TimeoutExpired:  # the steps it finished are still measured
+            proc.send_signal(signal.SIGABRT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return None, True
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -220,19 +255,12 @@ def main(argv=None) -> None:
         # the run's output goes to the log as it comes: a run past --timeout (or a bench
         # stopped from outside) leaves what it printed up to then
         log = Path(args.log or Path(tmp) / "train.log")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        rc, stopped = None, False
-        with log.open("w") as out:
-            try:
-                rc = subprocess.run(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=args.timeout
-                ).returncode
-            except subprocess.TimeoutExpired:  # the steps it finished are still measured
-                stopped = True
+        rc, stopped = run_logged(cmd, log, args.timeout)
         rows = step_rows(run_dir / "metrics.jsonl")
-        if rc or len(rows) <= args.skip:
+        if stopped or rc or len(rows) <= args.skip:
             sys.stderr.write(log.read_text()[-6000:])
-            why = f"stopped at --timeout {args.timeout:g} s" if stopped else f"rc={rc}"
+        if rc or len(rows) <= args.skip:
+            why = f"stopped at --timeout {args.timeout:g} s: {STOPPED}" if stopped else f"rc={rc}"
             raise SystemExit(
                 f"polyrl train failed ({why}, {len(rows)} step(s) done): {' '.join(cmd)}"
             )
@@ -247,7 +275,8 @@ def main(argv=None) -> None:
     if stopped:
         text += (
             f"\npolyrl train stopped at --timeout {args.timeout:g} s after {len(rows)} of "
-            f"{profiled or args.steps} steps: the means are over the steps it finished"
+            f"{profiled or args.steps} steps: the means are over the steps it finished; "
+            f"{STOPPED}"
         )
     update = None
     if "update_actor" in summary["phases_s"]:

@@ -73,3 +73,34 @@ def test_a_stopped_runs_finished_steps_are_read(tmp_path):
     )
     assert [r["step"] for r in grpo_step.step_rows(metrics)] == [1, 2]
     assert grpo_step.step_rows(tmp_path / "missing.jsonl") == []
+
+
+STUCK = """
+import resource, threading, time
+print("core limit", resource.getrlimit(resource.RLIMIT_CORE), flush=True)
+def waits_for_a_batch_that_never_comes():
+    threading.Event().wait()
+threading.Thread(target=waits_for_a_batch_that_never_comes, daemon=True).start()
+def main_thread_sleeps():
+    time.sleep(600)
+main_thread_sleeps()
+"""
+
+
+def test_a_run_past_its_timeout_leaves_every_threads_stack_in_its_log(tmp_path):
+    """A run that hangs (a thread waiting forever, the main thread asleep) is stopped at
+    the timeout, and its log ends with both threads' stacks, each naming the function it
+    waits in; the run wrote no core file (its core limit is 0). A run that ends in time
+    gives its return code."""
+    import sys
+
+    log = tmp_path / "train.log"
+    assert grpo_step.run_logged([sys.executable, "-c", STUCK], log, timeout=5) == (None, True)
+    text = log.read_text()
+    assert "core limit (0, 0)" in text
+    assert "waits_for_a_batch_that_never_comes" in text and "main_thread_sleeps" in text
+    assert text.count("Thread 0x") + text.count("Current thread 0x") >= 2
+    assert not list(tmp_path.glob("core*"))
+    ends = [sys.executable, "-c", "print('done'); raise SystemExit(3)"]
+    assert grpo_step.run_logged(ends, log, timeout=60) == (3, False)
+    assert log.read_text() == "done\n"

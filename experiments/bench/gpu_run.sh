@@ -43,7 +43,12 @@
 #               default list; AE_MODEL: another model directory, e.g. a 1.5B shape)
 #   gsm8k_tool  gin/experiments/gsm8k_tool.gin (multi-turn, Python tool) against the single-turn
 #               GSM8K GRPO step: step time and rollout tokens/s side by side (gsm8k_tool.py;
-#               random 0.5B shape; not in the default list; ~7 minutes)
+#               random 0.5B shape; not in the default list). GSM8K_ONLY picks the runs
+#               (default all four: single,single_async,tool,tool_nosandbox); each takes
+#               ~2-2.5 minutes (start-up ~75 s + 3 steps), so the four need two device calls
+#               of <= 600 s: GSM8K_ONLY=single_async,tool (the issue-46 ratio) then
+#               GSM8K_ONLY=tool_nosandbox,single; gsm8k_tool.py --table puts both JSONs in
+#               one table
 #   distill     gin/experiments/gpu_distill_0p5b.gin: the GRPO experiment on-policy distilled from
 #               a random 1.5B-shape teacher (its phase teacher_log_probs); pair it with grpo_torch
 #               (not in the default list; DISTILL_BACKEND, default torch_fsdp)
@@ -243,12 +248,24 @@ for s in $sections; do
   gsm8k_tool)
     # gin/experiments/gsm8k_tool.gin (episodes with the Python tool) against the single-turn
     # gsm8k_grpo.gin step on the same synthetic GSM8K-format rows and a random 0.5B shape
-    # with 4096 positions: step time, generate time, rollout tokens/s (gsm8k_tool.py)
+    # with 4096 positions: step time, generate time, rollout tokens/s, the episode metrics
+    # (gsm8k_tool.py). GSM8K_ONLY: its --only, the runs (single: gsm8k_grpo.gin as users
+    # get it, vLLM's synchronous engine; single_async: on the multi-turn runs' asynchronous
+    # engine; tool: the multi-turn run, every turn a sandbox run; tool_nosandbox: the same
+    # turns and observations, no sandbox), default all four. A run takes ~2-2.5 minutes
+    # (start-up ~75 s + 3 steps): the four do not fit one device call of 600 s; run
+    # GSM8K_ONLY=single_async,tool (the multi-turn / single-turn ratio, same engine), then
+    # GSM8K_ONLY=tool_nosandbox,single, and put the two JSONs in one table (with the
+    # sandbox's share of generate) anywhere: gsm8k_tool.py --table A.json B.json. The JSON
+    # is written after each run: a section stopped at SECTION_TIMEOUT keeps the runs done.
     M4K=/tmp/models/qwen2-0.5b-random-4k
     [ -d $M4K ] || python3 experiments/bench/random_model.py 0.5b $M4K --max-positions 4096 > "$OUT/make_0p5b_4k.log" 2>&1
-    timeout ${SECTION_TIMEOUT:-580} python3 experiments/bench/gsm8k_tool.py --model $M4K --steps ${GRPO_STEPS:-3} --skip 1 \
-      --timeout 400 --json "$OUT/bench_gsm8k_tool.json" > "$OUT/gsm8k_tool.log" 2>&1
-    tail -40 "$OUT/gsm8k_tool.log" | cut -c1-300 | tee -a "$OUT/summary.txt" ;;
+    only=${GSM8K_ONLY:-single,single_async,tool,tool_nosandbox}
+    left=$(( ${SECTION_TIMEOUT:-580} - SECONDS + start )); [ $left -gt 30 ] || left=30
+    timeout $left python3 experiments/bench/gsm8k_tool.py --model $M4K --steps ${GRPO_STEPS:-3} --skip 1 \
+      --only $only --timeout 400 --log-dir "$OUT/gsm8k_tool_logs" --json "$OUT/bench_gsm8k_tool_${only//,/-}.json" \
+      > "$OUT/gsm8k_tool_${only//,/-}.log" 2>&1
+    tail -40 "$OUT/gsm8k_tool_${only//,/-}.log" | cut -c1-300 | tee -a "$OUT/summary.txt" ;;
   distill)
     # gin/experiments/gpu_distill_0p5b.gin: the GRPO experiment's step with a 1.5B-shape
     # teacher (random weights, the student's tokenizer) in place of the reference; run

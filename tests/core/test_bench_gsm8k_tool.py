@@ -145,3 +145,35 @@ def test_the_table_of_two_calls_compares_the_runs(tmp_path, capsys):
     assert saved["comparisons"] == out["comparisons"]
     assert saved["comparisons"]["sandbox_s"] == pytest.approx(6.0)
     assert saved["comparisons"]["tool_over_single_async"] == pytest.approx(0.75)
+
+
+@pytest.mark.slow
+def test_the_cpu_smoke_run_of_the_docs_runs_the_four(tmp_path):
+    """docs/agents.md's CPU smoke commands as written (the tiny model in tmp_path, a
+    --json added): the four runs, 8 prompts x 4 samples x 16 tokens sampled by each
+    single-turn run, a tool call in every multi-turn episode (each first turn is one),
+    and the three comparisons. 2-5 minutes on 2 cores."""
+    import os
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    smoke = doc.split("A CPU smoke run on the tiny model:", 1)[1].split("\n\n", 1)[0]
+    make, bench = (" ".join(c.split()) for c in re.findall(r"`([^`]+)`", smoke))
+    assert make == "polyrl make-tiny /tmp/tiny", make
+    saved = tmp_path / "out.json"
+    script = f"{make} >/dev/null && {bench} --json {saved}".replace("/tmp/tiny", str(tmp_path))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(["bash", "-c", script], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(saved.read_text())
+    for name in ("single_turn", "single_turn_async"):
+        assert out[name]["sampled_tokens"] == 8 * 4 * 16
+    for name in ("multi_turn_tool", "multi_turn_nosandbox"):
+        assert out[name]["tool_calls_mean"] >= 1.0
+    assert sorted(out["comparisons"]) == [
+        "nosandbox_over_single_async",
+        "sandbox_s",
+        "sandbox_share_of_generate",
+        "tool_over_single_async",
+    ]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import socket
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,6 +43,8 @@ __all__ = [
     "Backend",
     "ProcessModel",
     "GroupSlot",
+    "listen_for_group",
+    "take_listener",
     "get_backend",
     "get_engine",
     "engine_on_one_device",
@@ -279,6 +282,31 @@ class GroupSlot:
     port: int
 
 
+# The sockets listen_for_group keeps listening in this process, by port.
+_LISTENING: dict[int, socket.socket] = {}
+
+
+def listen_for_group() -> int:
+    """A free port on every address of this host, listened on from now: the socket stays
+    in this process until :func:`take_listener` hands it over, so no other process can
+    take the port meanwhile (a group's worker 0, between the rendezvous and its store)."""
+    if socket.has_dualstack_ipv6():  # as torch's store listens: IPv6 and IPv4 addresses
+        s = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+        s = socket.create_server(("", 0))
+    port = s.getsockname()[1]
+    _LISTENING[port] = s
+    return port
+
+
+def take_listener(port: int) -> int | None:
+    """The file descriptor of the socket :func:`listen_for_group` keeps listening on
+    ``port`` in this process, now the caller's to close; None if this process keeps none
+    (a process torchrun started, a worker that is not its group's rank 0)."""
+    s = _LISTENING.pop(port, None)
+    return None if s is None else s.detach()
+
+
 def _torch_group_env(slot: GroupSlot) -> dict[str, str]:
     # torchrun's variables: backends/torch_fsdp/sharding.py init_distributed reads them.
     return {
@@ -340,6 +368,12 @@ class ProcessModel:
     one_device: ``() -> kwargs`` of the engine's constructor for a world of one device
       in this process (``polyrl export``, ``polyrl diagnose``): a per-device process is
       one rank already; a per-host one is given its first local device.
+    listen: ``() -> port``, run by the rendezvous in worker 0's process: the port where
+      a group of several workers meets, kept listening there until the collective's
+      store takes the socket over (torch's TCPStore takes one: :func:`listen_for_group`);
+      None: a free port that the rendezvous closes again and the collective binds itself
+      (jax.distributed's coordinator takes no socket: another process may take the port
+      in between).
     """
 
     worker_per: str
@@ -347,6 +381,7 @@ class ProcessModel:
     host_env: Callable[[int, bool], dict[str, str]]
     group_env: Callable[[GroupSlot], dict[str, str]]
     one_device: Callable[[], dict[str, Any]] = dict
+    listen: Callable[[], int] | None = None
 
     def num_workers(self, devices: int, hosts: int) -> int:
         """Workers of a role whose mesh has ``devices`` devices over ``hosts`` hosts."""
@@ -397,7 +432,13 @@ class Backend:
 ENGINES: dict[str, Backend] = {
     "torch_fsdp": Backend(
         "polyrl.backends.torch_fsdp.engine:TorchFSDPEngine",
-        ProcessModel("device", "torch.distributed", lambda devices, gpu: {}, _torch_group_env),
+        ProcessModel(
+            "device",
+            "torch.distributed",
+            lambda devices, gpu: {},
+            _torch_group_env,
+            listen=listen_for_group,
+        ),
         "torch",
         "polyrl.backends.torch_fsdp.checkpoint:export_exchange",
         compile_problem=_torch_compile_problem,
@@ -406,6 +447,9 @@ ENGINES: dict[str, Backend] = {
     ),
     "jax_pjit": Backend(
         "polyrl.backends.jax_pjit.engine:JaxPjitEngine",
+        # No listen: jax.distributed's coordinator binds its port itself (it takes no
+        # listening socket), so a multi-host JAX role keeps the window between the
+        # rendezvous and that bind in which another process can take the port.
         ProcessModel("host", "jax.distributed", _jax_host_env, _jax_group_env, _jax_one_device),
         "jax",
         "polyrl.backends.jax_pjit.checkpoint:export_exchange",

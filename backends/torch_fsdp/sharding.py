@@ -5,7 +5,8 @@ data: docs/design.md "TrainEngine").
   environment torchrun, ``mp.spawn`` helpers and the Ray workers set (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); with none of them
   set it makes a world of one in-process, so a plain script or test needs no launcher.
-  gloo on CPU, NCCL on GPU.
+  A Ray group's worker 0 serves the group's store on the socket it has kept listening
+  since the rendezvous. gloo on CPU, NCCL on GPU.
 * :func:`build_plan` checks the mesh against the world and the logical-axis rules and
   returns a :class:`ShardingPlan`: the DeviceMesh over the axes larger than one, in the
   order ``(data, fsdp, tensor)`` (``fsdp`` always present): ``(fsdp,)`` = FSDP,
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from polyrl.backends.base import take_listener
 from polyrl.backends.torch_fsdp import tensor_parallel
 from polyrl.config import ParallelConfig
 
@@ -76,9 +78,10 @@ def init_distributed() -> DistEnv:
     If a group already exists (a second engine in the same process, e.g. actor and
     reference colocated), it is reused. With ``WORLD_SIZE`` etc. in the environment the
     group is created with ``init_method="env://"``; with none of them, or ``WORLD_SIZE=1``,
-    a world of one on an in-memory store (it listens on no port). A partial environment
-    is an error: it is almost always a launcher bug, and guessing would hang at the first
-    collective.
+    a world of one on an in-memory store (it listens on no port). A Ray group's rank 0
+    serves the group's store on the socket it has kept listening on ``MASTER_PORT`` since
+    the rendezvous (:func:`_store_on_held_port`). A partial environment is an error: it is
+    almost always a launcher bug, and guessing would hang at the first collective.
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = _device_for(local_rank)
@@ -99,8 +102,25 @@ def init_distributed() -> DistEnv:
                 "or none of them for a single process"
             )
         else:
+            held = _store_on_held_port()
             dist.init_process_group(backend, init_method="env://")
+            del held  # env://'s store shares its server now
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _store_on_held_port() -> dist.TCPStore | None:
+    """Worker 0 of a polyrl group keeps ``MASTER_PORT`` listening since the rendezvous
+    (``polyrl.backends.base.listen_for_group``): a store served on that socket, which
+    ``env://``'s store on the same port then shares (``multi_tenant``), so the port is
+    never free between the rendezvous and this listen (another process took it so:
+    EADDRINUSE at start). None where this process keeps no socket (torchrun, rank > 0)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    fd = take_listener(port)
+    if fd is None:
+        return None
+    return dist.TCPStore(
+        addr, port, is_master=True, wait_for_workers=False, multi_tenant=True, master_listen_fd=fd
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,10 +116,13 @@ def _where_this_runs(_worker: Any) -> dict[str, Any]:
     }
 
 
-def _rendezvous(_worker: Any) -> tuple[str, int]:
-    """This node's address and a free port on it: where a collective group meets."""
+def _rendezvous(_worker: Any, listen: Callable[[], int] | None) -> tuple[str, int]:
+    """This node's address and a port on it where a collective group meets: ``listen()``'s
+    (kept listening in this process), or a free port, closed again."""
     import ray
 
+    if listen is not None:
+        return ray.util.get_node_ip_address(), listen()
     with socket.socket() as s:
         s.bind(("", 0))
         return ray.util.get_node_ip_address(), s.getsockname()[1]
@@ -279,13 +282,17 @@ class WorkerGroup:
             f"{ray.available_resources()} available. {fix}".strip()
         )
 
-    def rendezvous(self, fix: str = "") -> tuple[str, int]:
-        """Rank 0's node address and a free port there: where a torch.distributed or
-        jax.distributed group of these workers meets."""
+    def rendezvous(self, fix: str = "", listen: Callable[[], int] | None = None) -> tuple[str, int]:
+        """Rank 0's node address and a port there: where a torch.distributed or
+        jax.distributed group of these workers meets. listen: run in rank 0's process (the
+        one that later joins the group) to choose the port and keep it listening until the
+        group's store takes it over (``polyrl.backends.base.ProcessModel.listen``); None: a
+        free port, closed again, that the group binds itself (another process may take it
+        in between)."""
         import ray
 
         try:
-            ref = self.workers[0].__ray_call__.remote(_rendezvous)
+            ref = self.workers[0].__ray_call__.remote(_rendezvous, listen)
             return ray.get(ref, timeout=self.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise self._not_started(fix) from None

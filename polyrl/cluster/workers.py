@@ -5,7 +5,9 @@ is the backend's process model (``polyrl.backends.base.ENGINES[...].process``, r
 through the role table ``polyrl.cluster.roles``): torch starts one actor per device (each a
 torch.distributed rank), JAX one actor per host driving every local device of the
 role's mesh (hosts joined by jax.distributed). Worker 0 reports its node's address and
-a free port (``WorkerGroup.rendezvous``), and every worker joins the group from there.
+a port (``WorkerGroup.rendezvous``; a torch group's worker 0 keeps it listening until
+its store takes it over, ``polyrl.backends.base.ProcessModel.listen``), and every worker
+joins the group from there.
 Actors receive frozen config dataclasses resolved on the driver — never gin, whose
 bindings do not reach other processes.
 
@@ -269,8 +271,9 @@ class EngineGroup(WorkerGroup):
             env=engine_env(spec, options, env),
             ready_timeout_s=ready_timeout_s,
         )
-        # The workers of a group initialise together (the group needs every member).
-        addr, port = self.rendezvous()
+        # The workers of a group initialise together (the group needs every member). A
+        # world of one meets no one (torch: an in-memory store), so it keeps no port.
+        addr, port = self.rendezvous(listen=process.listen if world > 1 else None)
         envs = [
             process.group_env(GroupSlot(rank, world, *spec.slot(rank), addr, port))
             for rank in range(world)

@@ -17,7 +17,6 @@ from polyrl.envs.base import Turn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "bench"))
 import gsm8k_tool  # noqa: E402
-from gsm8k_every_turn import EveryTurnCompiled, EveryTurnPython  # noqa: E402
 
 FAILED = "error: the program exited with status 1\nstderr:\n"
 # " a+a+...a+b": 1,202 characters on one line, indented. CPython quotes an error's line
@@ -57,27 +56,46 @@ def _observation(env, text: str) -> list[dict]:
     return env.step(Turn(text, (), 0, "length")).observation
 
 
+@pytest.fixture(scope="module")
+def every_turn():
+    """gsm8k_every_turn.py with its two envs registered for this module only: later tests
+    see polyrl's registry as the others leave it (validate-config's errors list it)."""
+    from polyrl.data.schema import ENV_SOURCES
+    from polyrl.envs.base import ENVS
+
+    before = set(ENVS)
+    import gsm8k_every_turn
+
+    try:
+        yield gsm8k_every_turn
+    finally:
+        for name in set(ENVS) - before:
+            del ENVS[name]
+            ENV_SOURCES.discard(name)
+        sys.modules.pop("gsm8k_every_turn", None)
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_no_sandbox_env_observes_what_the_sandbox_prints(case, monkeypatch):
+def test_the_no_sandbox_env_observes_what_the_sandbox_prints(case, monkeypatch, every_turn):
     """Both envs' step of one turn, the sandbox's first: the same tool message, written
     out by hand; the no-sandbox env's starts no subprocess."""
     text, content = CASES[case]
     expected = [{"role": "tool", "name": "python", "content": content}]
-    assert _observation(EveryTurnPython(), text) == expected
+    assert _observation(every_turn.EveryTurnPython(), text) == expected
 
     def no_process(*args, **kwargs):
         raise AssertionError(f"a subprocess started: {args[0]!r}")
 
     monkeypatch.setattr(subprocess, "Popen", no_process)
-    assert _observation(EveryTurnCompiled(), text) == expected
+    assert _observation(every_turn.EveryTurnCompiled(), text) == expected
 
 
-def test_a_text_that_compiles_gets_an_empty_program_s_output():
+def test_a_text_that_compiles_gets_an_empty_program_s_output(every_turn):
     """Never run: a program that would print gets what an empty one gets."""
     content = "(no output; print() what you want to see)"
     expected = [{"role": "tool", "name": "python", "content": content}]
-    assert _observation(EveryTurnCompiled(), "print(1)") == expected
-    assert _observation(EveryTurnPython(), "") == expected
+    assert _observation(every_turn.EveryTurnCompiled(), "print(1)") == expected
+    assert _observation(every_turn.EveryTurnPython(), "") == expected
 
 
 def test_only_takes_short_names_in_any_order():

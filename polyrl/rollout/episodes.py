@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -165,7 +166,9 @@ class EpisodeRunner:
         ``i * max_turns + t``."""
         limit, max_turns = self.config.max_episode_tokens, self.config.max_turns
         request = (e.index * max_turns + turn, e.prompt_ids + e.ids, limit - e.length)
+        start = time.monotonic()
         (r,) = await self.pool.generate_on(e.index % len(self.pool.servers), [request], spec)
+        e.timed("sampling", start)
         sampled = self._sampled(e, turn, r)
         # how much of this turn's prompt the server's prefix cache held
         e.turns[-1].update(prompt_tokens=len(request[1]), cached_tokens=r.get("cached_tokens", 0))
@@ -173,7 +176,9 @@ class EpisodeRunner:
 
     async def step_env(self, e: Episode, turn: int, sampled: Turn) -> None:
         """Step ``e``'s env with its sampled turn and append the observation."""
+        start = time.monotonic()
         self._observe(e, turn, await self.envs.step_one(e.key, sampled))
+        e.timed("env", start)
 
     def _sampled(self, e: Episode, turn: int, r: Mapping[str, Any]) -> Turn:
         """Append a sampled turn to ``e``; the :class:`Turn` its env steps with."""
@@ -319,6 +324,7 @@ class EpisodeRunner:
             )
             / n,
         }
+        out |= in_flight(episodes)
         for reason in FINISH_REASONS:
             out[f"episode/finish/{reason}"] = sum(e.finish == reason for e in episodes) / n
         # what the rewrites changed (openai_endpoint.rewrite_reasons): the share of episodes
@@ -330,6 +336,23 @@ class EpisodeRunner:
             out["episode/drift_share"] = len(drifted) / n
             out["episode/template_drift_share"] = sum(d["kind"] != "sampled" for d in drifted) / n
         return out
+
+
+def in_flight(episodes: list[Episode]) -> dict[str, float]:
+    """How many of ``episodes`` had a turn at the rollout servers (``sampling``) and in an
+    env step (``env``) on average over the batch's play, from its first request to its
+    last answer: the seconds each spent so, summed, over the play's seconds (a batch of
+    single-turn requests holds all of them at the servers until they end). Empty when no
+    episode was timed (agents' episodes run through the OpenAI endpoint)."""
+    spans = [e.span for e in episodes if e.span is not None]
+    if not spans:
+        return {}
+    play = max(end for _, end in spans) - min(start for start, _ in spans)
+    out = {"episode/play_s": play}
+    for what in ("sampling", "env"):
+        busy = sum(e.seconds.get(what, 0.0) for e in episodes)
+        out[f"episode/{what}_in_flight_mean"] = busy / play if play > 0 else 0.0
+    return out
 
 
 def _check_sampled(episodes: list[Episode], config: EpisodeConfig) -> None:

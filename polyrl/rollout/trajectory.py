@@ -11,6 +11,7 @@ both build episodes with them (docs/agents.md "Exact tokens").
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -97,6 +98,10 @@ class Episode:
     finish: str | None = None
     detail: str = ""
     drift: dict[str, Any] | None = None
+    # seconds its turns spent at the rollout servers ("sampling") and in env steps ("env"),
+    # and the first start and last end of either (EpisodeRunner.metrics: in flight)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    span: tuple[float, float] | None = None
 
     @property
     def length(self) -> int:
@@ -111,6 +116,12 @@ class Episode:
         per_token = np.ndim(version) > 0
         self.versions.extend(map(int, version) if per_token else [int(version)] * len(ids))
         self.segments.append((kind, turn, start, self.length))
+
+    def timed(self, what: str, start: float) -> None:
+        """Count the seconds since ``start`` (``time.monotonic()``) as ``what``."""
+        now = time.monotonic()
+        self.seconds[what] = self.seconds.get(what, 0.0) + now - start
+        self.span = (start, now) if self.span is None else (min(self.span[0], start), now)
 
     def end(self, reason: str, detail: str = "") -> None:
         assert reason in FINISH_REASONS, reason

@@ -131,3 +131,56 @@ def test_guess_episodes_on_real_servers(pool, tokenizer):
     m = batch.info["episode_metrics"]
     assert m["episode/template_drift_share"] == 0.0
     assert m["episode/turns_mean"] > 1
+
+
+def test_in_flight_is_the_busy_seconds_over_the_play():
+    """Hand-computed: three episodes over a play from t=10 to t=20 (the third never
+    timed): 8 + 4 s at the servers and 2 s in env steps -> 1.2 and 0.2 in flight."""
+    from polyrl.rollout.episodes import Episode, in_flight
+
+    a, b, c = (Episode(i, i, {}) for i in range(3))
+    a.seconds, a.span = {"sampling": 8.0, "env": 2.0}, (10.0, 20.0)
+    b.seconds, b.span = {"sampling": 4.0}, (12.0, 16.0)
+    assert in_flight([a, b, c]) == {
+        "episode/play_s": 10.0,
+        "episode/sampling_in_flight_mean": 1.2,
+        "episode/env_in_flight_mean": 0.2,
+    }
+    assert in_flight([c]) == {}  # agents' episodes: not timed
+
+
+@register_env("test/slow_step")
+class SlowStep(Env):
+    """Two turns, each env step 0.1 s (awaited: the episodes' steps overlap)."""
+
+    async def step(self, turn):
+        import asyncio
+
+        await asyncio.sleep(0.1)
+        return StepResult([{"role": "user", "content": "+"}], reward=0.0, done=turn.index == 1)
+
+
+class SlowPolicy(TextPolicy):
+    async def generate_on(self, server, requests, spec):
+        import asyncio
+
+        await asyncio.sleep(0.2)  # a turn at the server
+        return self.generate_ids(requests, spec)
+
+
+def test_episodes_say_how_many_were_sampling_and_stepping_at_once(tokenizer):
+    """4 episodes of 2 turns, each turn 0.2 s at the "server" and 0.1 s in its env step,
+    all at once: twice as many in flight at the servers as in env steps, together never
+    more than the 4 episodes (and the play at least the 0.6 s one episode takes)."""
+    config = EpisodeConfig(max_turns=2, max_episode_tokens=64, env_workers=0)
+    runner = EpisodeRunner(SlowPolicy(tokenizer, cut=0.0), EnvPool(0), tokenizer, config)
+    try:
+        batch = runner.generate(_prompts("test/slow_step", [{}] * 4), SamplingSpec(n=1))
+    finally:
+        runner.shutdown()
+    m = batch.info["episode_metrics"]
+    assert m["episode/play_s"] >= 0.6
+    sampling, env = m["episode/sampling_in_flight_mean"], m["episode/env_in_flight_mean"]
+    assert sampling + env <= 4 + 1e-6
+    assert sampling / env == pytest.approx(2.0, rel=0.25)
+    assert sampling > 1.6  # 4 x 0.4 s over a play of ~0.6 s (2.67); 1.6 at a 1 s play

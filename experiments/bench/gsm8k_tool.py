@@ -115,9 +115,10 @@ def _cpu_bindings() -> list[str]:
 # the episode metrics the table shows (the run's last step): seconds a tool call took (a
 # sandbox run: in the env worker, beside the other episodes' turns), the share of calls
 # that failed, of a continued turn's prompt tokens the engine's prefix cache held, of
-# turns cut at their token limit, and how many episodes had a turn at the rollout
-# server and in an env step on average over the play (of the batch's episodes: a
-# single-turn batch holds all of them at the server until its requests end)
+# turns cut at their token limit, how many episodes had a turn at the rollout server
+# and in an env step on average over the play (of the batch's episodes: a single-turn
+# batch holds all of them at the server until its requests end), and the play's seconds
+# (of the generate phase: the rest is the envs' resets, the prompts' tokens and the batch)
 EPISODE_METRICS = (
     "tool_latency_s",
     "tool_error_share",
@@ -125,6 +126,7 @@ EPISODE_METRICS = (
     "turn_cut_share",
     "sampling_in_flight_mean",
     "env_in_flight_mean",
+    "play_s",
 )
 
 

@@ -49,6 +49,17 @@ def test_prints_and_exits():
     assert (result.stdout, result.stderr, result.exit_code, result.reason) == ("42\n", "", 3, None)
 
 
+def test_the_installed_packages_and_exit_are_there_without_the_site_module():
+    """The interpreter starts with -S (no ``site``: its .pth files took half the start):
+    the caller's site-packages are still on the path, and exit() and quit(), which
+    ``site`` defines, still end the program."""
+    result = run_python(
+        "import numpy, sys\nprint(numpy.__name__, sys.flags.no_site)\nexit(4)", FAST
+    )
+    assert (result.stdout, result.stderr, result.exit_code) == ("numpy 1\n", "", 4)
+    assert run_python("quit()", FAST).exit_code == 0
+
+
 def test_exception_shows_the_programs_traceback_only():
     result = run_python("def f():\n    raise ValueError('boom')\nf()", FAST)
     assert (result.exit_code, result.reason) == (1, None)

@@ -143,8 +143,7 @@ class EpisodeRunner:
         """Ended episodes: their envs closed unless done; the template drift checked."""
         self.envs.close([e.key for e in episodes if e.finish != "done"])
         if self.config.check_drift:
-            for e in episodes:
-                self._check_drift(e)
+            self._check_drift(episodes)
 
     async def _play(self, episodes: list[Episode], spec: SamplingSpec) -> None:
         await asyncio.gather(*(self._episode(e, spec) for e in episodes if e.finish is None))
@@ -225,25 +224,31 @@ class EpisodeRunner:
         e.turns[-1]["observation"] = out["observation"]
         e.turns[-1]["observation_tokens"] = len(obs)
 
-    def _check_drift(self, e: Episode) -> None:
-        try:
-            fresh = self.chat.encode(self.chat.render(e.messages, e.tools, False))
-        except Exception as err:  # a template that cannot render its own conversation
-            e.drift = {"position": 0, "turn": -1, "kind": "template", "error": str(err)}
-            return
-        e.drift = first_drift(e.prompt_ids + e.ids, fresh, e.segments)
-        if e.drift and e.drift["kind"] != "sampled" and not self.warned_drift:
-            self.warned_drift = True
-            logger.warning(
-                "episode %d of the batch: the chat template applied to the whole "
-                "conversation gives other tokens than the episode's from position %d (turn "
-                '%d, %s tokens); the episode trains on its own ids (docs/agents.md "Exact '
-                'tokens")',
-                e.index,
-                e.drift["position"],
-                e.drift["turn"],
-                e.drift["kind"],
-            )
+    def _check_drift(self, episodes: list[Episode]) -> None:
+        """Each episode against the template applied to its whole conversation, the
+        renderings tokenized in one batch (the generate phase's longest step after the
+        play: ~1.4 ms an episode of 1.7k tokens one at a time on a 2-core host)."""
+        rendered, texts = [], []
+        for e in episodes:
+            try:
+                texts.append(self.chat.render(e.messages, e.tools, False))
+                rendered.append(e)
+            except Exception as err:  # a template that cannot render its own conversation
+                e.drift = {"position": 0, "turn": -1, "kind": "template", "error": str(err)}
+        for e, fresh in zip(rendered, self.chat.encode_many(texts)):
+            e.drift = first_drift(e.prompt_ids + e.ids, fresh, e.segments)
+            if e.drift and e.drift["kind"] != "sampled" and not self.warned_drift:
+                self.warned_drift = True
+                logger.warning(
+                    "episode %d of the batch: the chat template applied to the whole "
+                    "conversation gives other tokens than the episode's from position %d "
+                    '(turn %d, %s tokens); the episode trains on its own ids (docs/agents.md "Exact '
+                    'tokens")',
+                    e.index,
+                    e.drift["position"],
+                    e.drift["turn"],
+                    e.drift["kind"],
+                )
 
     # --------------------------------------------------------------- the batch
     def assemble(

@@ -43,6 +43,16 @@ class ChatTokens:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """:meth:`encode` of each text, in one batch of the tokenizer's Rust tokenizer
+        (on the host's cores unless ``TOKENIZERS_PARALLELISM=false``): the ids
+        ``tokenizer(text)`` gives without truncation or padding; one by one for a
+        tokenizer without one (a Python-only tokenizer)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return [self.encode(t) for t in texts]
+        return [list(enc.ids) for enc in backend.encode_batch(texts, add_special_tokens=False)]
+
     def prompt(self, messages: Sequence[Mapping], tools: Any = None) -> list[int]:
         """The first prompt: the template with the generation prompt (as
         ``polyrl.data.prompts.encode_prompt`` when there are no tools)."""

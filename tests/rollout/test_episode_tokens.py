@@ -318,3 +318,20 @@ def test_env_failures_end_only_their_episode(tokenizer):
     assert "ran past 0.5 s" in errors[1]
     assert "not polyrl.envs.StepResult" in errors[2]
     assert batch["response_mask"][1].sum() == 0  # no turn: nothing to train on
+
+
+def test_encode_many_gives_each_texts_ids(tiny_model_dir):
+    """The drift check tokenizes a batch's renderings in one call of the Rust tokenizer:
+    the same ids as the tokenizer called on each text (special tokens, digits, text the
+    merges split, an empty one)."""
+    from transformers import AutoTokenizer
+
+    texts = [
+        "<|im_start|>user:copy 123<|im_end|><|im_start|>assistant:",
+        "copy copy 0=0 + 9*9 <|im_end|>\n",
+        "",
+        "".join(random.Random(0).choice(ALPHABET) for _ in range(300)),
+    ]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert ChatTokens(tok).encode_many(texts) == expected

@@ -232,15 +232,21 @@ def test_taking_turns_changes_no_number(ray_session, tmp_path):
         assert ref["ts"] + ref["dur"] <= old["ts"]
 
 
+# streaming (single-turn): its batches are the placeholder's columns at the same width
+STREAM_WARM = ("polyrl.RunConfig.streaming = True", "polyrl.RunConfig.max_staleness = 1")
+
+
 @pytest.mark.parametrize(
-    "gin",
+    "gin, extra",
     [
-        "gin/experiments/tiny_grpo_jax.gin",
-        pytest.param("gin/experiments/tiny_grpo.gin", marks=pytest.mark.slow),
+        ("gin/experiments/tiny_grpo_jax.gin", ()),
+        pytest.param("gin/experiments/tiny_grpo.gin", (), marks=pytest.mark.slow),
+        pytest.param("gin/experiments/tiny_grpo_jax.gin", STREAM_WARM, marks=pytest.mark.slow),
+        pytest.param("gin/experiments/tiny_grpo.gin", STREAM_WARM, marks=pytest.mark.slow),
     ],
-    ids=["jax", "torch"],
+    ids=["jax", "torch", "jax-stream", "torch-stream"],
 )
-def test_the_warm_up_leaves_step_1_nothing_to_compile(ray_session, tmp_path, capsys, gin):
+def test_the_warm_up_leaves_step_1_nothing_to_compile(ray_session, tmp_path, capsys, gin, extra):
     """RunConfig.warm_up: while vLLM starts, each role compiles step 1's programs on a
     placeholder of its batch (its columns and padded shapes, for JAX's jitted programs;
     rows with and without padding, for torch.compile's graphs: anything of the real batch
@@ -252,7 +258,10 @@ def test_the_warm_up_leaves_step_1_nothing_to_compile(ray_session, tmp_path, cap
     from polyrl.loop.trainer import RLTrainer
 
     params = _params(
-        tmp_path / "warm", "polyrl.RunConfig.total_steps = 1", "polyrl.RunConfig.compile = True"
+        tmp_path / "warm",
+        "polyrl.RunConfig.total_steps = 1",
+        "polyrl.RunConfig.compile = True",
+        *extra,
     )
     cfg, _ = parse_config([gin], params)
     cfg, spec = prepare(cfg)

@@ -74,6 +74,8 @@ def _steps(run_dir: Path) -> list[str]:
 
 
 def test_runs_attach_in_turn_with_a_fresh_runs_metrics(sessions, tmp_path):
+    """The quick start's session commands: two runs attach in turn, each from its own
+    initial weights, with the same numbers (a fresh run's: the slow tests below)."""
     started = sessions("session start")
     assert started.returncode == 0, started.stdout + started.stderr
     assert "[session] up in" in started.stdout
@@ -82,14 +84,37 @@ def test_runs_attach_in_turn_with_a_fresh_runs_metrics(sessions, tmp_path):
     names = {p.name() for p in family}
     assert {"raylet", "gcs_server"} <= names, names
 
-    for name in ("first", "second"):  # in turn, each from its own initial weights
+    for name in ("first", "second"):
         run = sessions("train", *_steps(tmp_path / name))
         assert run.returncode == 0, run.stdout + run.stderr
         assert "[session] attached to the session" in run.stdout
         startup = next(line for line in run.stdout.splitlines() if "before the first step" in line)
         assert ", attach " in startup, startup
-    # A run that differs from the session in a server setting (here one that changes no
-    # number) does not fit: it says which and starts its own, a fresh run.
+    first = _untimed(read_jsonl(tmp_path / "first" / "metrics.jsonl"))
+    assert [r["step"] for r in first] == [1, 2]
+    assert _untimed(read_jsonl(tmp_path / "second" / "metrics.jsonl")) == first
+
+    status = sessions("session status")
+    assert status.returncode == 0 and "[session] up in" in status.stdout, status.stdout
+    stopped = sessions("session stop")
+    assert stopped.returncode == 0 and "[session] stopped the session" in stopped.stdout
+    left = [f"{p.pid} {p.name()}" for p in family if p.is_running() and p.status() != "zombie"]
+    assert not left, f"processes of the session still running after stop: {left}"
+    assert not (tmp_path / "session" / "session.json").exists()
+
+
+@pytest.mark.slow  # a session start, an attached and a fresh run (~1.5 min)
+def test_a_run_that_differs_in_a_server_setting_starts_its_own_with_the_same_numbers(
+    sessions, tmp_path
+):
+    """A run that differs from the session in a server setting (here one that changes no
+    number) does not fit: it says which and starts its own, a fresh run, whose metrics
+    the attached run's equal."""
+    started = sessions("session start")
+    assert started.returncode == 0, started.stdout + started.stderr
+    attached = sessions("train", *_steps(tmp_path / "attached"))
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert "[session] attached to the session" in attached.stdout
     fresh = sessions(
         "train", *_steps(tmp_path / "fresh"), "polyrl.RolloutConfig.ready_timeout_s = 301.0"
     )
@@ -99,19 +124,9 @@ def test_runs_attach_in_turn_with_a_fresh_runs_metrics(sessions, tmp_path):
         fresh.stdout
     )
     assert "attached" not in fresh.stdout
-
     expected = _untimed(read_jsonl(tmp_path / "fresh" / "metrics.jsonl"))
     assert [r["step"] for r in expected] == [1, 2]
-    for name in ("first", "second"):
-        assert _untimed(read_jsonl(tmp_path / name / "metrics.jsonl")) == expected, name
-
-    status = sessions("session status")
-    assert status.returncode == 0 and "[session] up in" in status.stdout, status.stdout
-    stopped = sessions("session stop")
-    assert stopped.returncode == 0 and "[session] stopped the session" in stopped.stdout
-    left = [f"{p.pid} {p.name()}" for p in family if p.is_running() and p.status() != "zombie"]
-    assert not left, f"processes of the session still running after stop: {left}"
-    assert not (tmp_path / "session" / "session.json").exists()
+    assert _untimed(read_jsonl(tmp_path / "attached" / "metrics.jsonl")) == expected
 
 
 @pytest.mark.slow  # a session host's Ray start and a 20 s time limit (~31 s)

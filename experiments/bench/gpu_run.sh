@@ -78,7 +78,7 @@
 #   keep it ~60 s under the machine's limit for the command: a run stopped at it writes its
 #   threads' stacks at the end of $OUT/<section>.log, the steps it finished are measured and
 #   the logs are packed; a run the machine's limit stops packs nothing),
-#   GIN_EXTRA (more --gin_param bindings for the GRPO runs, separated by ';', e.g.
+#   GIN_EXTRA (more --gin_param bindings for the GRPO and gsm8k_tool runs, separated by ';', e.g.
 #   "polyrl.RunConfig.attn_implementation = 'auto'; actor/polyrl.ParallelConfig.micro_batch_size = 16"),
 #   UPDATE_MB (the update_shape section's micro-batch rows, default 64), ASYNC_STEPS (default 6), SUITE (the
 #   train_step / update_shape sections' --suite), SECTION_TIMEOUT (their bound in s, default
@@ -262,8 +262,10 @@ for s in $sections; do
     [ -d $M4K ] || python3 experiments/bench/random_model.py 0.5b $M4K --max-positions 4096 > "$OUT/make_0p5b_4k.log" 2>&1
     only=${GSM8K_ONLY:-single,single_async,tool,tool_nosandbox}
     left=$(( ${SECTION_TIMEOUT:-580} - SECONDS + start )); [ $left -gt 30 ] || left=30
+    IFS=';' read -ra extra <<< "${GIN_EXTRA:-}"; args=()  # (every run's)
+    for b in ${extra[@]+"${extra[@]}"}; do args+=(--gin_param "${b#"${b%%[! ]*}"}"); done
     timeout $left python3 experiments/bench/gsm8k_tool.py --model $M4K --steps ${GRPO_STEPS:-3} --skip 1 \
-      --only $only --timeout 400 --log-dir "$OUT/gsm8k_tool_logs" --json "$OUT/bench_gsm8k_tool_${only//,/-}.json" \
+      --only $only ${args[@]+"${args[@]}"} --timeout 400 --log-dir "$OUT/gsm8k_tool_logs" --json "$OUT/bench_gsm8k_tool_${only//,/-}.json" \
       > "$OUT/gsm8k_tool_${only//,/-}.log" 2>&1
     tail -40 "$OUT/gsm8k_tool_${only//,/-}.log" | cut -c1-300 | tee -a "$OUT/summary.txt" ;;
   distill)

@@ -127,6 +127,9 @@ EPISODE_METRICS = (
     "sampling_in_flight_mean",
     "env_in_flight_mean",
     "play_s",
+    "start_s",
+    "finish_s",
+    "assemble_s",
 )
 
 

@@ -356,7 +356,7 @@ class Stream(Producer):
         runner = self.episodes
         for turn in range(runner.config.max_turns):
             if e.finish is not None:
-                return
+                break
             while True:
                 changed = self._changed
                 if not self._holding:
@@ -369,6 +369,7 @@ class Stream(Producer):
                 self._requests_in_flight -= 1
                 self._tick()  # (the wave pauses once no request is in flight)
             await runner.step_env(e, turn, sampled)
+        await runner.ended(e)
 
     def _admit(self) -> bool:
         """(lock held) A round may start: stale groups aborted, new ones admitted."""

@@ -108,6 +108,9 @@ class Episode:
     finish: str | None = None
     detail: str = ""
     drift: dict[str, Any] | None = None
+    # the response decoded with its special tokens, set with the drift check when the
+    # episode is closed out (EpisodeRunner.close_out)
+    text: str | None = None
     # seconds its turns spent at the rollout servers ("sampling") and in env steps ("env"),
     # and the first start and last end of either (EpisodeRunner.metrics: in flight)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -216,6 +216,41 @@ def test_template_drift_at_a_token_boundary_is_reported(tokenizer, caplog):
     assert "gives other tokens than the episode's from position" in caplog.text
 
 
+def test_an_episode_is_closed_out_while_the_others_play(tokenizer):
+    """An episode's response text and drift check are done as it ends, while the other
+    episodes still play (at the batch's end they held up the generate phase): episode 1's
+    second turn is answered only once episode 0, ended, has both (every episode drifts:
+    SPACE_PROMPT's last space before a sampled "+")."""
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = SPACE_PROMPT
+    config = EpisodeConfig(max_turns=2, max_episode_tokens=100, env_workers=0)
+    plus = tokenizer("+", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    episodes = []
+
+    class Waits(TextPolicy):
+        async def generate_on(self, server, requests, spec):
+            ((index, _, _),) = requests
+            if index == 1 * config.max_turns + 1:  # episode 1's second turn
+                for _ in range(1000):
+                    if episodes[0].text is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    raise AssertionError("episode 0 was not closed out while episode 1 played")
+            (r,) = self.generate_ids(requests, spec)
+            n = len(plus)
+            r.update(token_ids=np.asarray(plus, np.int32), log_probs=np.zeros(n, np.float32))
+            return [r | {"text": "+", "finish_reason": "stop"}]
+
+    runner = _runner(tokenizer, config, Waits(tokenizer))
+    spec = SamplingSpec(n=1, max_tokens=4)
+    episodes += runner.start(_prompts("test/endless", 2), spec)
+    asyncio.run(runner._play(episodes, spec))
+    for e in episodes:  # before finish(): closed out as they ended
+        assert e.text == tokenizer.decode(e.ids, skip_special_tokens=False)
+        assert e.drift is not None  # the prompt's last space and "+": one token afresh
+
+
 # ------------------------------------------------------------------ limits and failures
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -175,11 +176,16 @@ def test_episodes_say_how_many_were_sampling_and_stepping_at_once(tokenizer):
     config = EpisodeConfig(max_turns=2, max_episode_tokens=64, env_workers=0)
     runner = EpisodeRunner(SlowPolicy(tokenizer, cut=0.0), EnvPool(0), tokenizer, config)
     try:
+        t0 = time.monotonic()
         batch = runner.generate(_prompts("test/slow_step", [{}] * 4), SamplingSpec(n=1))
+        wall = time.monotonic() - t0
     finally:
         runner.shutdown()
     m = batch.info["episode_metrics"]
     assert m["episode/play_s"] >= 0.6
+    # the generate call's parts outside the play: the resets, the end, the batch
+    parts = [m[f"episode/{k}_s"] for k in ("start", "play", "finish", "assemble")]
+    assert all(p > 0 for p in parts) and sum(parts) <= wall, (parts, wall)
     sampling, env = m["episode/sampling_in_flight_mean"], m["episode/env_in_flight_mean"]
     assert sampling + env <= 4 + 1e-6
     assert sampling / env == pytest.approx(2.0, rel=0.25)

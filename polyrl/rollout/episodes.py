@@ -304,10 +304,12 @@ class EpisodeRunner:
             n = len(e.ids)
             mask[row, :n] = e.sampled
             log_probs[row, :n] = e.log_probs
-            versions[row, :n] = np.where(np.asarray(e.sampled, bool), e.versions, -1)
+            versions[row, :n] = e.versions
             for pos, r in e.rewards:
                 rewards[row, pos] += r
-        sampled_versions = [[v for v, s in zip(e.versions, e.sampled) if s] for e in episodes]
+        sampled = mask > 0
+        versions[~sampled] = -1  # observation tokens
+        oldest = np.where(sampled, versions, np.iinfo(np.int32).max).min(-1)
         tensors = {
             **seq.tensors,
             "response_mask": mask,
@@ -317,8 +319,8 @@ class EpisodeRunner:
             "scores": rewards.sum(-1),
             "response_lengths": np.array([len(e.ids) for e in episodes], np.int32),
             "prompt_lengths": np.array([len(e.prompt_ids) for e in episodes], np.int32),
-            "rollout_weight_version": np.array(
-                [min(v, default=self.pool.version) for v in sampled_versions], np.int64
+            "rollout_weight_version": np.where(sampled.any(-1), oldest, self.pool.version).astype(
+                np.int64
             ),
             "num_turns": np.array([len(e.turns) for e in episodes], np.int32),
         }

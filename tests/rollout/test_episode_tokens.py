@@ -251,6 +251,33 @@ def test_an_episode_is_closed_out_while_the_others_play(tokenizer):
         assert e.drift is not None  # the prompt's last space and "+": one token afresh
 
 
+def test_a_rows_version_is_its_oldest_sampled_tokens(tokenizer):
+    """Turn t sampled by weight version 10 - t: each sampled token carries its turn's
+    version, observation tokens -1, and the row's version is its last turn's (the
+    oldest); an episode whose prompt does not fit samples nothing and gets the pool's."""
+
+    class Aging(TextPolicy):
+        def generate_ids(self, requests, spec):
+            out = super().generate_ids(requests, spec)
+            for (index, _, _), r in zip(requests, out):
+                r["version"] = 10 - index % config.max_turns
+            return out
+
+    config = EpisodeConfig(max_turns=3, max_episode_tokens=60, env_workers=0)
+    prompts = _prompts("test/endless", 3)
+    long = [{"role": "user", "content": "copy " + "1" * 80}]
+    prompts = prompts.with_columns(meta={"prompt": [*prompts["prompt"][:2], long]})
+    batch = _runner(tokenizer, config, Aging(tokenizer)).generate(prompts, SamplingSpec(n=1))
+    for row in range(2):
+        n, turns = int(batch["response_lengths"][row]), int(batch["num_turns"][row])
+        versions, mask = batch["rollout_token_versions"][row, :n], batch["response_mask"][row, :n]
+        assert turns >= 2 and set(versions[mask == 0]) == {-1}
+        assert set(versions[mask > 0]) == {10 - t for t in range(turns)}
+        assert batch["rollout_weight_version"][row] == 10 - (turns - 1)
+    assert batch["response_lengths"][2] == 0 and batch["finish_reason"][2] == "max_tokens"
+    assert batch["rollout_weight_version"][2] == TextPolicy.version
+
+
 # ------------------------------------------------------------------ limits and failures
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -109,10 +110,15 @@ class _Group:
     start_version: int
     samples: list[Any]  # _Sample, or Episode (multi-turn; none until the stream starts them)
     row_index: int = 0  # the prompt's row in its data batch
+    playing: int = 0  # its episodes' turn loops still running (each closes its episode out)
 
     @property
     def done(self) -> bool:
-        return bool(self.samples) and all(s.finish is not None for s in self.samples)
+        return (
+            bool(self.samples)
+            and not self.playing
+            and all(s.finish is not None for s in self.samples)
+        )
 
     @property
     def oldest(self) -> int:
@@ -327,7 +333,8 @@ class Stream(Producer):
                 for e in g.samples:
                     if e.finish is None:
                         task = asyncio.ensure_future(self._play(e, spec))
-                        task.add_done_callback(lambda _: self._tick())
+                        g.playing += 1
+                        task.add_done_callback(functools.partial(self._played, g))
                         self._tasks.add(task)
             for g in ended:
                 await asyncio.to_thread(runner.finish, g.samples)
@@ -344,6 +351,10 @@ class Stream(Producer):
                 await changed.wait()
         with self._cond:
             self._finish_unit(t0)
+
+    def _played(self, g: _Group, _task: Any) -> None:
+        g.playing -= 1
+        self._tick()
 
     @property
     def _holding(self) -> bool:

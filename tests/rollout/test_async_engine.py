@@ -175,6 +175,10 @@ def test_episodes_stream_and_a_push_lands_between_two_turns(pool, tokenizer, pad
     spec = SamplingSpec(n=2, max_tokens=4, seed=0)
     config = EpisodeConfig(max_turns=4, max_episode_tokens=120, env_workers=0)
     runner = EpisodeRunner(pool, EnvPool(0, 30), tokenizer, config)
+    closed, close_out = [], runner.close_out  # each episode closed out once, as it ends
+    runner.close_out = lambda episodes: close_out(
+        closed.extend(e.key for e in episodes) or episodes
+    )
     stream = Stream(pool, source, lambda index: spec, 1, 2, 1, episodes=runner)
     try:
         first, m0 = stream.take(0)
@@ -188,6 +192,11 @@ def test_episodes_stream_and_a_push_lands_between_two_turns(pool, tokenizer, pad
         stream.discard()
         runner.shutdown()
     assert list(first["num_turns"]) == [2, 2] and list(second["num_turns"]) == [4, 4]
+    assert sorted(closed) == [0, 1, 2, 3], closed
+    for batch in (first, second):
+        for row in range(2):
+            ids = batch["responses"][row, : batch["response_lengths"][row]]
+            assert batch["response_text"][row] == tokenizer.decode(ids)
     assert m0["rollout/multi_version_rows"] == 0 and m1["rollout/multi_version_rows"] >= 1
     patterns = []
     for row in range(2):

@@ -117,8 +117,10 @@ def _cpu_bindings() -> list[str]:
 # that failed, of a continued turn's prompt tokens the engine's prefix cache held, of
 # turns cut at their token limit, how many episodes had a turn at the rollout server
 # and in an env step on average over the play (of the batch's episodes: a single-turn
-# batch holds all of them at the server until its requests end), and the play's seconds
-# (of the generate phase: the rest is the envs' resets, the prompts' tokens and the batch)
+# batch holds all of them at the server until its requests end), the play's seconds, and
+# the generate call's seconds outside it: before (the envs' resets, the prompts' tokens),
+# from the last answer to the loop's end (the close-out of the episodes that ended last),
+# after (closing envs) and the batch (docs/agents.md "Metrics")
 EPISODE_METRICS = (
     "tool_latency_s",
     "tool_error_share",
@@ -128,6 +130,7 @@ EPISODE_METRICS = (
     "env_in_flight_mean",
     "play_s",
     "start_s",
+    "close_out_s",
     "finish_s",
     "assemble_s",
 )

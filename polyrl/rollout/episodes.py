@@ -100,8 +100,10 @@ class EpisodeRunner:
         self.finish(episodes)
         t3 = time.monotonic()
         batch = self.assemble(prompts.repeat(spec.n), episodes, spec, response_len)
+        last = max((e.span[1] for e in episodes if e.span is not None), default=t2)
         batch.info["episode_metrics"] |= {
             "episode/start_s": t1 - t0,
+            "episode/close_out_s": t2 - last,  # the last answer to the loop's end
             "episode/finish_s": t3 - t2,
             "episode/assemble_s": time.monotonic() - t3,
         }

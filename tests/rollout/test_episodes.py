@@ -184,7 +184,7 @@ def test_episodes_say_how_many_were_sampling_and_stepping_at_once(tokenizer):
     m = batch.info["episode_metrics"]
     assert m["episode/play_s"] >= 0.6
     # the generate call's parts outside the play: the resets, the end, the batch
-    parts = [m[f"episode/{k}_s"] for k in ("start", "play", "finish", "assemble")]
+    parts = [m[f"episode/{k}_s"] for k in ("start", "play", "close_out", "finish", "assemble")]
     assert all(p > 0 for p in parts) and sum(parts) <= wall, (parts, wall)
     sampling, env = m["episode/sampling_in_flight_mean"], m["episode/env_in_flight_mean"]
     assert sampling + env <= 4 + 1e-6

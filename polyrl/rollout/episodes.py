@@ -138,9 +138,11 @@ class EpisodeRunner:
             e.messages = list(r.get("messages") or [dict(m) for m in e.row["prompt"]])
             e.tools = r.get("tools")
             if last is not None and (e.messages, e.tools) == (last.messages, last.tools):
-                e.prompt_ids = last.prompt_ids  # a row's samples: one rendering (never mutated)
+                # a row's samples: one rendering (the ids are never mutated)
+                e.prompt_ids, e.rendered = last.prompt_ids, last.rendered
             else:
-                e.prompt_ids = self.chat.prompt(e.messages, e.tools)
+                e.rendered = self.chat.render(e.messages, e.tools, True)
+                e.prompt_ids = self.chat.encode(e.rendered)  # (ChatTokens.prompt)
             last = e
             if "error" in r:
                 e.end(r["error"], r["detail"])
@@ -247,13 +249,16 @@ class EpisodeRunner:
             return e.end("max_turns")
         sampled = e.ids[len(e.ids) - e.turns[-1]["tokens"] :]
         try:
-            obs = self.chat.observation(e.messages, out["observation"], e.tools, sampled)
+            obs, rendered = self.chat.observation(
+                e.messages, out["observation"], e.tools, sampled, e.rendered
+            )
         except TemplateError as err:
             return e.end("template_error", str(err))
         if e.length + len(obs) >= self.config.max_episode_tokens:
             return e.end("max_tokens", f"an observation of {len(obs)} tokens does not fit")
         e.append("observation", turn, obs, np.zeros(len(obs)), -1)
         e.messages.extend(out["observation"])
+        e.rendered = rendered
         e.turns[-1]["observation"] = out["observation"]
         e.turns[-1]["observation_tokens"] = len(obs)
 

@@ -337,7 +337,7 @@ class AgentEndpoint:
         if s.history is not None and normal[: len(s.history)] == s.history and tools == s.tools:
             new = view[len(s.history) :]
             try:
-                obs = self.chat.observation(s.view, new, tools, s.last_sampled)
+                obs, _ = self.chat.observation(s.view, new, tools, s.last_sampled)
             except TemplateError as err:
                 e.end("template_error", str(err))
                 raise RequestError(f"the chat template cannot extend the episode: {err}") from None

@@ -64,10 +64,15 @@ class ChatTokens:
         new: Sequence[Mapping],
         tools: Any,
         sampled: Sequence[int],
-    ) -> list[int]:
+        before: str | None = None,
+    ) -> tuple[list[int], str]:
         """The ids to append after the model's last turn (``messages[-1]``, sampled as
-        ``sampled``) for the ``new`` messages, up to the next generation prompt."""
-        before = self.render(messages[:-1], tools, True)
+        ``sampled``) for the ``new`` messages, up to the next generation prompt, and the
+        template's text of the conversation with them and that prompt: the next
+        observation's ``before``, the rendering of ``messages[:-1]`` with the generation
+        prompt (rendered here when not given: an episode keeps it from its last request)."""
+        if before is None:
+            before = self.render(messages[:-1], tools, True)
         closed = self.render(messages, tools, False)
         content = str(messages[-1]["content"])
         if not closed.startswith(before + content):
@@ -84,7 +89,7 @@ class ChatTokens:
                 "the template renders the conversation differently once messages are "
                 "appended (it rewrites earlier turns)"
             )
-        return self.encode(tail + full[len(closed) :])
+        return self.encode(tail + full[len(closed) :]), full
 
 
 @dataclasses.dataclass
@@ -108,6 +113,9 @@ class Episode:
     finish: str | None = None
     detail: str = ""
     drift: dict[str, Any] | None = None
+    # the template's text of prompt_ids + ids with the generation prompt: what the next
+    # observation extends (ChatTokens.observation's ``before``)
+    rendered: str | None = None
     # the response decoded with its special tokens, set with the drift check when the
     # episode is closed out (EpisodeRunner.close_out)
     text: str | None = None

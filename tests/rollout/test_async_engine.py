@@ -132,7 +132,7 @@ def test_episodes_run_their_own_turns_on_exact_ids(pool, tokenizer):
             pos += len(sampled)
             messages.append({"role": "assistant", "content": turn["text"]})
             if k < 2:
-                obs = chat.observation(messages, turn["observation"], None, sampled)
+                obs, _ = chat.observation(messages, turn["observation"], None, sampled)
                 assert response[pos : pos + len(obs)] == obs
                 pos += len(obs)
                 messages += turn["observation"]

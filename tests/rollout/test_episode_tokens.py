@@ -135,6 +135,24 @@ def test_trajectory_is_exactly_the_sampled_ids_plus_template_observations(tokeni
     assert sum(m[f"episode/finish/{r}"] for r in ("done", "max_turns", "max_tokens")) == 1.0
 
 
+def test_an_observation_renders_the_conversation_twice(tokenizer):
+    """Each observation renders the conversation closed after the model's turn and with
+    the new messages; the rendering it extends is the episode's last request's (its
+    prompt's, or the last observation's), not rendered again; a row's samples render
+    their prompt once; the drift check renders each episode once. The ids stay exact
+    (test_trajectory_is_exactly_the_sampled_ids_plus_template_observations)."""
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    calls = []
+    render = tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda *a, **k: calls.append(1) or render(*a, **k)
+    config = EpisodeConfig(max_turns=5, max_episode_tokens=200, env_workers=0)
+    runner = _runner(tokenizer, config, TextPolicy(tokenizer, cut=0.3))
+    batch = runner.generate(_prompts("test/chatter", 10), SamplingSpec(n=4, max_tokens=4))
+    observations = sum("observation" in t for turns in batch["turns"] for t in turns)
+    assert observations > 10
+    assert len(calls) == 10 + 2 * observations + len(batch)
+
+
 def test_cut_turn_gets_the_end_of_turn_from_the_template(tokenizer):
     """A turn cut at max_tokens has no <|im_end|>: the observation starts with it (masked),
     and for a turn that ended itself, the observation starts at the next message."""
@@ -146,8 +164,8 @@ def test_cut_turn_gets_the_end_of_turn_from_the_template(tokenizer):
     new = [{"role": "user", "content": "+"}]
     ids = chat.encode("12")
     next_msg = chat.encode("<|im_start|>user:+<|im_end|> <|im_start|>assistant:")
-    assert chat.observation(msgs, new, None, ids + [eos]) == space + next_msg
-    assert chat.observation(msgs, new, None, ids) == [eos] + space + next_msg
+    assert chat.observation(msgs, new, None, ids + [eos])[0] == space + next_msg
+    assert chat.observation(msgs, new, None, ids)[0] == [eos] + space + next_msg
 
 
 def test_first_drift_names_turn_and_kind():

@@ -123,7 +123,7 @@ def test_guess_episodes_on_real_servers(pool, tokenizer):
             pos += turn["tokens"]
             messages.append({"role": "assistant", "content": turn["text"]})
             if "observation" in turn:
-                obs = chat.observation(messages, turn["observation"], None, sampled)
+                obs, _ = chat.observation(messages, turn["observation"], None, sampled)
                 assert response[pos : pos + len(obs)] == obs
                 assert not mask[row, pos : pos + len(obs)].any()
                 pos += len(obs)

@@ -100,7 +100,11 @@ def test_reference_log_probs_do_not_move_with_the_actor(ray_session, tmp_path, c
         ref_before = trainer.reference.forward(probe)["log_probs"]
         actor_before = trainer.actor.forward(probe)["log_probs"]
         trainer.run()
-        np.testing.assert_array_equal(trainer.reference.forward(probe)["log_probs"], ref_before)
+        # not bitwise: two CPU forwards of one batch in one worker differed by 1.4e-6 in
+        # 10 of 512 log-probs in one fresh-clone run; a reference moving with the actor
+        # moves as it does (> 1e-3, below)
+        after = trainer.reference.forward(probe)["log_probs"]
+        np.testing.assert_allclose(after, ref_before, rtol=0, atol=1e-5)
         moved = np.abs(trainer.actor.forward(probe)["log_probs"] - actor_before).max()
         assert moved > 1e-3, "the actor did not change, so the check above proves nothing"
         assert "log-probs moved" not in capsys.readouterr().out

@@ -141,8 +141,7 @@ class EpisodeRunner:
                 # a row's samples: one rendering (the ids are never mutated)
                 e.prompt_ids, e.rendered = last.prompt_ids, last.rendered
             else:
-                e.rendered = self.chat.render(e.messages, e.tools, True)
-                e.prompt_ids = self.chat.encode(e.rendered)  # (ChatTokens.prompt)
+                e.prompt_ids, e.rendered = self.chat.prompt_and_text(e.messages, e.tools)
             last = e
             if "error" in r:
                 e.end(r["error"], r["detail"])

@@ -337,7 +337,9 @@ class AgentEndpoint:
         if s.history is not None and normal[: len(s.history)] == s.history and tools == s.tools:
             new = view[len(s.history) :]
             try:
-                obs, _ = self.chat.observation(s.view, new, tools, s.last_sampled)
+                obs, rendered = self.chat.observation(
+                    s.view, new, tools, s.last_sampled, e.rendered
+                )
             except TemplateError as err:
                 e.end("template_error", str(err))
                 raise RequestError(f"the chat template cannot extend the episode: {err}") from None
@@ -349,7 +351,7 @@ class AgentEndpoint:
             e.append("observation", len(e.turns) - 1, obs, np.zeros(len(obs)), -1)
             e.turns[-1]["observation"] = [dict(m) for m in new]
             e.turns[-1]["observation_tokens"] = len(obs)
-            s.view = view
+            s.view, e.rendered = view, rendered
             return e.prompt_ids + e.ids
         if s.history is not None:  # the agent rewrote its history: a new trajectory
             e.info["history_rewrites"] = e.info.get("history_rewrites", 0.0) + 1
@@ -357,7 +359,7 @@ class AgentEndpoint:
                 e.info[f"rewrite/{what}"] = 1.0
             e.prompt_ids, e.ids, e.sampled, e.log_probs, e.versions = [], [], [], [], []
             e.rewards, e.turns, e.segments = [], [], []
-        e.prompt_ids = self.chat.prompt(view, tools)
+        e.prompt_ids, e.rendered = self.chat.prompt_and_text(view, tools)
         e.messages, e.tools, s.tools, s.view = view, tools, tools, view
         return list(e.prompt_ids)
 
@@ -577,6 +579,7 @@ def run_agents(endpoint: AgentEndpoint, episodes: Sequence[Episode]) -> None:
             *(_play(endpoint, e, f"e{e.key}", get_agent(e.row["data_source"])) for e in episodes)
         )
 
-    for e in episodes:  # the prompt of an episode whose agent never calls the model
-        e.prompt_ids = endpoint.chat.prompt(e.row["prompt"])
     asyncio.run_coroutine_threadsafe(play_all(), endpoint.loop).result()
+    for e in episodes:  # the prompt of an episode whose agent never called the model
+        if not e.prompt_ids:
+            e.prompt_ids = endpoint.chat.prompt(e.row["prompt"])

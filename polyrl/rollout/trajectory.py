@@ -56,7 +56,15 @@ class ChatTokens:
     def prompt(self, messages: Sequence[Mapping], tools: Any = None) -> list[int]:
         """The first prompt: the template with the generation prompt (as
         ``polyrl.data.prompts.encode_prompt`` when there are no tools)."""
-        return self.encode(self.render(messages, tools, True))
+        return self.prompt_and_text(messages, tools)[0]
+
+    def prompt_and_text(
+        self, messages: Sequence[Mapping], tools: Any = None
+    ) -> tuple[list[int], str]:
+        """:meth:`prompt`'s ids and the template's text they encode (what an episode's
+        first observation extends: :attr:`Episode.rendered`)."""
+        text = self.render(messages, tools, True)
+        return self.encode(text), text
 
     def observation(
         self,

@@ -88,6 +88,38 @@ def test_endpoint_serves_the_openai_client(pool, tokenizer):
         endpoint.close()
 
 
+def test_a_call_that_extends_the_episode_renders_the_conversation_twice(
+    pool, tokenizer, monkeypatch
+):
+    """An episode's first call renders its messages once; each later call that extends
+    it renders the conversation closed after the last reply and with the new messages,
+    extending the last call's rendering kept on the episode (three renders a call
+    before: the last call's messages were rendered again)."""
+    renders = []
+    render = tokenizer.apply_chat_template
+    monkeypatch.setattr(
+        tokenizer, "apply_chat_template", lambda *a, **k: renders.append(1) or render(*a, **k)
+    )
+    endpoint = AgentEndpoint(pool, tokenizer, EpisodeConfig(max_episode_tokens=96))
+    try:
+        client = openai.OpenAI(base_url=endpoint.base_url("ep"), api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "secret"}]
+        for k in range(3):
+            reply = client.chat.completions.create(
+                model="polyrl", messages=messages, max_tokens=4, seed=k
+            )
+            messages += [reply.choices[0].message, {"role": "user", "content": "+" * (k + 1)}]
+        calls = endpoint.calls("ep")
+    finally:
+        endpoint.close()
+    assert len(calls) == 3
+    # the calls extend each other: one trajectory, each prompt the last one's + reply + more
+    for a, b in zip(calls, calls[1:]):
+        assert b["prompt_ids"][: len(a["prompt_ids"])] == a["prompt_ids"]
+        assert b["prompt_ids"][len(a["prompt_ids"]) :][: len(a["token_ids"])] == a["token_ids"]
+    assert len(renders) == 1 + 2 * 2
+
+
 def test_an_agents_calls_do_not_wait_for_another_agents_call(pool, tokenizer):
     """On the asynchronous engine each call is its own request: agent B makes two
     one-token calls, one after the other, while agent A's single call samples 96 tokens

@@ -289,13 +289,16 @@ class RLTrainer(Loop):
         ``max_tokens`` long, as :meth:`collect` pads them), then zeros for the rewards,
         the scores and the advantages, so each call sees the columns and shapes it will
         (a jitted program depends on both); the single-turn stream's batches have them
-        at the same width, and each token's weight version. Multi-turn episodes assemble
-        their batches otherwise: none for them."""
-        if self.cfg.episodes is not None:
-            return {}
+        at the same width, and each token's weight version. Multi-turn episodes: their
+        batch's columns, ``max_episode_tokens`` wide (``polyrl.rollout.episodes.placeholder``)."""
         sampling = self.sampling_for(0)
         prompts = self.prompts.batch(0, self.cfg.prompts_per_step)
-        batch = self.pool.placeholder(prompts, sampling, sampling.max_tokens)
+        if self.cfg.episodes is not None:
+            from polyrl.rollout import episodes
+
+            batch = episodes.placeholder(prompts, sampling, self.cfg.episodes, self.tokenizer)
+        else:
+            batch = self.pool.placeholder(prompts, sampling, sampling.max_tokens)
         if self.cfg.streaming:  # (polyrl.loop.streaming.Stream._assemble)
             versions = np.full(batch["responses"].shape, -1, np.int32)
             batch = batch.with_columns({"rollout_token_versions": versions})

@@ -295,50 +295,9 @@ class EpisodeRunner:
         responses ``width`` tokens wide (default ``max_episode_tokens``)."""
         _check_sampled(episodes, self.config)
         width = self.config.max_episode_tokens if width is None else width
-        seq = from_token_lists(
-            [e.prompt_ids for e in episodes],
-            [e.ids for e in episodes],
-            self.pool.pad_token_id,
-            response_len=max(width, max(len(e.ids) for e in episodes)),
-        )
-        shape = seq["responses"].shape
-        mask = np.zeros(shape, np.float32)
-        log_probs = np.zeros(shape, np.float32)
-        versions = np.full(shape, -1, np.int32)
-        rewards = np.zeros(shape, np.float32)
-        for row, e in enumerate(episodes):
-            n = len(e.ids)
-            mask[row, :n] = e.sampled
-            log_probs[row, :n] = e.log_probs
-            versions[row, :n] = e.versions
-            for pos, r in e.rewards:
-                rewards[row, pos] += r
-        sampled = mask > 0
-        versions[~sampled] = -1  # observation tokens
-        oldest = np.where(sampled, versions, np.iinfo(np.int32).max).min(-1)
-        tensors = {
-            **seq.tensors,
-            "response_mask": mask,
-            "rollout_log_probs": log_probs,
-            "rollout_token_versions": versions,
-            "token_rewards": rewards,
-            "scores": rewards.sum(-1),
-            "response_lengths": np.array([len(e.ids) for e in episodes], np.int32),
-            "prompt_lengths": np.array([len(e.prompt_ids) for e in episodes], np.int32),
-            "rollout_weight_version": np.where(sampled.any(-1), oldest, self.pool.version).astype(
-                np.int64
-            ),
-            "num_turns": np.array([len(e.turns) for e in episodes], np.int32),
-        }
-        meta = {
-            PROMPT_KEY: [e.prompt_ids for e in episodes],
-            "finish_reason": [e.finish for e in episodes],
-            "turns": [e.turns for e in episodes],
-            "drift": [e.drift for e in episodes],
-            "response_text": [e.text for e in episodes],
-        }
+        batch = episode_columns(rep, episodes, width, self.pool.pad_token_id, self.pool.version)
         info = self.pool.sample_info(spec, []) | {"episode_metrics": self.metrics(episodes)}
-        return rep.with_columns(tensors, meta, **info)
+        return batch.with_columns(**info)
 
     def metrics(self, episodes: list[Episode]) -> dict[str, float]:
         """The ``episode/...`` metrics of a batch (docs/agents.md "Metrics")."""
@@ -395,6 +354,81 @@ def in_flight(episodes: list[Episode]) -> dict[str, float]:
         busy = sum(e.seconds.get(what, 0.0) for e in episodes)
         out[f"episode/{what}_in_flight_mean"] = busy / play if play > 0 else 0.0
     return out
+
+
+def episode_columns(
+    rep: Batch, episodes: list[Episode], width: int, pad_token_id: int, version: int
+) -> Batch:
+    """``rep`` (one row per episode) with the episodes' sequence layout
+    (``polyrl.batch``), the responses at least ``width`` tokens wide, and their columns:
+    the sampled tokens' mask, log-probs and weight versions, the rewards on their tokens,
+    lengths, turns; a row's weight version is its oldest sampled token's (``version``
+    for a row with none)."""
+    seq = from_token_lists(
+        [e.prompt_ids for e in episodes],
+        [e.ids for e in episodes],
+        pad_token_id,
+        response_len=max(width, max(len(e.ids) for e in episodes)),
+    )
+    shape = seq["responses"].shape
+    mask = np.zeros(shape, np.float32)
+    log_probs = np.zeros(shape, np.float32)
+    versions = np.full(shape, -1, np.int32)
+    rewards = np.zeros(shape, np.float32)
+    for row, e in enumerate(episodes):
+        n = len(e.ids)
+        mask[row, :n] = e.sampled
+        log_probs[row, :n] = e.log_probs
+        versions[row, :n] = e.versions
+        for pos, r in e.rewards:
+            rewards[row, pos] += r
+    sampled = mask > 0
+    versions[~sampled] = -1  # observation tokens
+    oldest = np.where(sampled, versions, np.iinfo(np.int32).max).min(-1)
+    tensors = {
+        **seq.tensors,
+        "response_mask": mask,
+        "rollout_log_probs": log_probs,
+        "rollout_token_versions": versions,
+        "token_rewards": rewards,
+        "scores": rewards.sum(-1),
+        "response_lengths": np.array([len(e.ids) for e in episodes], np.int32),
+        "prompt_lengths": np.array([len(e.prompt_ids) for e in episodes], np.int32),
+        "rollout_weight_version": np.where(sampled.any(-1), oldest, version).astype(np.int64),
+        "num_turns": np.array([len(e.turns) for e in episodes], np.int32),
+    }
+    meta = {
+        PROMPT_KEY: [e.prompt_ids for e in episodes],
+        "finish_reason": [e.finish for e in episodes],
+        "turns": [e.turns for e in episodes],
+        "drift": [e.drift for e in episodes],
+        "response_text": [e.text for e in episodes],
+    }
+    return rep.with_columns(tensors, meta)
+
+
+def placeholder(prompts: Batch, spec: SamplingSpec, config: EpisodeConfig, tokenizer: Any) -> Batch:
+    """The batch :meth:`EpisodeRunner.generate` returns for ``prompts``, sampling
+    nothing: the trainer's warm-up (``RunConfig.warm_up``) before the servers and envs
+    are up. Each row's prompt is its messages as the chat template renders them (an
+    env's reset that adds messages or tools makes the real prompts longer: a real batch
+    in another padded prompt width compiles its programs in step 1); each episode one
+    turn of ``spec.max_tokens`` sampled tokens of id 0 (as many as fit), but unless
+    ``spec.ignore_eos`` the first of each prompt's is one token long (rows with and
+    without padding, as real episodes of different lengths), in the columns
+    ``max_episode_tokens`` wide."""
+    chat, episodes, n = ChatTokens(tokenizer), [], spec.n
+    for i, messages in enumerate(prompts["prompt"]):
+        prompt = chat.prompt(messages)
+        room = max(config.max_episode_tokens - len(prompt), 0)
+        for j in range(n):
+            e = Episode(i * n + j, -1, {}, prompt_ids=prompt)
+            k = min(1 if j == 0 and not spec.ignore_eos else spec.max_tokens, room)
+            e.append("sampled", 0, [0] * k, [0.0] * k, -1)
+            e.turns.append({"text": "", "tokens": k, "finish_reason": "length"})
+            e.end("max_turns")
+            episodes.append(e)
+    return episode_columns(prompts.repeat(n), episodes, config.max_episode_tokens, 0, -1)
 
 
 def _check_sampled(episodes: list[Episode], config: EpisodeConfig) -> None:

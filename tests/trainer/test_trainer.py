@@ -247,8 +247,10 @@ STREAM_WARM = ("polyrl.RunConfig.streaming = True", "polyrl.RunConfig.max_stalen
         pytest.param("gin/experiments/tiny_grpo.gin", (), marks=pytest.mark.slow),
         pytest.param("gin/experiments/tiny_grpo_jax.gin", STREAM_WARM, marks=pytest.mark.slow),
         pytest.param("gin/experiments/tiny_grpo.gin", STREAM_WARM, marks=pytest.mark.slow),
+        ("gin/experiments/tiny_multiturn_jax.gin", ()),
+        pytest.param("gin/experiments/tiny_multiturn.gin", (), marks=pytest.mark.slow),
     ],
-    ids=["jax", "torch", "jax-stream", "torch-stream"],
+    ids=["jax", "torch", "jax-stream", "torch-stream", "jax-multiturn", "torch-multiturn"],
 )
 def test_the_warm_up_leaves_step_1_nothing_to_compile(ray_session, tmp_path, capsys, gin, extra):
     """RunConfig.warm_up: while vLLM starts, each role compiles step 1's programs on a

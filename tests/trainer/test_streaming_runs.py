@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from run_checks import KEYS, assert_same_steps
 
 from polyrl import faults
 from polyrl.configure.launch import train
@@ -89,12 +90,12 @@ def test_pushes_in_flight_continue_the_round_in_place(ray_session, tmp_path, mon
 def test_staleness_0_streaming_equals_the_synchronous_loop(ray_session, tmp_path):
     """max_staleness 0 on the stream: data batch k's groups, seeded and split over the
     servers as the synchronous loop's, sampled by version k: every metric of 4 steps is
-    the synchronous run's, bit for bit (same machine, same kernels)."""
+    the synchronous run's (to float rounding, as two runs of one seed: bit for bit on
+    most runs)."""
     sync = _run(tmp_path / "sync")
     stream = _run(tmp_path / "stream", *STREAM)
-    for a, b in zip(sync, stream, strict=True):
-        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/entropy"):
-            assert a[key] == b[key], (a["step"], key)
+    assert_same_steps(stream, sync, (*KEYS[:3], "actor/entropy"))
+    for b in stream:
         assert b["rollout/staleness_max"] == 0 and b["async/buffer_groups"] == 0
 
 

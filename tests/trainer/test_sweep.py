@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_checks import assert_same_steps
 
 from polyrl.loop.metrics import read_jsonl
 
@@ -160,8 +161,11 @@ def test_interrupted_sweep_resumes_and_finishes_every_trial(tmp_path):
 
 
 def _rollouts(run: Path, steps: range) -> dict[int, list[tuple[int, str]]]:
-    """Step -> its logged (data row, response) pairs, for ``steps``."""
+    """Step -> its logged (data row, response) pairs, for ``steps``; none where the run
+    has no dump yet (a trial killed before its first step: its metrics.jsonl is there, empty)."""
     out: dict[int, list[tuple[int, str]]] = {}
+    if not (run / "rollouts.jsonl").exists():
+        return out
     for line in (run / "rollouts.jsonl").open():
         r = json.loads(line)
         if r["step"] in steps:
@@ -232,11 +236,9 @@ def test_killed_sweep_resumes_each_trial_where_it_stopped(tmp_path, backend):
         run = root / r["trial"]
         after = read_jsonl(run / "metrics.jsonl")
         assert [m["step"] for m in after] == list(range(1, 11)), r["trial"]
-        for old in before.get(r["trial"], [])[4:]:  # steps 5.. of the killed process
-            new = after[old["step"] - 1]
-            for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss"):
-                assert new[key] == pytest.approx(old[key], rel=1e-6, abs=1e-7), (old, key)
-            compared += 1
+        taken_again = before.get(r["trial"], [])[4:]  # steps 5.. of the killed process
+        assert_same_steps([after[old["step"] - 1] for old in taken_again], taken_again)
+        compared += len(taken_again)
         samples = _rollouts(run, range(1, 11))
         for step, pairs in logged.get(r["trial"], {}).items():
             if step <= len(before[r["trial"]]):  # dumped and logged before the kill

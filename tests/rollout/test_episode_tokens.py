@@ -17,7 +17,7 @@ from episode_policy import ALPHABET, TextPolicy
 from polyrl.batch import Batch
 from polyrl.envs import Env, EpisodeConfig, StepResult, register_env
 from polyrl.envs.workers import EnvPool
-from polyrl.rollout.episodes import ChatTokens, EpisodeRunner, first_drift
+from polyrl.rollout.episodes import ChatTokens, EpisodeRunner, first_drift, placeholder
 from polyrl.rollout.sampling import SamplingSpec
 
 # Qwen's layout with a space after <|im_end|> where Qwen has a newline (the tiny
@@ -151,6 +151,24 @@ def test_an_observation_renders_the_conversation_twice(tokenizer):
     observations = sum("observation" in t for turns in batch["turns"] for t in turns)
     assert observations > 10
     assert len(calls) == 10 + 2 * observations + len(batch)
+
+
+def test_the_warm_up_placeholder_has_a_real_batchs_columns(tokenizer):
+    """The multi-turn warm-up's placeholder (RunConfig.warm_up) carries every column of
+    the batch the episodes give for the same prompts, in the same dtypes and shapes
+    (an env that keeps the row's prompt: the same prompt width), with responses of
+    different lengths (rows with and without padding), so step 1 compiles nothing
+    (end to end: tests/trainer/test_trainer.py, the multi-turn warm-up cases)."""
+    config = EpisodeConfig(max_turns=3, max_episode_tokens=40, env_workers=0)
+    spec = SamplingSpec(n=4, max_tokens=4)
+    prompts = _prompts("test/chatter", 6)
+    real = _runner(tokenizer, config).generate(prompts, spec)
+    fake = placeholder(prompts, spec, config, tokenizer)
+    assert sorted(fake.tensors) == sorted(real.tensors)
+    for name in real.tensors:
+        assert (fake[name].dtype, fake[name].shape) == (real[name].dtype, real[name].shape), name
+    assert sorted(fake.meta) == sorted(real.meta)
+    assert set(fake["response_lengths"]) == {1, spec.max_tokens}
 
 
 def test_cut_turn_gets_the_end_of_turn_from_the_template(tokenizer):

@@ -25,7 +25,7 @@ def assert_same_steps(
     """``found``'s metrics rows equal ``want``'s, row by row (the same steps), on ``keys``
     (None: every metric that is not timed, and the same ones in both) within ``rel`` or
     ``abs``. Same seeds, data and weights on fp32 CPU kernels give the same numbers up
-    to the reduction-order noise of another process (README.md's quick start: not
+    to the reduction-order noise of another process (README.md's Quickstart: not
     always bitwise); a run that diverged (other data, weights or seeds) differs by far
     more."""
     assert [r["step"] for r in found] == [r["step"] for r in want]

@@ -263,6 +263,9 @@ class SimRunner:
     def finish(self, episodes: list[SimEpisode]) -> None:
         pass
 
+    async def ended(self, e: SimEpisode) -> None:
+        """Nothing to close out (no texts, no drift check)."""
+
     def assemble(self, rep: Batch, episodes: list[SimEpisode], spec: SamplingSpec) -> Batch:
         width = max(len(e.versions) for e in episodes)
         versions = np.full((len(episodes), width), -1, np.int32)

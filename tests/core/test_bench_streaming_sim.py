@@ -20,7 +20,7 @@ FAST = ["--steps", "3", "--skip", "1", "--batch", "64", "--ms_per_s", "1", "--st
 
 # (more flags, the max_staleness values, the --stream chunk sizes)
 CASES = {
-    "single-turn": ([], [0, 1, 2], [0, 32]),
+    "single-turn": (["--no_snapshot"], [0, 1, 2], [0, 32]),
     "multi-turn": (["--turns", "3", "--env_s", "0.5", "--median_len", "60"], [0, 2], [0]),
 }
 

@@ -653,18 +653,6 @@ class RunConfig:
     # Former fields -> the bindings that replace them (polyrl.configure.bindings names them).
     moved: ClassVar = staticmethod(_moved)
 
-    def __post_init__(self) -> None:
-        # RolloutConfig.engine = "auto": on GPUs the asynchronous engine only where the run
-        # needs requests in flight beside others (episodes, the stream, a Tinker service's
-        # clients), since a single-turn batch samples faster on LLM.generate; on CPU the
-        # asynchronous one, whose engine core has its own process (docs/rollout.md "Engines")
-        if self.rollout is not None and hasattr(self.rollout, "for_run"):
-            r = self.rollout
-            on_cpu = not float(self.pools.get(r.pool, {}).get("GPU", 0) or 0)
-            concurrent = self.episodes is not None or self.streaming or self.tinker is not None
-            needs = concurrent or r.continue_in_place or on_cpu
-            object.__setattr__(self, "rollout", r.for_run(needs))
-
     def role_config(self, role: str) -> RoleConfig:
         """``role``'s own settings (its RunConfig field, ``polyrl.role_table``): a
         RoleConfig, the rollout's RolloutConfig; the shadow's, unless bound, are the

@@ -249,9 +249,9 @@ for s in $sections; do
     # gin/experiments/gsm8k_tool.gin (episodes with the Python tool) against the single-turn
     # gsm8k_grpo.gin step on the same synthetic GSM8K-format rows and a random 0.5B shape
     # with 4096 positions: step time, generate time, rollout tokens/s, the episode metrics
-    # (gsm8k_tool.py). GSM8K_ONLY: its --only, the runs (single: gsm8k_grpo.gin as users
-    # get it, vLLM's synchronous engine; single_async: on the multi-turn runs' asynchronous
-    # engine; tool: the multi-turn run, every turn a sandbox run; tool_nosandbox: the same
+    # (gsm8k_tool.py). GSM8K_ONLY: its --only, the runs (single: gsm8k_grpo.gin on vLLM's
+    # synchronous engine, bound; single_async: as users get it, the asynchronous engine
+    # every run takes; tool: the multi-turn run, every turn a sandbox run; tool_nosandbox: the same
     # turns and observations, no sandbox), default all four. A run takes ~2-2.5 minutes
     # (start-up ~75 s + 3 steps): the four do not fit one device call of 600 s; run
     # GSM8K_ONLY=single_async,tool (the multi-turn / single-turn ratio, same engine), then

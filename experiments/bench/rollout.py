@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         "--engine",
         choices=("sync", "async"),
         default="sync",
-        help="RolloutConfig.engine of the servers (sync: what 'auto' picks for a single-turn run on GPUs)",
+        help="RolloutConfig.engine of the servers (runs take async unless they bind sync)",
     )
     p.add_argument("--num-cpus", type=int, default=os.cpu_count())
     p.add_argument("--json", help="write the result here")

@@ -60,8 +60,7 @@ def batch_arithmetic(cfg: RunConfig, spec: Any, dataset_rows: int | None = None)
         kind = "asynchronous" if r.asynchronous else "synchronous"
         lines.append(
             f"rollout: {r.num_servers} server(s) x tensor_parallel {r.tensor_parallel_size}, "
-            f"vLLM's {kind} engine (RolloutConfig.engine={r.engine!r}; 'auto' takes 'sync' "
-            "for single-turn runs on GPUs, else 'async')"
+            f"vLLM's {kind} engine (RolloutConfig.engine={r.engine!r})"
         )
         lines.append(rollout_limits(r))
         judge = cfg.judge
@@ -820,7 +819,7 @@ def episode_problems(cfg: RunConfig, spec: Any) -> list[str]:
         out.append(
             f"RolloutConfig.engine={cfg.rollout.engine!r}: RunConfig.episodes runs every "
             f"episode's turns in flight together, which needs the asynchronous engine; set "
-            f"RolloutConfig.engine = 'async' or 'auto' (the default)"
+            f"RolloutConfig.engine = 'async' (the default)"
         )
     if ep.max_episode_tokens > cfg.rollout.max_model_len:
         out.append(

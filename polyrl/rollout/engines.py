@@ -17,9 +17,9 @@ many callers at once (``submit``), which is what lets every episode run its own 
   cumulative output instead, so that the engine knows how many tokens each request in
   flight holds when :meth:`AsyncEngine.resume` brings a new weight version: the final
   output then carries ``polyrl_token_versions``, the version of each sampled token.
-* :class:`SyncEngine` (``engine="sync"``, and what ``"auto"`` picks for a single-turn
-  run on GPUs): ``vllm.LLM``, one batch at a time, the engine core in the server's
-  process unless ``RolloutConfig.in_process_engine=False``.
+* :class:`SyncEngine` (``engine="sync"``, bound by hand: single-turn runs only):
+  ``vllm.LLM``, one batch at a time, the engine core in the server's process unless
+  ``RolloutConfig.in_process_engine=False``.
 
 Token ids in (``{"prompt_token_ids": [...]}``), token ids and flat log-probs out: neither
 engine tokenizes or detokenizes (``SamplingSpec.vllm_kwargs``).

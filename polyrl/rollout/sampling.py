@@ -36,7 +36,7 @@ from polyrl.role_table import DEFAULT_POOL
 __all__ = ["SamplingSpec", "RolloutConfig", "ENGINES", "OVERLONG_POLICIES", "derive_seed"]
 
 OVERLONG_POLICIES = ("error", "truncate_left", "drop")
-ENGINES = ("auto", "async", "sync")
+ENGINES = ("async", "sync")
 _SEED_MOD = 2**31 - 1
 
 
@@ -157,13 +157,11 @@ class RolloutConfig:
     enable_sleep_mode: let :meth:`RolloutPool.sleep` free GPU memory (GPU only; vLLM
       rejects it on CPU).
     enforce_eager: None -> eager on CPU (starts in ~3 s, not 20-50 s), graphs on GPU.
-    engine: "async" (vLLM's ``AsyncLLM``: whole batches and many episodes' requests in
-      flight at once; its engine core is always a process of its own), "sync"
-      (``vllm.LLM``, one batch per call; single-turn only) or "auto": in a run whose
-      rollout pool has GPUs, "sync" unless the run has episodes, streaming or
-      ``continue_in_place``, which need "async" (a single-turn batch sampled twice as
-      fast on ``LLM.generate`` on an H200); on CPU, and in a pool of its own, "async".
-      ``RunConfig`` resolves it. docs/rollout.md "Engines".
+    engine: "async" (the default, every run's: vLLM's ``AsyncLLM``, whole batches and
+      many episodes' requests in flight at once; its engine core is always a process of
+      its own) or "sync" (``vllm.LLM``, one batch per call; single-turn only), which
+      sampled the GRPO experiment's batches as fast on one H100 at the scheduler limits
+      polyrl sets for both. docs/rollout.md "Engines".
     continue_in_place: a weight push pauses the requests in flight instead of waiting
       for them to end: they keep their KV cache, take the new weights and go on, so
       their later tokens are sampled by the new version (each result's
@@ -213,7 +211,7 @@ class RolloutConfig:
     seed: int = 0
     env: tuple[tuple[str, str], ...] = ()
     pool: str = DEFAULT_POOL
-    engine: str = "auto"
+    engine: str = "async"
     continue_in_place: bool = False
 
     def __post_init__(self) -> None:
@@ -223,7 +221,13 @@ class RolloutConfig:
                 f"RolloutConfig.overlong_prompt={self.overlong_prompt!r} is not one of "
                 f"{list(OVERLONG_POLICIES)}{did_you_mean(self.overlong_prompt, OVERLONG_POLICIES)}"
             )
-        if self.engine not in ENGINES:
+        if self.engine == "auto":  # a choice that went (issue 46): say what replaced it
+            out.append(
+                "RolloutConfig.engine='auto' is gone: every run takes the asynchronous engine, "
+                "which sampled as fast as the synchronous one (docs/rollout.md 'Engines'); "
+                "remove the binding, or bind 'sync' for vllm.LLM"
+            )
+        elif self.engine not in ENGINES:
             out.append(
                 f"RolloutConfig.engine={self.engine!r} is not one of {list(ENGINES)}"
                 f"{did_you_mean(self.engine, ENGINES)}"
@@ -266,16 +270,8 @@ class RolloutConfig:
 
     @property
     def asynchronous(self) -> bool:
-        """The servers run the asynchronous engine ("async", or "auto" left unresolved:
-        a pool outside a run)."""
-        return self.engine != "sync"
-
-    def for_run(self, needs_async: bool) -> RolloutConfig:
-        """``engine="auto"`` resolved for a run: "async" where it ``needs_async``
-        (episodes, streaming, a CPU pool), else "sync"; a chosen engine stays."""
-        if self.engine != "auto":
-            return self
-        return dataclasses.replace(self, engine="async" if needs_async else "sync")
+        """The servers run the asynchronous engine (``engine="async"``)."""
+        return self.engine == "async"
 
     def whole_prefill_problem(self) -> str | None:
         """What is wrong with ``max_num_batched_tokens`` on CPU, where every prefill runs

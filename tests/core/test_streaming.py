@@ -268,7 +268,7 @@ def test_validate_config_checks_streaming():
         match="continue_in_place=True .*engine='sync' cannot .* set RolloutConfig.engine='async'",
     ):
         RolloutConfig(None, engine="sync", continue_in_place=True)
-    RolloutConfig(None, continue_in_place=True)  # "auto": a run with the stream picks async
+    RolloutConfig(None, continue_in_place=True)  # the default engine, "async"
     (p,) = streaming_problems(RunConfig(run_dir="r", streaming=True), remax)
     assert "RunConfig.streaming=True is not supported here: ReMax" in p
     (p,) = streaming_problems(RunConfig(run_dir="r", streaming=True), dpo)
@@ -304,29 +304,29 @@ GPU_POOL = 'polyrl.RunConfig.pools = {"shared": {"CPU": 2, "GPU": 1}}'
 @pytest.mark.parametrize(
     ("gin_file", "params", "engine"),
     [
-        ("gpu_grpo_0p5b.gin", [], "sync"),  # one batch a step on a GPU: LLM.generate
-        ("tiny_grpo.gin", [GPU_POOL], "sync"),
-        ("tiny_grpo.gin", [GPU_POOL, "polyrl.RunConfig.streaming = True"], "async"),
-        ("tiny_grpo.gin", [], "async"),  # CPU: the engine core in a process of its own
-        ("tiny_multiturn.gin", [], "async"),  # episodes' turns in flight together
-        ("tinker_service.gin", [GPU_POOL], "async"),  # clients' sample calls come one by one
-        ("gpu_grpo_0p5b.gin", ["polyrl.RolloutConfig.engine = 'async'"], "async"),  # as bound
+        ("gpu_grpo_0p5b.gin", [], "async"),  # single-turn on a GPU: as fast as LLM.generate
+        ("tiny_grpo.gin", [GPU_POOL], "async"),
+        ("tiny_grpo.gin", [], "async"),
+        ("tiny_multiturn.gin", [], "async"),
+        ("tinker_service.gin", [GPU_POOL], "async"),
+        ("gpu_grpo_0p5b.gin", ["polyrl.RolloutConfig.engine = 'sync'"], "sync"),  # as bound
         ("tiny_multiturn.gin", ["polyrl.RolloutConfig.engine = 'sync'"], "sync"),  # refused later
     ],
 )
-def test_the_default_engine_is_chosen_by_what_the_run_needs(tmp_path, gin_file, params, engine):
-    """RolloutConfig.engine = "auto" (issue 33): single-turn runs on GPUs sample on the
-    synchronous engine, which a batch of the GRPO experiment ran at 7.98 s on one H200
-    where the asynchronous took 16.30 s; runs with requests in flight beside others, and
-    CPU pools, get the asynchronous one; an engine that is bound stays."""
+def test_every_run_takes_the_asynchronous_engine_unless_bound(tmp_path, gin_file, params, engine):
+    """One engine for every run (issue 46): the asynchronous engine sampled the GRPO
+    experiment's batches as fast as the synchronous one at the scheduler limits polyrl
+    sets (one H100, runs interleaved), so the run-dependent "auto" went; "sync" stays
+    for a run that binds it, and "auto" is refused with what replaced it."""
     from polyrl.configure.launch import parse_config
 
     cfg, _ = parse_config(
         [f"gin/experiments/{gin_file}"], [f"polyrl.RunConfig.run_dir = {str(tmp_path)!r}", *params]
     )
     assert cfg.rollout.engine == engine
-    bare = RolloutConfig(None)  # a pool outside a run can do everything
-    assert bare.engine == "auto" and bare.asynchronous
+    assert cfg.rollout.asynchronous == (engine == "async")
+    with pytest.raises(ValueError, match=r"RolloutConfig.engine='auto' is gone: .* bind 'sync'"):
+        RolloutConfig(None, engine="auto")
 
 
 def test_hand_offs_wait_on_events_never_on_a_timer():

@@ -243,8 +243,12 @@ CASES = [
      "RunConfig.algorithm (ReMax's greedy baseline) is not supported with RunConfig.episodes"),
     ("episodes-on-the-sync-engine", MULTITURN, ["polyrl.RolloutConfig.engine = 'sync'"],
      "RolloutConfig.engine='sync': RunConfig.episodes runs every episode's turns in flight "
-     "together, which needs the asynchronous engine; set RolloutConfig.engine = 'async' or "
-     "'auto' (the default)"),
+     "together, which needs the asynchronous engine; set RolloutConfig.engine = 'async' (the "
+     "default)"),
+    ("engine-auto-went", GRPO, ["polyrl.RolloutConfig.engine = 'auto'"],
+     "RolloutConfig.engine='auto' is gone: every run takes the asynchronous engine, which "
+     "sampled as fast as the synchronous one (docs/rollout.md 'Engines'); remove the binding, "
+     "or bind 'sync' for vllm.LLM"),
     ("max-turns-zero", MULTITURN, ["polyrl.EpisodeConfig.max_turns = 0"],
      "EpisodeConfig.max_turns=0 must be >= 1"),
 ]  # fmt: skip
@@ -383,10 +387,9 @@ FIXES = [
      "WARNING RunConfig.train_files: {data}/long.parquet: 32 of 32 prompts are over the prompt "
      "limit (32 tokens) and will be dropped"),
     ("multi-turn", MULTITURN, [], "roles: actor, rollout, reference"),
-    ("CPU: its engine", GRPO, [],
+    ("the engine", GRPO, [],
      "rollout: 1 server(s) x tensor_parallel 1, vLLM's asynchronous engine "
-     "(RolloutConfig.engine='async'; 'auto' takes 'sync' for single-turn runs on GPUs, else "
-     "'async')"),
+     "(RolloutConfig.engine='async')\n"),
     ("rollout limits", GRPO, [],
      "rollout limits: max_num_seqs as vllm.LLM, max_num_batched_tokens as vllm.LLM, the same "
      "for both engines"),
@@ -394,7 +397,7 @@ FIXES = [
      "rollout limits: max_num_seqs 512, max_num_batched_tokens as vllm.LLM,"),
     ("synchronous engine, bound", GRPO, ["polyrl.RolloutConfig.engine = 'sync'"],
      "rollout: 1 server(s) x tensor_parallel 1, vLLM's synchronous engine "
-     "(RolloutConfig.engine='sync';"),
+     "(RolloutConfig.engine='sync')\n"),
     ("datasets: preference file for DPO", DPO,
      ["polyrl.RunConfig.train_files = ['{data}/pairs.parquet']"],
      "data: total_steps 20 x prompts_per_step 32 = 640 prompts over 64 rows = 10.00 passes"),

@@ -121,7 +121,7 @@ class Rollouts(Producer):
     :meth:`sync` pushes new weights between two generations (:class:`Producer`). Batches
     beyond ``total_steps`` are never generated."""
 
-    STATS = ("generate_s", "generated", "gen_idle_s", "wait_s", "pushed_ahead")
+    STATS = ("generate_s", "generated", "gen_idle_s", "wait_s", "pushed_ahead", "push_ahead_s")
     push_first = False  # batch k + 1 under version k - N + 1 starts before the push
     thread_name = "polyrl-rollout-ahead"
 

@@ -531,9 +531,16 @@ def phase_summary(rows: list[dict[str, Any]], compute_phases: tuple[str, ...]) -
     ahead = sum(r.get("async/generate_s", 0.0) for r in rows)
     if ahead:  # RunConfig.max_staleness: "generate" above is only the time waited for it
         hidden = ahead - sum(r.get("async/wait_s", 0.0) for r in rows)
+        pushed = sum(r.get("async/push_ahead_s", 0.0) for r in rows)
+        copies = int(sum(r.get("async/pushed_ahead", 0.0) for r in rows))
         lines.append(
             f"  generation ahead (async): {ahead:.2f} s, {hidden:.2f} s of it "
             f"({100 * hidden / ahead:.1f}%) overlapped with training"
+            + (
+                f"; {copies} weight copies pushed by the generator, {pushed:.2f} s"
+                if copies
+                else ""
+            )
         )
     return "\n".join(lines)
 

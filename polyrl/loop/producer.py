@@ -50,9 +50,12 @@ class Producer(abc.ABC):
     ``async/`` metrics (since the last :meth:`sync`): ``generate_s`` (the units' wall
     time), the units run (``STATS[1]``), ``gen_idle_s`` (the generator waited for the
     bound or a push), ``wait_s`` (the trainer waited for generation: for its batch or to
-    push), ``pushed_ahead`` (copies the generator pushed), and the subclass's own."""
+    push), ``pushed_ahead`` and ``push_ahead_s`` (copies the generator pushed, and the
+    seconds it spent pushing them), and the subclass's own."""
 
-    STATS: tuple[str, ...] = ("generate_s", "units", "gen_idle_s", "wait_s", "pushed_ahead")
+    STATS: tuple[str, ...] = (
+        *("generate_s", "units", "gen_idle_s", "wait_s", "pushed_ahead", "push_ahead_s"),
+    )
     push_first = True  # a waiting push goes before new work
     thread_name = "polyrl-producer"
 
@@ -75,7 +78,8 @@ class Producer(abc.ABC):
         self._stop = False
         self._snapshot: tuple[Push, int] | None = None  # a copy for the generator to push
         self._stats = dict.fromkeys(self.STATS, 0.0)
-        self._spans: list[tuple[float, float, int | None]] = []  # (start, s, step) per unit
+        # (name, start, s, step) per unit ("generate_ahead") and pushed copy ("push_ahead")
+        self._spans: list[tuple[str, float, float, int | None]] = []
 
     # ------------------------------------------------------------ what a subclass says
     @property
@@ -210,15 +214,16 @@ class Producer(abc.ABC):
 
     def _report(self) -> dict[str, float]:
         """The ``async/`` metrics since the last call; the units as ``generate_ahead``
-        spans to ``on_span`` (the timeline; a span without a step is labelled with the
-        step the servers' weights train next), from the trainer's thread."""
+        spans and the pushed copies as ``push_ahead`` spans to ``on_span`` (the timeline;
+        a unit without a step is labelled with the step the servers' weights train next,
+        a copy with the step whose weights it holds), from the trainer's thread."""
         with self._cond:  # (re-entrant)
             out = {f"async/{k}": v for k, v in self._stats.items()} | self._gauges()
             self._stats = dict.fromkeys(self._stats, 0.0)
             spans, self._spans = self._spans, []
             version = self._version
-        for start, seconds, step in spans if self.on_span else ():
-            self.on_span("generate_ahead", start, seconds, version + 1 if step is None else step)
+        for name, start, seconds, step in spans if self.on_span else ():
+            self.on_span(name, start, seconds, version + 1 if step is None else step)
         return out
 
     def discard(self) -> None:
@@ -247,11 +252,11 @@ class Producer(abc.ABC):
         """Wait until a unit may start (pushing a copy handed to the generator first);
         True with ``_busy`` set, False once the generator stops or is done."""
         with self._cond:
-            t0 = time.perf_counter()
+            t0, pushing = time.perf_counter(), 0.0
             try:
                 while not self._stop and not self._done():
                     if self._snapshot is not None and not self._held():
-                        self._push_copy()
+                        pushing += self._push_copy()
                     elif not self._held() and self._admit():
                         self._busy = True
                         return True
@@ -259,26 +264,32 @@ class Producer(abc.ABC):
                         self._cond.wait()
                 return False
             finally:
-                self._stats["gen_idle_s"] += time.perf_counter() - t0
+                self._stats["gen_idle_s"] += time.perf_counter() - t0 - pushing
 
-    def _push_copy(self) -> None:
-        """(lock held) Push the copy the trainer handed over, as a unit of its own."""
+    def _push_copy(self) -> float:
+        """(lock held) Push the copy the trainer handed over, as a unit of its own (a
+        ``push_ahead`` span); its seconds."""
         (push, version), self._snapshot = self._snapshot, None
         self._busy = True
+        t0 = time.perf_counter()
         try:
             with self._unlocked():
                 push()
         finally:
             self._busy = False
             self._notify()
+        seconds = time.perf_counter() - t0
         self._version = version
+        self._spans.append(("push_ahead", t0, seconds, version))
         self._stats["pushed_ahead"] += 1
+        self._stats["push_ahead_s"] += seconds
+        return seconds
 
     def _finish_unit(self, t0: float, step: int | None = None) -> None:
         """(lock held) A unit that started at ``t0`` ended: timed, counted, a span (of
         ``step``, or the step the servers' weights train next when None)."""
         seconds = time.perf_counter() - t0
-        self._spans.append((t0, seconds, step))
+        self._spans.append(("generate_ahead", t0, seconds, step))
         self._stats["generate_s"] += seconds
         self._stats[self.STATS[1]] += 1
         self._busy = False

@@ -140,7 +140,7 @@ class Stream(Producer):
     """
 
     STATS = (
-        *("generate_s", "rounds", "gen_idle_s", "wait_s", "pushed_ahead"),
+        *("generate_s", "rounds", "gen_idle_s", "wait_s", "pushed_ahead", "push_ahead_s"),
         *("lost_groups", "aborted_stale", "pushed_in_flight"),
     )
     thread_name = "polyrl-stream"

@@ -39,6 +39,7 @@ __all__ = ["PHASE_ROLES", "Timeline", "Traced", "record"]
 PHASE_ROLES = {
     "generate": Role.ROLLOUT,
     "generate_ahead": Role.ROLLOUT,  # RunConfig.max_staleness >= 1: the background generation
+    "push_ahead": Role.ROLLOUT,  # max_staleness >= 2: a host copy of the weights it pushed
     "reward": Role.REWARD,
     "dynamic_sampling": Role.ROLLOUT,
     "reference": Role.REFERENCE,

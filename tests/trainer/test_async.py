@@ -55,26 +55,34 @@ class Servers:
         self.sampled[step] = start
         return _batch(step, start)
 
-    def pusher(self, version: int):
+    def pusher(self, version: int, seconds: float = 0.0):
         def push():
+            time.sleep(seconds)
             self.version = version
-            return {"sync/seconds": 0.0}
+            return {"sync/seconds": seconds}
 
         return push
 
 
 def _run_loop(
-    n: int, steps: int, servers: Servers, train_s=lambda k: 0.0, on_span=None, snapshot=False
+    n: int,
+    steps: int,
+    servers: Servers,
+    train_s=lambda k: 0.0,
+    on_span=None,
+    snapshot=False,
+    copy_push_s=0.0,
 ):
     """The trainer's use of Rollouts: take, train, sync (with ``snapshot``: a busy
-    generator gets a copy to push itself, as RLTrainer at n >= 2); each step's metrics."""
+    generator gets a copy to push itself, taking ``copy_push_s``, as RLTrainer at
+    n >= 2); each step's metrics."""
     rollouts = Rollouts(servers.collect, steps, n, on_span=on_span)
     rows = []
     for step in range(steps):
         batch, metrics = rollouts.take(step)
         assert batch.info["step"] == step
         time.sleep(train_s(step))
-        copy = (lambda v=step + 1: servers.pusher(v)) if snapshot else None
+        copy = (lambda v=step + 1: servers.pusher(v, copy_push_s)) if snapshot else None
         metrics |= rollouts.sync(servers.pusher(step + 1), step + 1, step + 1 == steps, copy)
         rows.append(metrics)
     return rows
@@ -133,9 +141,18 @@ def test_busy_generator_pushes_the_trainers_copy():
     """Generation slow, training instant, n = 2 with copies: the trainer never waits to
     push (every push but the last is a copy the generator pushes between batches), and
     the generator keeps batch j within 2 versions."""
-    servers = Servers(lambda j: 0.02)
-    rows = _run_loop(2, 8, servers, snapshot=True)
-    assert sum(r["async/pushed_ahead"] for r in rows) >= 3
+    servers, spans = Servers(lambda j: 0.02), []
+    rows = _run_loop(
+        2, 8, servers, on_span=lambda *s: spans.append(s), snapshot=True, copy_push_s=0.03
+    )
+    copies = sum(r["async/pushed_ahead"] for r in rows)
+    assert copies >= 3
+    # each copy's push is a span of its own, timed apart from the generator's idle time
+    pushes = [(start, s, step) for name, start, s, step in spans if name == "push_ahead"]
+    assert len(pushes) == copies and all(s >= 0.03 for _, s, _ in pushes)
+    assert sum(r["async/push_ahead_s"] for r in rows) == pytest.approx(sum(s for _, s, _ in pushes))
+    assert sorted(step for *_, step in pushes) == sorted(set(step for *_, step in pushes))
+    assert all(1 <= step < 8 for *_, step in pushes)  # the step whose weights it held
     assert max(k - v for k, v in servers.sampled.items()) <= 2
     assert servers.version == 8
 
@@ -298,6 +315,10 @@ def test_phase_summary_shows_the_overlap():
     text = phase_summary(rows, ("generate",))
     # 2 s of generation, 0.5 s of it waited for: 1.5 s (75%) ran beside the step
     assert "generation ahead (async): 2.00 s, 1.50 s of it (75.0%) overlapped" in text
+    assert "weight copies" not in text
+    copies = [r | {"async/pushed_ahead": 1.0, "async/push_ahead_s": 1.25} for r in rows * 2]
+    text = phase_summary(copies, ("generate",))
+    assert "overlapped with training; 2 weight copies pushed by the generator, 2.50 s" in text
 
 
 # ------------------------------------------------------------------ end to end

@@ -15,8 +15,8 @@ modelled durations (``--ms_per_s`` wall milliseconds per simulated second):
   (forward and backward cost grows with the batch's tokens).
 * The weight push: ``sync_s``, during which nothing is generated. At staleness >= 2 a
   push the trainer would wait for is a host copy instead (``snapshot_s`` on the trainer's
-  side, as ``RLTrainer.weights_snapshot``) that the generator pushes between batches
-  (``--no_snapshot``: without them).
+  side, as ``RLTrainer.weights_snapshot``) that the generator pushes between batches in
+  ``--copy_push_s`` (default ``sync_s``; ``--no_snapshot``: without copies).
 
 Reports, per setting, the mean step time over the steps after the first ``--skip`` (the
 pipeline filling), and its ratio to ``max(mean gen, mean train)`` (no schedule without
@@ -131,9 +131,9 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
         gen_real.append(time.perf_counter() - t)
         return Batch({"rollout_weight_version": np.full(a.batch, version)}, {}, {"step": j})
 
-    def push(version: int):
+    def push(version: int, seconds: float = a.sync_s):
         def run() -> dict:
-            time.sleep(a.sync_s * scale)
+            time.sleep(seconds * scale)
             server["version"] = version
             return {}
 
@@ -141,7 +141,7 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
 
     def snapshot(version: int):  # as RLTrainer.weights_snapshot: copy now, push later
         time.sleep(a.snapshot_s * scale)
-        return push(version)
+        return push(version, a.copy_push_s)
 
     rollouts = Rollouts(collect, a.steps, n)
     ends, staleness, copies, train_real = [], [], 0, []
@@ -291,9 +291,9 @@ def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
             {"prompt_index": np.arange(per_step) + j * per_step}, {"prompt_ids": [[1]] * per_step}
         )
 
-    def push(version: int):
+    def push(version: int, seconds: float = a.sync_s):
         def run() -> dict:
-            time.sleep(a.sync_s * scale)
+            time.sleep(seconds * scale)
             pool.version = version
             return {}
 
@@ -301,7 +301,7 @@ def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
 
     def snapshot(version: int):  # as RLTrainer.weights_snapshot
         time.sleep(a.snapshot_s * scale)
-        return push(version)
+        return push(version, a.copy_push_s)
 
     spec = lambda j: SamplingSpec(n=a.group, max_tokens=a.max_len, seed=j)  # noqa: E731
     runner = SimRunner(pool, a) if a.turns else None
@@ -382,6 +382,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sync_s", type=float, default=0.5)
     p.add_argument("--snapshot_s", type=float, default=0.2, help="host copy (staleness >= 2)")
     p.add_argument("--no_snapshot", action="store_true", help="staleness >= 2 without copies")
+    p.add_argument(
+        "--copy_push_s", type=float, default=None, help="the generator's push of a copy (--sync_s)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ms_per_s", type=float, default=30.0, help="wall ms per simulated second")
     p.add_argument("--stream", action="store_true", help="also the streaming scheduler")
@@ -394,6 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiny", type=int, default=0, help="also train the tiny task this long")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
+    if a.copy_push_s is None:
+        a.copy_push_s = a.sync_s
 
     gens = [gen_s(j, a) for j in range(a.steps)][a.skip :]
     trains = [train_s(j, a) for j in range(a.steps)][a.skip :]

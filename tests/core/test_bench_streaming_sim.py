@@ -21,6 +21,7 @@ FAST = ["--steps", "3", "--skip", "1", "--batch", "64", "--ms_per_s", "1", "--st
 # (more flags, the max_staleness values, the --stream chunk sizes)
 CASES = {
     "single-turn": (["--no_snapshot"], [0, 1, 2], [0, 32]),
+    "copies": (["--copy_push_s", "2"], [2], [0]),  # staleness 2 with slow pushed copies
     "multi-turn": (["--turns", "3", "--env_s", "0.5", "--median_len", "60"], [0, 2], [0]),
 }
 
@@ -32,6 +33,8 @@ def test_every_scheduler_runs_within_its_staleness_bound(case, capsys):
         FAST + flags + ["--staleness", *map(str, staleness), "--chunks", *map(str, chunks)]
     )
     assert [r["max_staleness"] for r in result["settings"]] == staleness
+    slow_copies = "--copy_push_s" in flags
+    assert result["model"]["copy_push_s"] == (2.0 if slow_copies else 0.5)  # default: --sync_s
     streamed = [(r["max_staleness"], r["chunk_tokens"]) for r in result["streaming"]]
     assert streamed == [(n, c) for n in staleness for c in chunks]
     for r in result["settings"] + result["streaming"]:

@@ -52,8 +52,10 @@ def watch_pending(
         while not stop.wait(every_s):
             try:
                 now, pending = time.monotonic(), _demands(gcs)
-            except Exception:  # the cluster is going away: nothing left to watch
-                return
+            except Exception:  # a status call that failed: asked again at the next poll,
+                if not ray.is_initialized():  # unless the cluster is going away
+                    return
+                continue
             first_seen = {k: first_seen.get(k, now) for k in pending}
             for key, since in first_seen.items():
                 if now - since >= after_s and key not in reported:

@@ -114,3 +114,26 @@ def test_pending_task_is_reported(ray_local):
     ray.cancel(hog, force=True)
     ray.cancel(waiting, force=True)
     assert seen and "asking for {'CPU': 1.0}" in seen[0] and "RunConfig.user_cpus" in seen[0]
+
+
+def test_pending_watch_outlives_a_failed_status_call(ray_local, monkeypatch):
+    """A status call that fails once (a GCS hiccup on a loaded node) does not end the
+    watch: before, the first failure stopped it for the rest of the run, silently."""
+    from polyrl.observe import health
+
+    calls = []
+
+    def flaky(gcs: str) -> dict[str, int]:
+        calls.append(gcs)
+        if len(calls) == 1:
+            raise TimeoutError("GetClusterStatus timed out")
+        return {"{'CPU': 1.0}": 1}  # a request that waits on every later poll
+
+    monkeypatch.setattr(health, "_demands", flaky)
+    seen: list[str] = []
+    stop = health.watch_pending(user_cpus=0, after_s=0.2, every_s=0.05, echo=seen.append)
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    assert len(calls) >= 2 and seen and "asking for {'CPU': 1.0}" in seen[0], (calls, seen)

@@ -57,6 +57,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,26 @@ def train_s(j: int, a: argparse.Namespace) -> float:
     return a.train_fixed_s + tokens(j, a) * a.train_s_per_token
 
 
+def pushes(a: argparse.Namespace, scale: float, land: Callable[[int], None]):
+    """The trainer's weight push (``--sync_s``; ``land(version)`` when it lands) and its
+    host copy (``--snapshot_s`` now, as ``RLTrainer.weights_snapshot``) that the
+    generator pushes later (``--copy_push_s``)."""
+
+    def push(version: int, seconds: float = a.sync_s):
+        def run() -> dict:
+            time.sleep(seconds * scale)
+            land(version)
+            return {}
+
+        return run
+
+    def snapshot(version: int):
+        time.sleep(a.snapshot_s * scale)
+        return push(version, a.copy_push_s)
+
+    return push, snapshot
+
+
 def simulate(n: int, a: argparse.Namespace) -> dict:
     """``a.steps`` steps of the trainer loop at max_staleness ``n``, in scaled wall time."""
     scale = a.ms_per_s / 1000.0
@@ -131,17 +152,7 @@ def simulate(n: int, a: argparse.Namespace) -> dict:
         gen_real.append(time.perf_counter() - t)
         return Batch({"rollout_weight_version": np.full(a.batch, version)}, {}, {"step": j})
 
-    def push(version: int, seconds: float = a.sync_s):
-        def run() -> dict:
-            time.sleep(seconds * scale)
-            server["version"] = version
-            return {}
-
-        return run
-
-    def snapshot(version: int):  # as RLTrainer.weights_snapshot: copy now, push later
-        time.sleep(a.snapshot_s * scale)
-        return push(version, a.copy_push_s)
+    push, snapshot = pushes(a, scale, lambda v: server.update(version=v))
 
     rollouts = Rollouts(collect, a.steps, n)
     ends, staleness, copies, train_real = [], [], 0, []
@@ -291,17 +302,7 @@ def simulate_stream(n: int, chunk: int, a: argparse.Namespace) -> dict:
             {"prompt_index": np.arange(per_step) + j * per_step}, {"prompt_ids": [[1]] * per_step}
         )
 
-    def push(version: int, seconds: float = a.sync_s):
-        def run() -> dict:
-            time.sleep(seconds * scale)
-            pool.version = version
-            return {}
-
-        return run
-
-    def snapshot(version: int):  # as RLTrainer.weights_snapshot
-        time.sleep(a.snapshot_s * scale)
-        return push(version, a.copy_push_s)
+    push, snapshot = pushes(a, scale, lambda v: setattr(pool, "version", v))
 
     spec = lambda j: SamplingSpec(n=a.group, max_tokens=a.max_len, seed=j)  # noqa: E731
     runner = SimRunner(pool, a) if a.turns else None

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 
 import numpy as np
@@ -131,9 +132,9 @@ def test_pending_watch_outlives_a_failed_status_call(ray_local, monkeypatch):
 
     monkeypatch.setattr(health, "_demands", flaky)
     seen: list[str] = []
-    stop = health.watch_pending(user_cpus=0, after_s=0.2, every_s=0.05, echo=seen.append)
-    deadline = time.monotonic() + 10
-    while not seen and time.monotonic() < deadline:
-        time.sleep(0.05)
+    warned = threading.Event()
+    echo = lambda line: (seen.append(line), warned.set())  # noqa: E731
+    stop = health.watch_pending(user_cpus=0, after_s=0.2, every_s=0.05, echo=echo)
+    warned.wait(10)
     stop.set()
     assert len(calls) >= 2 and seen and "asking for {'CPU': 1.0}" in seen[0], (calls, seen)

@@ -518,17 +518,21 @@ class RolloutServer(Traced):
         self.loaded += 1
 
     def load_bucket(self, arrays: Sequence[Any], metas: Sequence[tuple]) -> int:
-        """Load one object-store bucket (``weight_sync.host_payload`` form)."""
+        """Load one object-store bucket (``weight_sync.host_payload`` form): handed to
+        workers in this process as tensors, to workers in other processes (the
+        asynchronous engine's core, tensor parallelism) as one file in host shared memory
+        that each maps (``weight_sync.shared_file``: one copy of the bucket)."""
         self._count_bucket()
-        from polyrl.weight_sync import host_unpack
+        from polyrl.weight_sync import host_unpack, shared_file
 
         with self._timed("load"):
             weights = host_unpack(arrays, metas)
-            if not self.direct_rpc:
-                from safetensors.torch import save
-
-                weights = save({name: t.contiguous() for name, t in weights})
-            return sum(self.engine.rpc("polyrl_load_bucket", args=(weights,)))
+            if self.direct_rpc:
+                return sum(self.engine.rpc("polyrl_load_bucket", args=(weights,)))
+            with shared_file(weights) as (path, flat_metas, nbytes):
+                return sum(
+                    self.engine.rpc("polyrl_load_bucket_shm", args=(path, flat_metas, nbytes))
+                )
 
     def load_bucket_ipc(self, slots: dict[str, Any], metas: Sequence[tuple]) -> int:
         self._count_bucket()

@@ -35,9 +35,10 @@ weight update is always::
   which stays, one CUDA graph replay), with ``load_weights`` kept for any tensor the plan
   cannot cover. ``polyrl_set_load_plan(False)`` turns it off (benchmarks compare both).
 
-Payloads (see ``polyrl.weight_sync``): a list of ``(hf_name, torch.Tensor)`` when the
-engine runs in the server's process, or safetensors bytes when the engine runs its
-workers in other processes (vLLM's RPC turns tensors inside arguments into lists).
+Object-store buckets (see ``polyrl.weight_sync``) arrive as a list of ``(hf_name,
+torch.Tensor)`` when the engine runs in the server's process, or as a file in host shared
+memory that each worker maps (``polyrl_load_bucket_shm``) when the engine runs its workers
+in other processes (vLLM's RPC turns tensors inside arguments into lists).
 """
 
 from __future__ import annotations
@@ -47,26 +48,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["WeightReceiver", "decode_payload"]
-
-
-def decode_payload(payload: Any) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs from a list of pairs or safetensors bytes."""
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        from safetensors.torch import load
-
-        return list(load(bytes(payload)).items())
-    return list(payload)
+__all__ = ["WeightReceiver"]
 
 
 class WeightReceiver:
     """Methods vLLM adds to its Worker class (``self`` is the vLLM worker)."""
 
     # ----------------------------------------------------------- load protocol
-    def polyrl_load_bucket(self, payload: Any) -> int:
-        """Load one bucket; returns the number of tensors received."""
-        weights = decode_payload(payload)
+    def polyrl_load_bucket(self, weights: list) -> int:
+        """Load one bucket of ``(name, tensor)`` pairs; returns how many tensors."""
         _load(self, weights)
+        return len(weights)
+
+    def polyrl_load_bucket_shm(self, path: str, metas: list, nbytes: int) -> int:
+        """Load the bucket a server wrote to a file in host shared memory
+        (``weight_sync.shared_file``), mapped without a copy: on a GPU moved to the
+        device in one copy and loaded from there as a broadcast bucket is (the load
+        plan); on vLLM-CPU straight from the mapping."""
+        from polyrl.weight_sync import map_shared, unpack_flat
+
+        flat, weights = map_shared(path, metas, nbytes)
+        if self.device.type != "cpu":
+            flat = flat.to(self.device)
+            weights = unpack_flat(flat, metas)
+        _load(self, weights, flat, metas)
         return len(weights)
 
     def polyrl_finish_update(self) -> None:

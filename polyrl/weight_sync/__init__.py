@@ -10,8 +10,9 @@ its weight version.
 Modules:
 
 * ``packing``: the bucket forms every transport moves (torch tensors through DLPack,
-  one flat uint8 buffer, host arrays). A bucket itself (``iter_buckets``, ``LazyPairs``,
-  ``OwnBucket``) is defined in ``polyrl.backends.buckets``, which the backends export in.
+  one flat uint8 buffer, host arrays, a file in host shared memory). A bucket itself
+  (``iter_buckets``, ``LazyPairs``, ``OwnBucket``) is defined in
+  ``polyrl.backends.buckets``, which the backends export in.
   A backend whose arrays are not torch tensors packs its own buckets through its
   registry entry's array bridge (``polyrl.backends.base.ArrayBridge``; JAX: one XLA
   program on the device).
@@ -33,7 +34,9 @@ from polyrl.weight_sync.nccl import group_broadcast, join_group
 from polyrl.weight_sync.packing import (
     host_payload,
     host_unpack,
+    map_shared,
     pack_flat,
+    shared_file,
     to_torch,
     unpack_flat,
 )
@@ -66,6 +69,8 @@ __all__ = [
     "unpack_flat",
     "host_payload",
     "host_unpack",
+    "shared_file",
+    "map_shared",
     "LazyPairs",
     "OwnBucket",
 ]

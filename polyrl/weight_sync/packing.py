@@ -3,8 +3,10 @@
 A bucket (``polyrl.backends.buckets``) is a sequence of ``(hf_name, array)`` with full
 tensors under Hugging Face names (``TrainEngine.export_weights``). This module turns one
 into the forms the transports move: torch tensors (:func:`to_torch`), one flat uint8
-buffer plus ``TensorMeta`` (:func:`pack_flat` / :func:`unpack_flat`), or uint8 host
-arrays for Ray's object store (:func:`host_payload` / :func:`host_unpack`).
+buffer plus ``TensorMeta`` (:func:`pack_flat` / :func:`unpack_flat`), uint8 host
+arrays for Ray's object store (:func:`host_payload` / :func:`host_unpack`), or one flat
+file in host shared memory that another process of the node maps (:func:`shared_file` /
+:func:`map_shared`: a rollout server hands a bucket to its engine's workers so).
 
 Torch tensors are the transports' own form (vLLM is a torch program). A backend whose
 arrays are something else has an *array bridge* in its registry entry
@@ -17,14 +19,27 @@ Controller core: torch is imported inside functions.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+import uuid
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from polyrl.backends.buckets import LazyPairs, OwnBucket, TensorMeta, aligned
 
-__all__ = ["to_torch", "device_of", "pack_flat", "unpack_flat", "host_payload", "host_unpack"]
+__all__ = [
+    "to_torch",
+    "device_of",
+    "pack_flat",
+    "unpack_flat",
+    "host_payload",
+    "host_unpack",
+    "shared_file",
+    "map_shared",
+]
 
 
 # ------------------------------------------------------------ array conversion
@@ -121,11 +136,16 @@ def pack_flat(bucket: Sequence[tuple[str, Any]], device: Any = None, *, alloc: A
     device = tensors[0][1].device if device is None else torch.device(device)
     key, metas, nbytes = _layout(tensors)
     buffer = alloc_or_new(nbytes, device)
-    with torch.no_grad():  # one multi-tensor copy (a launch or two, not one per tensor)
-        torch._foreach_copy_(
-            _views(buffer, key, metas, cache=alloc is not None), [t for _, t in tensors]
-        )
+    _copy_in(buffer, key, metas, tensors, cache=alloc is not None)
     return buffer[:nbytes], metas
+
+
+def _copy_in(buffer: Any, key: tuple, metas: Sequence[TensorMeta], tensors: list, cache: bool):
+    """Copy ``tensors`` into their places in ``buffer`` (layout ``key``, ``metas``)."""
+    import torch
+
+    with torch.no_grad():  # one multi-tensor copy (a launch or two, not one per tensor)
+        torch._foreach_copy_(_views(buffer, key, metas, cache), [t for _, t in tensors])
 
 
 # pack_flat's layouts: (name, dtype, shape) of each tensor -> (metas, bytes), and per buffer
@@ -229,3 +249,59 @@ def host_unpack(arrays: Sequence[Any], metas: Sequence[TensorMeta]) -> list[tupl
         for arr, (name, dtype, shape, _, _) in zip(arrays, metas):
             out.append((name, torch.from_numpy(arr).view(_dtype(dtype)).reshape(shape)))
     return out
+
+
+# ------------------------------------------------------------ a bucket in a shared file
+SHM_DIR = "/dev/shm"
+
+
+@contextlib.contextmanager
+def shared_file(bucket: Sequence[tuple[str, Any]]) -> Iterator[tuple[str, list[TensorMeta], int]]:
+    """``bucket`` packed (:func:`pack_flat`'s layout, one copy) into a new file that
+    processes of this node map without a copy (:func:`map_shared`); yields ``(path,
+    metas, nbytes)`` and deletes the file on exit (a mapping made meanwhile stays valid).
+    The file is in ``/dev/shm`` where the space can be reserved there, else in the temp
+    dir (the page cache): reserved first, so a full tmpfs is an error here, not a
+    SIGBUS in the writer."""
+    import torch
+
+    tensors = [(name, to_torch(a)) for name, a in bucket]
+    key, metas, nbytes = _layout(tensors)
+    path = _reserved(nbytes)
+    try:
+        flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        _copy_in(flat, key, metas, tensors, cache=False)
+        del flat  # this process's mapping
+        yield path, metas, nbytes
+    finally:
+        os.unlink(path)
+
+
+def _reserved(nbytes: int) -> str:
+    """A new file of ``nbytes`` reserved bytes, in ``/dev/shm`` if it has room."""
+    for directory in (SHM_DIR, tempfile.gettempdir()):
+        if not os.path.isdir(directory):
+            continue
+        path = os.path.join(directory, f"polyrl-bucket-{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            return path
+        except OSError:  # no room (ENOSPC), or a filesystem that cannot reserve
+            os.unlink(path)
+        finally:
+            os.close(fd)
+    raise OSError(
+        f"no room for a {nbytes / 2**20:.0f} MiB weight bucket in {SHM_DIR} or "
+        f"{tempfile.gettempdir()}: free space there or lower RunConfig.weight_bucket_mb"
+    )
+
+
+def map_shared(path: str, metas: Sequence[TensorMeta], nbytes: int) -> tuple[Any, Any]:
+    """The bucket :func:`shared_file` wrote at ``path``: its flat uint8 tensor (a private
+    read mapping of the file: no copy) and its ``(name, tensor)`` views
+    (:func:`unpack_flat`)."""
+    import torch
+
+    flat = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    return flat, unpack_flat(flat, metas)

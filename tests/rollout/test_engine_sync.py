@@ -5,6 +5,8 @@ reference as test_pool.py)."""
 
 from __future__ import annotations
 
+import glob
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,15 @@ def test_engine_export_reaches_servers(pool, padded_model_dir, backend, mesh):
     push(pool, load_hf(padded_model_dir, seed=31))  # something else first
     stats = pool.update_weights(engine.export_weights(bucket_bytes=96 * 1024))
     assert stats.buckets > 1 and stats.tensors >= 2 * 12 + 2  # 2 layers x 12 + embed + norm
+    # the servers' engine cores are processes of their own: each bucket reached them as a
+    # file in host shared memory, deleted once loaded
+    left = [
+        f
+        for d in ("/dev/shm", tempfile.gettempdir())
+        for info in pool.infos
+        for f in glob.glob(f"{d}/polyrl-bucket-{info['pid']}-*")
+    ]
+    assert not left
 
     out = pool.generate(
         prompts_batch([7, 40], seed=9), SamplingSpec(n=2, temperature=0.8, max_tokens=8, seed=1)

@@ -1,8 +1,12 @@
-"""weight_sync without servers: conversions and packing are bit-exact for torch, jax and
-numpy sources (checked against numpy's own view of the bytes), bucketing respects its
-size, and the syncer rejects bad setups with messages that name the fix."""
+"""weight_sync without servers: conversions and packing (a flat buffer, host arrays, a
+shared file) are bit-exact for torch, jax and numpy sources (checked against numpy's own
+view of the bytes), bucketing respects its size, and the syncer rejects bad setups with
+messages that name the fix."""
 
 from __future__ import annotations
+
+import errno
+import os
 
 import numpy as np
 import pytest
@@ -53,6 +57,43 @@ def test_to_torch_and_packing_are_bit_exact(source):
     arrays, metas = ws.host_payload(bucket)
     for name, t in ws.host_unpack(arrays, metas):
         assert (_bits(t), t.dtype, tuple(t.shape)) == want[name]
+
+    with ws.shared_file(bucket) as (path, metas, nbytes):
+        flat, pairs = ws.map_shared(path, metas, nbytes)
+    assert not os.path.exists(path)  # deleted on exit; the mapping made before stays
+    for name, t in pairs:
+        assert (_bits(t), t.dtype, tuple(t.shape)) == want[name]
+
+
+def test_a_shared_file_goes_where_there_is_room_and_says_so_where_none_is(monkeypatch, tmp_path):
+    """A bucket's shared file is reserved before it is written: where /dev/shm has no room
+    it goes to the temp dir (a full tmpfs would kill the writer with SIGBUS mid-copy),
+    and where neither has, the error names the size and the fix; nothing is left behind."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir(), tmp.mkdir()
+    monkeypatch.setattr(ws_packing, "SHM_DIR", str(shm))
+    monkeypatch.setattr(ws_packing.tempfile, "gettempdir", lambda: str(tmp))
+    full = {str(shm)}
+    reserve = os.posix_fallocate
+
+    def fallocate(fd, offset, length):
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) in full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        reserve(fd, offset, length)
+
+    monkeypatch.setattr(ws_packing.os, "posix_fallocate", fallocate)
+    bucket = [("w", torch.arange(3 << 18, dtype=torch.float32))]  # 3 MiB
+    with ws.shared_file(bucket) as (path, metas, nbytes):
+        assert os.path.dirname(path) == str(tmp) and not list(shm.iterdir())
+        _, pairs = ws.map_shared(path, metas, nbytes)
+        assert torch.equal(dict(pairs)["w"], bucket[0][1])
+    full.add(str(tmp))
+    with (
+        pytest.raises(OSError, match=r"no room for a 3 MiB weight bucket.*weight_bucket_mb"),
+        ws.shared_file(bucket),
+    ):
+        pass
+    assert not list(shm.iterdir()) and not list(tmp.iterdir())
 
 
 def test_to_torch_is_zero_copy_for_torch_and_single_device_jax():

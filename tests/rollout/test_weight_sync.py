@@ -59,7 +59,7 @@ def test_to_torch_and_packing_are_bit_exact(source):
         assert (_bits(t), t.dtype, tuple(t.shape)) == want[name]
 
     with ws.shared_file(bucket) as (path, metas, nbytes):
-        flat, pairs = ws.map_shared(path, metas, nbytes)
+        pairs = ws.map_shared(path, metas, nbytes)
     assert not os.path.exists(path)  # deleted on exit; the mapping made before stays
     for name, t in pairs:
         assert (_bits(t), t.dtype, tuple(t.shape)) == want[name]
@@ -85,7 +85,7 @@ def test_a_shared_file_goes_where_there_is_room_and_says_so_where_none_is(monkey
     bucket = [("w", torch.arange(3 << 18, dtype=torch.float32))]  # 3 MiB
     with ws.shared_file(bucket) as (path, metas, nbytes):
         assert os.path.dirname(path) == str(tmp) and not list(shm.iterdir())
-        _, pairs = ws.map_shared(path, metas, nbytes)
+        pairs = ws.map_shared(path, metas, nbytes)
         assert torch.equal(dict(pairs)["w"], bucket[0][1])
     full.add(str(tmp))
     with (
